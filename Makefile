@@ -1,0 +1,52 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each builds what it needs.
+# The core venv (.venv) holds torch (pinned CPU wheel) and refitkit with its test extras.
+# Engines whose pins conflict get their own venv, .venv-NAME, from envs/NAME.txt
+# (+ optional envs/NAME.post.sh), and their tests live in tests/engines/NAME/.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP_FLAGS := -q --disable-pip-version-check -c constraints.txt
+ENGINE_ENVS := $(basename $(notdir $(wildcard envs/*.txt)))
+ENGINE_TEST_DIRS := $(addprefix tests/engines/,$(ENGINE_ENVS))
+PYTEST_FLAGS ?= -q -p no:cacheprovider
+
+.PHONY: demo test test-core test-engines bench audit clean $(addprefix test-,$(ENGINE_ENVS))
+
+$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip setuptools wheel
+	$(PY) -m pip install $(PIP_FLAGS) torch==2.13.0
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,plot,bench]'
+	touch $@
+
+.venv-%/.installed: envs/%.txt setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install $(PIP_FLAGS) --upgrade pip setuptools wheel
+	.venv-$*/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0
+	.venv-$*/bin/python -m pip install $(PIP_FLAGS) -e '.[test]'
+	.venv-$*/bin/python -m pip install $(PIP_FLAGS) -r envs/$*.txt
+	if [ -f envs/$*.post.sh ]; then VENV=.venv-$* bash envs/$*.post.sh; fi
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m refitkit.cli demo
+
+test: test-core test-engines
+
+test-core: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_FLAGS) tests $(addprefix --ignore=,$(ENGINE_TEST_DIRS))
+
+test-engines: $(addprefix test-,$(ENGINE_ENVS))
+
+test-%: .venv-%/.installed
+	.venv-$*/bin/python -m pytest $(PYTEST_FLAGS) tests/engines/$*
+
+bench: $(VENV)/.installed
+	$(PY) -m refitkit.cli bench
+
+audit: $(VENV)/.installed
+	$(PY) -m refitkit.cli audit
+
+clean:
+	rm -rf $(VENV) .venv-* build *.egg-info

@@ -1,0 +1,35 @@
+"""One hierarchy for every error refitkit raises; each message names the tensor, peer, phase and knob."""
+
+from __future__ import annotations
+
+
+class RefitError(RuntimeError):
+    """Base of every refitkit error."""
+
+
+class InvalidInput(RefitError, ValueError):
+    """A bad argument caught at the boundary, before anything moved."""
+
+
+class TransferError(RefitError):
+    """A weight transfer failed; carries the remote side's message when the peer reported it."""
+
+    def __init__(self, message: str, *, remote_message: str | None = None) -> None:
+        super().__init__(message)
+        self.remote_message = remote_message
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A bounded wait in a transfer session ran out (dead or silent peer)."""
+
+
+class ProtocolError(TransferError):
+    """A frame on the socket was not a valid refitkit message (wrong version, unknown kind, garbage)."""
+
+
+class BarrierTimeout(RefitError, TimeoutError):
+    """Trainer ranks did not line up within the barrier's timeout."""
+
+
+class LeakDetected(RefitError):
+    """A watchdog saw memory grow across cycles, or an audit found retained memory."""

@@ -1,0 +1,31 @@
+"""Engine-agnostic moving of training state between the device and pinned host memory.
+
+The only place in refitkit that copies training state. Moves go per unique storage and keep
+tensor identity; see ``HostArena`` for how host memory is held.
+"""
+
+from refitkit.offload.arena import HostArena
+from refitkit.offload.device import flush_device
+from refitkit.offload.moves import named_tensors, offload_tensors, reload_tensors
+from refitkit.offload.optimizer import (
+    offload_grads,
+    offload_optimizer,
+    optimizer_state_tensors,
+    reload_grads,
+    reload_optimizer,
+)
+from refitkit.offload.stats import MoveStats
+
+__all__ = [
+    "HostArena",
+    "MoveStats",
+    "flush_device",
+    "named_tensors",
+    "offload_grads",
+    "offload_optimizer",
+    "offload_tensors",
+    "optimizer_state_tensors",
+    "reload_grads",
+    "reload_optimizer",
+    "reload_tensors",
+]

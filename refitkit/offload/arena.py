@@ -1,0 +1,169 @@
+"""HostArena: exact-size host memory for offloaded storages, allocated once and reused."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from refitkit.errors import InvalidInput, RefitError
+
+logger = logging.getLogger(__name__)
+
+ALIGNMENT_BYTES = 256  # copy engines like aligned starts; costs < 256 B a storage
+
+
+@dataclass
+class Slot:
+    """The host bytes that serve one device storage, round after round."""
+
+    chunk: int
+    offset: int
+    capacity_bytes: int
+    storage_ref: StorageWeakRef | None  # None once forgotten: free for another storage
+    nbytes: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    holds_data: bool = False
+    views: list = field(default_factory=list)  # (weakref(tensor), name, shape, stride, offset, dtype)
+
+    def expired(self) -> bool:
+        return self.storage_ref is None or self.storage_ref.expired()
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + ALIGNMENT_BYTES - 1) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+
+
+def _allocate_chunk(nbytes: int, pinned: bool) -> torch.Tensor:
+    """Exactly ``nbytes`` of host memory, page-locked with cudaHostRegister when ``pinned``.
+
+    ``pin_memory=True`` would go through torch's caching host allocator, which rounds every
+    block up to a power of two (up to ~1.8x the bytes); registering a plain allocation does not.
+    """
+    chunk = torch.empty(nbytes, dtype=torch.uint8)
+    if pinned and nbytes > 0:
+        status = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), nbytes, 0)
+        if int(status) != 0:
+            raise RefitError(
+                f"cudaHostRegister of {nbytes} host bytes failed with CUDA error {int(status)}; "
+                "check the locked-memory limit (ulimit -l) or pass HostArena(pin_memory=False)"
+            )
+    return chunk
+
+
+def _release_chunks(chunks: list[torch.Tensor], pinned: bool) -> None:
+    if pinned and torch.cuda.is_available():
+        for chunk in chunks:
+            if chunk.numel() > 0:
+                torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
+    chunks.clear()
+
+
+class HostArena:
+    """Host memory sized exactly for the storages it holds; reused every offload round.
+
+    Each device storage gets a slot the first time it is offloaded (or reserved); later rounds
+    copy into the same bytes, so steady rounds allocate and pin nothing. Slots of storages that
+    died are reused by new storages that fit.
+    """
+
+    def __init__(self, pin_memory: bool | None = None) -> None:
+        cuda = torch.cuda.is_available()
+        if pin_memory and not cuda:
+            raise InvalidInput("HostArena(pin_memory=True) needs CUDA; pass pin_memory=None or False on a CPU-only run")
+        self.pinned: bool = cuda if pin_memory is None else bool(pin_memory)
+        self._chunks: list[torch.Tensor] = []
+        self._slots: dict[int, Slot] = {}
+        self._finalizer = weakref.finalize(self, _release_chunks, self._chunks, self.pinned)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this arena holds (allocated), whether or not they hold data now."""
+        return sum(chunk.numel() for chunk in self._chunks)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of offloaded data the arena holds right now."""
+        return sum(slot.nbytes for slot in self._slots.values() if slot.holds_data)
+
+    @property
+    def chunks(self) -> int:
+        """How many host allocations back the arena (grows only when new storages appear)."""
+        return len(self._chunks)
+
+    def slot_of(self, storage: torch.UntypedStorage) -> Slot | None:
+        """The slot serving ``storage``, if it has one and that storage is still alive."""
+        slot = self._slots.get(storage._cdata)
+        if slot is None or slot.expired():
+            return None
+        return slot
+
+    def reserve(self, storages: Iterable[torch.UntypedStorage]) -> int:
+        """Give every storage without a slot one, sized to its current bytes; returns bytes allocated.
+
+        Call ahead of the first offload to take the allocation and pinning off the critical path.
+        """
+        missing: list[torch.UntypedStorage] = []
+        seen: set[int] = set()
+        for storage in storages:
+            key = storage._cdata
+            if key in seen or storage.nbytes() == 0 or self.slot_of(storage) is not None:
+                continue
+            seen.add(key)
+            missing.append(storage)
+        missing = [s for s in missing if not self._reuse_dead_slot(s)]
+        if not missing:
+            return 0
+        chunk_index = len(self._chunks)
+        offset = 0
+        for storage in missing:
+            capacity = storage.nbytes()
+            self._slots[storage._cdata] = Slot(chunk_index, offset, capacity, StorageWeakRef(storage))
+            offset += _align(capacity)
+        self._chunks.append(_allocate_chunk(offset, self.pinned))
+        logger.debug("HostArena: allocated %d bytes for %d new storages", offset, len(missing))
+        return offset
+
+    def _reuse_dead_slot(self, storage: torch.UntypedStorage) -> bool:
+        """Hand a dead storage's slot to ``storage`` when it fits, so churn does not grow the arena."""
+        need = storage.nbytes()
+        for key, slot in list(self._slots.items()):
+            if slot.expired() and slot.capacity_bytes >= need:
+                del self._slots[key]
+                slot.storage_ref = StorageWeakRef(storage)
+                slot.holds_data, slot.nbytes, slot.views = False, 0, []
+                self._slots[storage._cdata] = slot
+                return True
+        return False
+
+    def forget(self, storage: torch.UntypedStorage) -> None:
+        """Drop ``storage``'s slot (its bytes stay allocated for reuse by another storage that fits)."""
+        slot = self._slots.pop(storage._cdata, None)
+        if slot is not None:
+            slot.storage_ref = None
+            self._slots[-id(slot)] = slot  # a key no live storage has
+
+    def host_bytes(self, slot: Slot, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of a slot's host memory as a flat uint8 tensor."""
+        return self._chunks[slot.chunk][slot.offset : slot.offset + nbytes]
+
+    def release(self) -> None:
+        """Free all host memory now; refuses while any slot still holds offloaded data."""
+        holding = [slot for slot in self._slots.values() if slot.holds_data and not slot.expired()]
+        if holding:
+            raise RefitError(
+                f"HostArena.release(): {len(holding)} storages ({sum(s.nbytes for s in holding)} bytes) "
+                "are still offloaded here; reload them first"
+            )
+        self._slots.clear()
+        _release_chunks(self._chunks, self.pinned)
+
+    def __repr__(self) -> str:
+        return (
+            f"HostArena(pinned={self.pinned}, nbytes={self.nbytes}, chunks={self.chunks}, "
+            f"held_bytes={self.held_bytes})"
+        )

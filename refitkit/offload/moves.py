@@ -1,0 +1,199 @@
+"""Offload and reload of tensors per unique storage, keeping tensor identity."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from refitkit.errors import InvalidInput
+from refitkit.offload.arena import HostArena, Slot
+from refitkit.offload.device import local_tensor, storage_as_bytes, synchronize
+from refitkit.offload.stats import EMPTY_MOVE, MoveStats
+
+TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class _StorageGroup:
+    """One unique storage and the named tensors that view it."""
+
+    storage: torch.UntypedStorage
+    views: list[tuple[str, torch.Tensor]]
+
+    @property
+    def first_name(self) -> str:
+        return self.views[0][0]
+
+
+def named_tensors(tensors: TensorSet, *, prefix: str = "tensors") -> list[tuple[str, torch.Tensor]]:
+    """Normalise a dict, a list of tensors or a list of (name, tensor) into named local tensors."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    named: list[tuple[str, torch.Tensor]] = []
+    for index, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            name, tensor = item
+        else:
+            name, tensor = f"{prefix}[{index}]", item
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInput(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        named.append((name, local_tensor(tensor)))
+    return named
+
+
+def _group_by_storage(named: list[tuple[str, torch.Tensor]]) -> list[_StorageGroup]:
+    groups: dict[int, _StorageGroup] = {}
+    for name, tensor in named:
+        if tensor.layout != torch.strided:
+            raise InvalidInput(f"{name!r} has layout {tensor.layout}; only strided tensors can be offloaded")
+        if tensor.device.type == "meta":
+            raise InvalidInput(f"{name!r} is on the meta device and has no bytes to move")
+        storage = tensor.untyped_storage()
+        group = groups.get(storage._cdata)
+        if group is None:
+            groups[storage._cdata] = _StorageGroup(storage, [(name, tensor)])
+        else:
+            group.views.append((name, tensor))
+    return list(groups.values())
+
+
+def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | None:
+    device: torch.device | None = None
+    first = ""
+    for group in groups:
+        if device is None:
+            device, first = group.storage.device, group.first_name
+        elif group.storage.device != device:
+            raise InvalidInput(
+                f"{what}: mixed devices: {first!r} is on {device} but {group.first_name!r} is on "
+                f"{group.storage.device}; pass one device's tensors per call"
+            )
+    return device
+
+
+def _record_views(slot: Slot, group: _StorageGroup) -> None:
+    slot.views = [
+        (weakref.ref(t), name, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        for name, t in group.views
+    ]
+
+
+def _check_views(slot: Slot, group: _StorageGroup) -> None:
+    recorded = {id(ref()): (name, shape, stride, offset, dtype) for ref, name, shape, stride, offset, dtype in slot.views if ref() is not None}
+    for name, tensor in group.views:
+        before = recorded.get(id(tensor))
+        if before is None:
+            continue  # a view made after offload; the storage check covers it
+        _, shape, stride, offset, dtype = before
+        now = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+        if now != (shape, stride, offset, dtype):
+            raise InvalidInput(
+                f"{name!r} changed between offload and reload: shape/stride/offset/dtype were "
+                f"{(shape, stride, offset, dtype)}, now {now}; do not resize or re-view offloaded tensors"
+            )
+
+
+def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool = True) -> MoveStats:
+    """Copy each unique storage into ``arena`` and free it on the device (``resize_(0)``).
+
+    Tensors keep their identity (same Python objects, same storages, now 0 bytes), so optimizer
+    and engine references stay valid. Storages already offloaded to this arena are skipped.
+    Everything is validated before the first byte moves.
+    """
+    groups = _group_by_storage(named_tensors(tensors))
+    groups = [g for g in groups if g.storage.nbytes() > 0]
+    device = _common_device(groups, "offload_tensors")
+    if device is None:
+        return EMPTY_MOVE
+    for group in groups:
+        if not group.storage.resizable():
+            raise InvalidInput(
+                f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
+                "buffer) and cannot be freed in place"
+            )
+    start = time.perf_counter()
+    _ensure_slots(arena, groups)
+    for group in groups:
+        slot = arena.slot_of(group.storage)
+        nbytes = group.storage.nbytes()
+        arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
+        slot.nbytes, slot.device = nbytes, group.storage.device
+        _record_views(slot, group)
+    synchronize(device)
+    moved = 0
+    for group in groups:
+        slot = arena.slot_of(group.storage)
+        moved += slot.nbytes
+        slot.holds_data = True
+        group.storage.resize_(0)
+    return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
+
+
+def _ensure_slots(arena: HostArena, groups: list[_StorageGroup]) -> None:
+    """One allocation for all storages new to the arena (none in a steady round)."""
+    for group in groups:
+        slot = arena.slot_of(group.storage)
+        if slot is not None and slot.capacity_bytes < group.storage.nbytes():
+            arena.forget(group.storage)  # the storage grew since its slot was made
+    arena.reserve(g.storage for g in groups)
+
+
+def reload_tensors(
+    tensors: TensorSet,
+    arena: HostArena,
+    *,
+    device: torch.device | str | None = None,
+    non_blocking: bool = True,
+) -> MoveStats:
+    """Restore each unique storage from ``arena`` (``resize_`` then copy), in place.
+
+    ``device``, when given, must be the device the storages were offloaded from: storages keep
+    their identity and so their device. Storages already resident are skipped.
+    """
+    groups = _group_by_storage(named_tensors(tensors))
+    expected = torch.device(device) if device is not None else None
+    pending: list[tuple[_StorageGroup, Slot]] = []
+    for group in groups:
+        slot = arena.slot_of(group.storage)
+        if slot is None or not slot.holds_data:
+            if group.storage.nbytes() == 0 and any(t.numel() > 0 for _, t in group.views):
+                raise InvalidInput(
+                    f"{group.first_name!r} has no device bytes and this arena holds none for its storage: "
+                    "it was replaced (e.g. `.data = ...`) or offloaded into another arena"
+                )
+            continue  # resident (or 0-size): nothing to restore
+        if group.storage.nbytes() != 0:
+            raise InvalidInput(
+                f"{group.first_name!r}: its storage was resized to {group.storage.nbytes()} bytes after offload "
+                f"(it held {slot.nbytes}); reload would overwrite those bytes, so nothing was restored"
+            )
+        if expected is not None and _normal(expected) != _normal(slot.device):
+            raise InvalidInput(
+                f"{group.first_name!r} was offloaded from {slot.device}, cannot reload to {expected}: "
+                "storages keep their device"
+            )
+        _check_views(slot, group)
+        pending.append((group, slot))
+    if not pending:
+        return EMPTY_MOVE
+    _common_device([g for g, _ in pending], "reload_tensors")
+    start = time.perf_counter()
+    for group, slot in pending:
+        group.storage.resize_(slot.nbytes)
+        storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, slot.nbytes), non_blocking=non_blocking)
+    synchronize(pending[0][0].storage.device)
+    moved = 0
+    for _, slot in pending:
+        slot.holds_data = False
+        moved += slot.nbytes
+    return MoveStats(bytes=moved, storages=len(pending), seconds=time.perf_counter() - start)
+
+
+def _normal(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,83 @@
+"""Optimizer state and gradients: which tensors they are, moved through the offload core."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from refitkit.errors import InvalidInput
+from refitkit.offload.arena import HostArena
+from refitkit.offload.moves import offload_tensors, reload_tensors
+from refitkit.offload.stats import EMPTY_MOVE, MoveStats
+
+NamedParams = Iterable[tuple[str, torch.Tensor]]
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in ``optimizer.state`` that lives with the params, named for error messages.
+
+    Host-side scalars (Adam's ``step`` on CPU next to CUDA params) stay where they are; on a
+    CPU-only run every state tensor counts.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInput(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    named: list[tuple[str, torch.Tensor]] = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    named.append((f"param_groups[{group_index}].params[{param_index}].{key}", value))
+    accelerated = [item for item in named if item[1].device.type not in ("cpu", "meta")]
+    return accelerated if accelerated else named
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer, arena: HostArena) -> MoveStats:
+    """Offload all of an optimizer's state tensors (exp_avg, exp_avg_sq, momentum, ...)."""
+    return offload_tensors(optimizer_state_tensors(optimizer), arena)
+
+
+def reload_optimizer(optimizer: torch.optim.Optimizer, arena: HostArena) -> MoveStats:
+    """Restore an optimizer's state tensors in place."""
+    return reload_tensors(optimizer_state_tensors(optimizer), arena)
+
+
+def offload_grads(params: NamedParams, arena: HostArena, *, keep: bool = False) -> MoveStats:
+    """Drop every param's ``.grad`` (default), or keep it by offloading it like any tensor."""
+    named = [(name, p) for name, p in params if p.grad is not None]
+    if not keep:
+        for _, param in named:
+            param.grad = None
+        return EMPTY_MOVE
+    return offload_tensors([(f"{name}.grad", p.grad) for name, p in named], arena)
+
+
+def reload_grads(params: NamedParams, arena: HostArena, *, zero: bool = False) -> MoveStats:
+    """Restore kept grads in place; with ``zero=True`` every trainable param ends with a zero grad.
+
+    Zeroing skips the copy of kept grads (their bytes are about to be overwritten) and allocates
+    a zero grad for params whose grad was dropped.
+    """
+    named = list(params)
+    if not zero:
+        return reload_tensors([(f"{name}.grad", p.grad) for name, p in named if p.grad is not None], arena)
+    for name, param in named:
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+            continue
+        grad = param.grad
+        storage = _local(grad).untyped_storage()
+        slot = arena.slot_of(storage)
+        if slot is not None and slot.holds_data:
+            storage.resize_(slot.nbytes)
+            slot.holds_data = False
+        grad.zero_()
+    return EMPTY_MOVE
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from refitkit.offload.device import local_tensor
+
+    return local_tensor(tensor)

@@ -1,0 +1,15 @@
+"""Shared fixtures: CUDA gating for tests marked ``cuda``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marker `cuda`): run on the GPU machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

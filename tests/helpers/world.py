@@ -1,0 +1,76 @@
+"""Real spawned process worlds for tests: gloo process groups, bounded joins, no hangs."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+class WorldTimeout(TimeoutError):
+    pass
+
+
+def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    result_path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        if world_size > 0:
+            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, result_path)
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        raise
+    finally:
+        if world_size > 0 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned ranks over gloo.
+
+    Returns each rank's return value (ranks must return torch.save-able values). A rank that
+    fails re-raises here with its traceback; ranks still running after ``timeout_s`` are killed
+    and ``WorldTimeout`` is raised.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="refitkit-world-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_entry, args=(fn, rank, world_size, store, tmp, args), daemon=True)
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        alive = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                if alive:
+                    raise WorldTimeout(f"ranks {alive} still running after timeout_s={timeout_s}; killed")
+                raise RuntimeError(f"rank {rank} exited with code {procs[rank].exitcode} and no result")
+            payload = torch.load(path, weights_only=False)
+            if not payload["ok"]:
+                raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
+            results.append(payload["result"])
+        if alive:
+            raise WorldTimeout(f"ranks {alive} still running after timeout_s={timeout_s}; killed")
+        return results
