@@ -17,6 +17,19 @@ logger = logging.getLogger(__name__)
 ALIGNMENT_BYTES = 256  # copy engines like aligned starts; costs < 256 B a storage
 
 
+@dataclass(frozen=True)
+class ViewRecord:
+    """What an offloaded tensor looked like, to catch it being replaced or re-viewed before reload."""
+
+    tensor_ref: weakref.ref
+    name: str
+    storage_key: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    dtype: torch.dtype
+
+
 @dataclass
 class Slot:
     """The host bytes that serve one device storage, round after round."""
@@ -28,7 +41,6 @@ class Slot:
     nbytes: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     holds_data: bool = False
-    views: list = field(default_factory=list)  # (weakref(tensor), name, shape, stride, offset, dtype)
 
     def expired(self) -> bool:
         return self.storage_ref is None or self.storage_ref.expired()
@@ -78,6 +90,7 @@ class HostArena:
         self.pinned: bool = cuda if pin_memory is None else bool(pin_memory)
         self._chunks: list[torch.Tensor] = []
         self._slots: dict[int, Slot] = {}
+        self.views: dict[int, ViewRecord] = {}  # id(tensor) -> record, while offloaded
         self._finalizer = weakref.finalize(self, _release_chunks, self._chunks, self.pinned)
 
     @property
@@ -135,7 +148,7 @@ class HostArena:
             if slot.expired() and slot.capacity_bytes >= need:
                 del self._slots[key]
                 slot.storage_ref = StorageWeakRef(storage)
-                slot.holds_data, slot.nbytes, slot.views = False, 0, []
+                slot.holds_data, slot.nbytes = False, 0
                 self._slots[storage._cdata] = slot
                 return True
         return False
@@ -160,6 +173,7 @@ class HostArena:
                 "are still offloaded here; reload them first"
             )
         self._slots.clear()
+        self.views.clear()
         _release_chunks(self._chunks, self.pinned)
 
     def __repr__(self) -> str:

@@ -11,7 +11,7 @@ from typing import Union
 import torch
 
 from refitkit.errors import InvalidInput
-from refitkit.offload.arena import HostArena, Slot
+from refitkit.offload.arena import HostArena, Slot, ViewRecord
 from refitkit.offload.device import local_tensor, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
@@ -50,8 +50,6 @@ def _group_by_storage(named: list[tuple[str, torch.Tensor]]) -> list[_StorageGro
     for name, tensor in named:
         if tensor.layout != torch.strided:
             raise InvalidInput(f"{name!r} has layout {tensor.layout}; only strided tensors can be offloaded")
-        if tensor.device.type == "meta":
-            raise InvalidInput(f"{name!r} is on the meta device and has no bytes to move")
         storage = tensor.untyped_storage()
         group = groups.get(storage._cdata)
         if group is None:
@@ -75,26 +73,37 @@ def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | Non
     return device
 
 
-def _record_views(slot: Slot, group: _StorageGroup) -> None:
-    slot.views = [
-        (weakref.ref(t), name, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
-        for name, t in group.views
-    ]
+def _record_views(arena: HostArena, group: _StorageGroup) -> None:
+    key = group.storage._cdata
+    for name, t in group.views:
+        arena.views[id(t)] = ViewRecord(
+            weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
+        )
 
 
-def _check_views(slot: Slot, group: _StorageGroup) -> None:
-    recorded = {id(ref()): (name, shape, stride, offset, dtype) for ref, name, shape, stride, offset, dtype in slot.views if ref() is not None}
-    for name, tensor in group.views:
-        before = recorded.get(id(tensor))
-        if before is None:
-            continue  # a view made after offload; the storage check covers it
-        _, shape, stride, offset, dtype = before
-        now = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
-        if now != (shape, stride, offset, dtype):
+def _check_views(arena: HostArena, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse tensors that were replaced (new storage) or re-viewed since they were offloaded."""
+    for name, tensor in named:
+        record = arena.views.get(id(tensor))
+        if record is None or record.tensor_ref() is not tensor:
+            continue
+        if tensor.untyped_storage()._cdata != record.storage_key:
             raise InvalidInput(
-                f"{name!r} changed between offload and reload: shape/stride/offset/dtype were "
-                f"{(shape, stride, offset, dtype)}, now {now}; do not resize or re-view offloaded tensors"
+                f"{name!r} was replaced between offload and reload (it now points at another storage, "
+                "e.g. after `.data = ...` or `set_()`); its offloaded bytes were kept, nothing was restored"
             )
+        now = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+        before = (record.shape, record.stride, record.storage_offset, record.dtype)
+        if now != before:
+            raise InvalidInput(
+                f"{name!r} was resized or re-viewed between offload and reload: (shape, stride, offset, dtype) "
+                f"was {before}, now {now}; nothing was restored"
+            )
+
+
+def _forget_views(arena: HostArena, keys: set[int]) -> None:
+    for tensor_id in [i for i, r in arena.views.items() if r.storage_key in keys or r.tensor_ref() is None]:
+        del arena.views[tensor_id]
 
 
 def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool = True) -> MoveStats:
@@ -109,6 +118,8 @@ def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool 
     device = _common_device(groups, "offload_tensors")
     if device is None:
         return EMPTY_MOVE
+    if device.type == "meta":
+        raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
     for group in groups:
         if not group.storage.resizable():
             raise InvalidInput(
@@ -122,7 +133,7 @@ def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool 
         nbytes = group.storage.nbytes()
         arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
         slot.nbytes, slot.device = nbytes, group.storage.device
-        _record_views(slot, group)
+        _record_views(arena, group)
     synchronize(device)
     moved = 0
     for group in groups:
@@ -154,7 +165,9 @@ def reload_tensors(
     ``device``, when given, must be the device the storages were offloaded from: storages keep
     their identity and so their device. Storages already resident are skipped.
     """
-    groups = _group_by_storage(named_tensors(tensors))
+    named = named_tensors(tensors)
+    _check_views(arena, named)
+    groups = _group_by_storage(named)
     expected = torch.device(device) if device is not None else None
     pending: list[tuple[_StorageGroup, Slot]] = []
     for group in groups:
@@ -176,7 +189,6 @@ def reload_tensors(
                 f"{group.first_name!r} was offloaded from {slot.device}, cannot reload to {expected}: "
                 "storages keep their device"
             )
-        _check_views(slot, group)
         pending.append((group, slot))
     if not pending:
         return EMPTY_MOVE
@@ -190,7 +202,28 @@ def reload_tensors(
     for _, slot in pending:
         slot.holds_data = False
         moved += slot.nbytes
+    _forget_views(arena, {group.storage._cdata for group, _ in pending})
     return MoveStats(bytes=moved, storages=len(pending), seconds=time.perf_counter() - start)
+
+
+def discard_offloaded(tensors: TensorSet, arena: HostArena) -> int:
+    """Give offloaded storages their device bytes back WITHOUT copying (caller overwrites them).
+
+    For state that is about to be zeroed or recomputed (e.g. grads reloaded as zeros); returns
+    the bytes re-allocated. Contents are uninitialised until the caller writes them.
+    """
+    restored: set[int] = set()
+    nbytes = 0
+    for group in _group_by_storage(named_tensors(tensors)):
+        slot = arena.slot_of(group.storage)
+        if slot is None or not slot.holds_data or group.storage.nbytes() != 0:
+            continue
+        group.storage.resize_(slot.nbytes)
+        slot.holds_data = False
+        restored.add(group.storage._cdata)
+        nbytes += slot.nbytes
+    _forget_views(arena, restored)
+    return nbytes
 
 
 def _normal(device: torch.device) -> torch.device:

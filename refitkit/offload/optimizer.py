@@ -8,7 +8,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload.arena import HostArena
-from refitkit.offload.moves import offload_tensors, reload_tensors
+from refitkit.offload.moves import discard_offloaded, offload_tensors, reload_tensors
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 NamedParams = Iterable[tuple[str, torch.Tensor]]
@@ -61,23 +61,11 @@ def reload_grads(params: NamedParams, arena: HostArena, *, zero: bool = False) -
     named = list(params)
     if not zero:
         return reload_tensors([(f"{name}.grad", p.grad) for name, p in named if p.grad is not None], arena)
-    for name, param in named:
-        if not param.requires_grad:
-            continue
-        if param.grad is None:
+    kept = [(f"{name}.grad", p.grad) for name, p in named if p.grad is not None]
+    discard_offloaded(kept, arena)
+    for _, param in named:
+        if param.grad is not None:
+            param.grad.zero_()
+        elif param.requires_grad:
             param.grad = torch.zeros_like(param)
-            continue
-        grad = param.grad
-        storage = _local(grad).untyped_storage()
-        slot = arena.slot_of(storage)
-        if slot is not None and slot.holds_data:
-            storage.resize_(slot.nbytes)
-            slot.holds_data = False
-        grad.zero_()
     return EMPTY_MOVE
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from refitkit.offload.device import local_tensor
-
-    return local_tensor(tensor)

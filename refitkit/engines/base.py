@@ -1,0 +1,296 @@
+"""EngineAdapter: the per-part ON_DEVICE / OFFLOADED state machine every engine adapter shares.
+
+Engines differ only in how they enumerate their tensors. A subclass supplies four small
+methods (``_model_tensors``, ``_optimizer_tensors``, ``_grad_params``, ``named_weights``) and
+optionally ``_prepare_offload``; this base holds the ``HostArena``, moves everything through
+``refitkit.offload`` and keeps the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from refitkit.errors import InvalidInput
+from refitkit.offload import (
+    HostArena,
+    MoveStats,
+    offload_tensors,
+    reload_grads,
+    reload_tensors,
+)
+from refitkit.offload.device import local_tensor
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+PARTS: tuple[str, ...] = ("model", "optimizer", "grad")
+
+
+class DeviceState(enum.Enum):
+    """Where a part of the training state lives: on its accelerator, or in the host arena."""
+
+    ON_DEVICE = "on_device"
+    OFFLOADED = "offloaded"
+
+
+@dataclass(frozen=True)
+class PartStates:
+    """The state of each part: model (params + buffers), optimizer state, and grads."""
+
+    model: DeviceState
+    optimizer: DeviceState
+    grad: DeviceState
+
+
+@dataclass(frozen=True)
+class PartBytes:
+    """One part's bytes: resident on the device now, and held in the host arena now."""
+
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """What ``state_bytes()`` reports: per-part bytes and the arena's allocated host bytes."""
+
+    model: PartBytes
+    optimizer: PartBytes
+    grad: PartBytes
+    arena_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.model.device_bytes + self.optimizer.device_bytes + self.grad.device_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.model.host_bytes + self.optimizer.host_bytes + self.grad.host_bytes
+
+
+@dataclass(frozen=True)
+class AdapterMove:
+    """What one ``offload()`` / ``reload()`` call moved, per part and in total."""
+
+    model: MoveStats
+    optimizer: MoveStats
+    grad: MoveStats
+    total: MoveStats
+
+
+class EngineAdapter(abc.ABC):
+    """Offload / reload of one engine's training state, with an explicit state per part.
+
+    ``keep_grads``: on offload, keep grads by copying them to host (default: drop them, as
+    ``zero_grad(set_to_none=True)`` would). ``zero_grads``: on reload, give every trainable param
+    a zero grad (default: restore kept grads, leave dropped ones ``None``). Both can be
+    overridden per call. ``arena``: share one ``HostArena`` between adapters (default: own one).
+    """
+
+    def __init__(
+        self,
+        *,
+        arena: HostArena | None = None,
+        keep_grads: bool = False,
+        zero_grads: bool = False,
+    ) -> None:
+        self.arena = arena if arena is not None else HostArena()
+        self.keep_grads = keep_grads
+        self.zero_grads = zero_grads
+        self._states: dict[str, DeviceState] = {part: DeviceState.ON_DEVICE for part in PARTS}
+        self._grads_kept = False
+
+    # --- what an engine supplies -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _model_tensors(self) -> NamedTensors:
+        """Every param and buffer that holds device memory (sharded params as DTensors or locals)."""
+
+    @abc.abstractmethod
+    def _optimizer_tensors(self) -> NamedTensors:
+        """Every optimizer state tensor that lives with the params."""
+
+    @abc.abstractmethod
+    def _grad_params(self) -> NamedTensors:
+        """The (name, param) pairs whose ``.grad`` belongs to this adapter."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) weights as (name, tensor), one at a time, for streaming to inference."""
+
+    def _prepare_offload(self) -> None:
+        """Bring the engine to a state whose tensors can be enumerated (e.g. FSDP reshard)."""
+
+    # --- state -----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> DeviceState:
+        """ON_DEVICE when every part is on the device (a train step can run); otherwise OFFLOADED."""
+        if all(s is DeviceState.ON_DEVICE for s in self._states.values()):
+            return DeviceState.ON_DEVICE
+        return DeviceState.OFFLOADED
+
+    @property
+    def part_states(self) -> PartStates:
+        """The state of each part separately."""
+        return PartStates(**self._states)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model's storages live on (they keep it across offload and reload)."""
+        for name, tensor in self._model_tensors():
+            return local_tensor(tensor).device
+        raise InvalidInput(f"{type(self).__name__}: the model has no parameters or buffers to offload")
+
+    def state_bytes(self) -> StateBytes:
+        """Per-part bytes on the device and in the host arena right now."""
+        grads = [(f"{name}.grad", p.grad) for name, p in self._grad_params() if p.grad is not None]
+        return StateBytes(
+            model=self._part_bytes(self._model_tensors()),
+            optimizer=self._part_bytes(self._optimizer_tensors()),
+            grad=self._part_bytes(grads),
+            arena_bytes=self.arena.nbytes,
+        )
+
+    def _part_bytes(self, named: NamedTensors) -> PartBytes:
+        seen: set[int] = set()
+        device_bytes = host_bytes = 0
+        for _, tensor in named:
+            storage = local_tensor(tensor).untyped_storage()
+            if storage._cdata in seen:
+                continue
+            seen.add(storage._cdata)
+            device_bytes += storage.nbytes()
+            slot = self.arena.slot_of(storage)
+            if slot is not None and slot.holds_data:
+                host_bytes += slot.nbytes
+        return PartBytes(device_bytes=device_bytes, host_bytes=host_bytes)
+
+    # --- transitions -----------------------------------------------------------------------
+
+    def offload(
+        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
+    ) -> AdapterMove:
+        """Move the chosen parts to the host arena and free their device storage; idempotent per part."""
+        keep = self.keep_grads if keep_grads is None else keep_grads
+        wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
+        if not wanted:
+            return _empty_move()
+        self._prepare_offload()
+        model_named = self._model_tensors() if "model" in wanted else []
+        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+        grad_named: NamedTensors = []
+        if "grad" in wanted:
+            params = [(name, p) for name, p in self._grad_params() if p.grad is not None]
+            if keep:
+                grad_named = [(f"{name}.grad", p.grad) for name, p in params]
+            else:
+                for _, param in params:
+                    param.grad = None  # dropped, as zero_grad(set_to_none=True) would
+        # one call, so the phase pays one synchronize
+        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        for part in wanted:
+            self._states[part] = DeviceState.OFFLOADED
+        if "grad" in wanted:
+            self._grads_kept = keep
+        logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
+        return self._split(total, model_named, optimizer_named, grad_named)
+
+    def reload(
+        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, zero_grads: bool | None = None
+    ) -> AdapterMove:
+        """Restore the chosen parts from the host arena in place; idempotent per part."""
+        zero = self.zero_grads if zero_grads is None else zero_grads
+        wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.OFFLOADED)
+        if not wanted:
+            return _empty_move()
+        model_named = self._model_tensors() if "model" in wanted else []
+        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+        grad_named: NamedTensors = []
+        if "grad" in wanted and self._grads_kept and not zero:
+            grad_named = [(f"{name}.grad", p.grad) for name, p in self._grad_params() if p.grad is not None]
+        total = reload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        if "grad" in wanted and zero:
+            reload_grads(self._grad_params(), self.arena, zero=True)
+        for part in wanted:
+            self._states[part] = DeviceState.ON_DEVICE
+        logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
+        return self._split(total, model_named, optimizer_named, grad_named)
+
+    def to(
+        self, device: torch.device | str | int, *, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> AdapterMove:
+        """Engine-style move: ``"cpu"`` offloads, the model's accelerator reloads; idempotent."""
+        target = _as_device(device)
+        if target.type == "cpu":
+            return self.offload(model=model, optimizer=optimizer, grad=grad)
+        home = self.device
+        if home.type == "cpu":
+            raise InvalidInput(
+                f"{type(self).__name__}.to({str(target)!r}): this model's storages live on cpu and keep their "
+                "device, so they cannot be reloaded onto an accelerator; on a CPU-only run use reload()"
+            )
+        if target.type != home.type or (target.index is not None and target.index != _index(home)):
+            raise InvalidInput(
+                f"{type(self).__name__}.to({str(target)!r}): the model's storages live on {home} and keep "
+                f"their device across offload; reload with to({str(home)!r}) or reload()"
+            )
+        return self.reload(model=model, optimizer=optimizer, grad=grad)
+
+    def _pending(self, asked: dict[str, bool], from_state: DeviceState) -> list[str]:
+        for part, flag in asked.items():
+            if not isinstance(flag, bool):
+                raise InvalidInput(f"{type(self).__name__}: {part}= must be a bool, got {flag!r}")
+        return [part for part, flag in asked.items() if flag and self._states[part] is from_state]
+
+    def _split(
+        self, total: MoveStats, model_named: NamedTensors, optimizer_named: NamedTensors, grad_named: NamedTensors
+    ) -> AdapterMove:
+        # per-part bytes from the storages' slots; the time is the phase's, shared
+        parts = [self._moved(named, total.seconds) for named in (model_named, optimizer_named, grad_named)]
+        return AdapterMove(model=parts[0], optimizer=parts[1], grad=parts[2], total=total)
+
+    def _moved(self, named: NamedTensors, seconds: float) -> MoveStats:
+        seen: set[int] = set()
+        nbytes = 0
+        for _, tensor in named:
+            storage = local_tensor(tensor).untyped_storage()
+            slot = self.arena.slot_of(storage)
+            if storage._cdata in seen or slot is None:
+                continue
+            seen.add(storage._cdata)
+            nbytes += slot.nbytes
+        return MoveStats(bytes=nbytes, storages=len(seen), seconds=seconds if nbytes else 0.0)
+
+    def __repr__(self) -> str:
+        states = ", ".join(f"{part}={state.name}" for part, state in self._states.items())
+        return f"{type(self).__name__}({states}, arena={self.arena!r})"
+
+
+def _empty_move() -> AdapterMove:
+    empty = MoveStats(bytes=0, storages=0, seconds=0.0)
+    return AdapterMove(model=empty, optimizer=empty, grad=empty, total=empty)
+
+
+def _as_device(device: torch.device | str | int) -> torch.device:
+    try:
+        if isinstance(device, int):
+            return torch.device("cuda", device)
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise InvalidInput(f"to({device!r}): not a device ({error})") from None
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    if device.type == "cuda":
+        return torch.cuda.current_device()
+    return 0
