@@ -13,11 +13,11 @@ from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload import HostArena, optimizer_state_tensors
 
 # wrapper modules that add a path component the checkpoint / inference side does not have
-_WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module"})
+_WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def clean_fqn(name: str) -> str:
-    """The parameter name without activation-checkpoint / compile / wrapper path components."""
+    """The parameter name without activation-checkpoint and ``torch.compile`` wrapper components."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_COMPONENTS)
 
 

@@ -50,7 +50,8 @@ def _cpu_type(original):
     def type_(self, dtype=None, non_blocking=False, **kwargs):
         # the distributed optimizer sorts params by 'torch.cuda.<T>Tensor' names
         if dtype is None and not kwargs and self.device.type == "cpu":
-            return original(self).replace("torch.", "torch.cuda.", 1)
+            name = original(self)  # may already be rewritten: the function mode re-enters here
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return original(self, dtype, non_blocking, **kwargs)
 
     return type_
