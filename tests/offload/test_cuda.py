@@ -13,8 +13,9 @@ pytestmark = pytest.mark.cuda
 
 
 def test_memory_allocated_drops_by_the_offloaded_bytes_and_comes_back():
-    tensors = {f"w{i}": torch.randn(1024, 1024 + i, device="cuda", dtype=torch.bfloat16) for i in range(8)}
-    expected = {k: v.clone() for k, v in tensors.items()}
+    # >10 MiB each: the caching allocator gives each its own segment, so empty_cache can return it
+    tensors = {f"w{i}": torch.randn(4096, 2048 + 64 * i, device="cuda", dtype=torch.bfloat16) for i in range(4)}
+    expected = {k: v.cpu() for k, v in tensors.items()}
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors.values())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -28,7 +29,7 @@ def test_memory_allocated_drops_by_the_offloaded_bytes_and_comes_back():
     reload_tensors(tensors, arena, device="cuda")
     assert torch.cuda.memory_allocated() == before
     for name, t in tensors.items():
-        assert torch.equal(t, expected[name]), name
+        assert torch.equal(t.cpu(), expected[name]), name
 
 
 def test_arena_is_pinned_and_exact():
@@ -70,6 +71,8 @@ def test_adam_state_offload_frees_device_memory():
     arena = HostArena()
     moved = offload_optimizer(optimizer, arena)
     assert moved.bytes >= 2 * (512 * 512 + 512) * 4
-    assert before - torch.cuda.memory_allocated() == moved.bytes
+    big_states = 2 * (512 * 512 + 512) * 4  # exp_avg + exp_avg_sq; the 4-byte step scalars sit in 512-byte blocks
+    assert before - torch.cuda.memory_allocated() >= big_states
+    assert all(t.untyped_storage().nbytes() == 0 for state in optimizer.state.values() for t in state.values())
     reload_optimizer(optimizer, arena)
     assert torch.cuda.memory_allocated() == before
