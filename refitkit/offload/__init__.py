@@ -6,7 +6,7 @@ tensor identity; see ``HostArena`` for how host memory is held.
 
 from refitkit.offload.arena import HostArena
 from refitkit.offload.device import flush_device
-from refitkit.offload.moves import named_tensors, offload_tensors, reload_tensors
+from refitkit.offload.moves import drop_tensors, named_tensors, offload_tensors, regrow_tensors, reload_tensors
 from refitkit.offload.optimizer import (
     offload_grads,
     offload_optimizer,
@@ -19,6 +19,7 @@ from refitkit.offload.stats import MoveStats
 __all__ = [
     "HostArena",
     "MoveStats",
+    "drop_tensors",
     "flush_device",
     "named_tensors",
     "offload_grads",
@@ -27,5 +28,6 @@ __all__ = [
     "optimizer_state_tensors",
     "reload_grads",
     "reload_optimizer",
+    "regrow_tensors",
     "reload_tensors",
 ]

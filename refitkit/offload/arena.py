@@ -91,6 +91,7 @@ class HostArena:
         self._chunks: list[torch.Tensor] = []
         self._slots: dict[int, Slot] = {}
         self.views: dict[int, ViewRecord] = {}  # id(tensor) -> record, while offloaded
+        self._dropped: dict[int, tuple[StorageWeakRef, int]] = {}  # freed without a copy: size to regrow
         self._finalizer = weakref.finalize(self, _release_chunks, self._chunks, self.pinned)
 
     @property
@@ -153,6 +154,18 @@ class HostArena:
                 return True
         return False
 
+    def remember_dropped(self, storage: torch.UntypedStorage) -> None:
+        """Note the size of a storage freed without a copy, so it can be regrown later."""
+        self._dropped = {k: v for k, v in self._dropped.items() if not v[0].expired()}
+        self._dropped[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+
+    def dropped_size(self, storage: torch.UntypedStorage) -> int | None:
+        """The size a dropped storage had (and forget it), or None if it was not dropped here."""
+        entry = self._dropped.pop(storage._cdata, None)
+        if entry is None or entry[0].expired():
+            return None
+        return entry[1]
+
     def forget(self, storage: torch.UntypedStorage) -> None:
         """Drop ``storage``'s slot (its bytes stay allocated for reuse by another storage that fits)."""
         slot = self._slots.pop(storage._cdata, None)
@@ -174,6 +187,7 @@ class HostArena:
             )
         self._slots.clear()
         self.views.clear()
+        self._dropped.clear()
         _release_chunks(self._chunks, self.pinned)
 
     def __repr__(self) -> str:

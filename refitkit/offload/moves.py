@@ -206,22 +206,48 @@ def reload_tensors(
     return MoveStats(bytes=moved, storages=len(pending), seconds=time.perf_counter() - start)
 
 
-def discard_offloaded(tensors: TensorSet, arena: HostArena) -> int:
-    """Give offloaded storages their device bytes back WITHOUT copying (caller overwrites them).
+def drop_tensors(tensors: TensorSet, arena: HostArena) -> int:
+    """Free device storages WITHOUT copying them (e.g. grads about to be recomputed); returns bytes freed.
 
-    For state that is about to be zeroed or recomputed (e.g. grads reloaded as zeros); returns
-    the bytes re-allocated. Contents are uninitialised until the caller writes them.
+    The arena remembers each storage's size (no host bytes) so ``regrow_tensors`` can restore
+    it. Storages whose bytes the arena holds from an offload keep that copy.
+    """
+    groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
+    device = _common_device(groups, "drop_tensors")
+    freed = 0
+    for group in groups:
+        arena.remember_dropped(group.storage)
+        freed += group.storage.nbytes()
+    if device is not None:
+        synchronize(device)  # a reduction may still be reading these bytes
+    for group in groups:
+        group.storage.resize_(0)
+    return freed
+
+
+def regrow_tensors(tensors: TensorSet, arena: HostArena, *, zero: bool = True) -> int:
+    """Give dropped (or offloaded) storages their device bytes back WITHOUT copying; returns bytes.
+
+    For state that is about to be zeroed or recomputed: with ``zero`` the bytes are zeroed,
+    otherwise they are uninitialised. An offloaded storage regrown this way gives up its host copy.
     """
     restored: set[int] = set()
     nbytes = 0
     for group in _group_by_storage(named_tensors(tensors)):
-        slot = arena.slot_of(group.storage)
-        if slot is None or not slot.holds_data or group.storage.nbytes() != 0:
+        if group.storage.nbytes() != 0:
             continue
-        group.storage.resize_(slot.nbytes)
-        slot.holds_data = False
+        size = arena.dropped_size(group.storage)
+        if size is None:
+            slot = arena.slot_of(group.storage)
+            if slot is None or not slot.holds_data:
+                continue
+            slot.holds_data = False
+            size = slot.nbytes
+        group.storage.resize_(size)
+        if zero:
+            storage_as_bytes(group.storage).zero_()
         restored.add(group.storage._cdata)
-        nbytes += slot.nbytes
+        nbytes += size
     _forget_views(arena, restored)
     return nbytes
 

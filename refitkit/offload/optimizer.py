@@ -8,7 +8,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload.arena import HostArena
-from refitkit.offload.moves import discard_offloaded, offload_tensors, reload_tensors
+from refitkit.offload.moves import offload_tensors, regrow_tensors, reload_tensors
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 NamedParams = Iterable[tuple[str, torch.Tensor]]
@@ -62,7 +62,7 @@ def reload_grads(params: NamedParams, arena: HostArena, *, zero: bool = False) -
     if not zero:
         return reload_tensors([(f"{name}.grad", p.grad) for name, p in named if p.grad is not None], arena)
     kept = [(f"{name}.grad", p.grad) for name, p in named if p.grad is not None]
-    discard_offloaded(kept, arena)
+    regrow_tensors(kept, arena, zero=False)  # zeroed just below; no copy of bytes about to be overwritten
     for _, param in named:
         if param.grad is not None:
             param.grad.zero_()

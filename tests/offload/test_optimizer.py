@@ -124,3 +124,16 @@ def test_deepcopied_optimizer_state_is_unaffected():
     for key, state in snapshot["state"].items():
         for name, value in state.items():
             assert torch.equal(restored["state"][key][name], value)
+
+
+def test_dropped_tensors_regrow_zeroed_in_place_without_host_bytes():
+    from refitkit.offload import drop_tensors, regrow_tensors
+
+    flat = torch.randn(64)
+    view = flat[8:16]
+    arena = HostArena()
+    assert drop_tensors({"grad_data": flat, "main_grad": view}, arena) == 256
+    assert flat.untyped_storage().nbytes() == 0 and arena.nbytes == 0
+    assert regrow_tensors({"main_grad": view}, arena) == 256
+    assert view.data_ptr() == flat.data_ptr() + 32 and not flat.any()
+    assert regrow_tensors({"grad_data": flat}, arena) == 0  # already resident

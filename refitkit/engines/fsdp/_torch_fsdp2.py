@@ -37,16 +37,18 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor()
 
 
-def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The buffers ``module.state_dict()`` would save, with their state-dict names (torch 2.13.0).
+def state_dict_entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Params and persistent buffers with their state-dict names, in ``state_dict()`` order (torch 2.13.0).
 
-    Reads ``nn.Module._non_persistent_buffers_set``, the attribute ``state_dict`` itself uses.
+    Reads ``nn.Module._non_persistent_buffers_set``, the attribute ``state_dict`` itself uses;
+    a tensor shared by two modules (tied weights) is listed once, under its first name.
     """
     seen: set[int] = set()
     for prefix, submodule in module.named_modules():
         skip = submodule._non_persistent_buffers_set
-        for name, buffer in submodule._buffers.items():
-            if buffer is None or name in skip or id(buffer) in seen:
+        own = [*submodule.named_parameters(recurse=False), *submodule.named_buffers(recurse=False)]
+        for name, tensor in own:
+            if name in skip or id(tensor) in seen:
                 continue
-            seen.add(id(buffer))
-            yield (f"{prefix}.{name}" if prefix else name), buffer
+            seen.add(id(tensor))
+            yield (f"{prefix}.{name}" if prefix else name), tensor

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from refitkit.engines.base import DeviceState, EngineAdapter, NamedTensors
-from refitkit.engines.fsdp._torch_fsdp2 import full_tensor, is_dtensor, persistent_buffers, reshard_all
+from refitkit.engines.fsdp._torch_fsdp2 import full_tensor, is_dtensor, reshard_all, state_dict_entries
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload import HostArena, optimizer_state_tensors
 
@@ -97,16 +97,10 @@ class FSDPAdapter(EngineAdapter):
                 f"{type(self).__name__}.named_weights(): the model is offloaded; reload(model=True) first"
             )
         self._prepare_offload()
-        seen: set[int] = set()
         for part in self.model_parts:
-            for name, param in part.named_parameters():
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
+            for name, tensor in state_dict_entries(part):
                 # no local holds the tensor across the yield: peak extra memory stays one tensor
-                yield clean_fqn(name), (full_tensor(param) if is_dtensor(param) else param.detach())
-            for name, buffer in persistent_buffers(part):
-                yield clean_fqn(name), (full_tensor(buffer) if is_dtensor(buffer) else buffer.detach())
+                yield clean_fqn(name), (full_tensor(tensor) if is_dtensor(tensor) else tensor.detach())
 
 
 def _as_modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

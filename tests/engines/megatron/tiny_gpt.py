@@ -42,9 +42,15 @@ def build(
     use_distributed_optimizer: bool = True,
     ddp: bool = True,
     bf16: bool = True,
+    frozen: tuple[str, ...] = (),
+    with_optimizer: bool = True,
     seed: int = 1234,
 ) -> Trainer:
-    """A GPTModel (local spec) wrapped in Float16Module and DDP, with Megatron's Adam over it."""
+    """A GPTModel (local spec) wrapped in Float16Module and DDP, with Megatron's Adam over it.
+
+    ``frozen`` names GPT params to freeze before DDP wraps the model (like a LoRA base: they stay
+    outside the DDP buffers and the optimizer).
+    """
     cpu_shim.install()
     if torch.cuda.is_available():
         torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
@@ -85,6 +91,12 @@ def build(
         max_sequence_length=SEQ,
         position_embedding_type="rope",
     )
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    missing = set(frozen) - {name for name, _ in model.named_parameters()}
+    if missing:
+        raise KeyError(f"no such GPT params to freeze: {sorted(missing)}")
     model.to(device())
     if bf16:
         model = Float16Module(config, model)
@@ -95,6 +107,8 @@ def build(
             use_distributed_optimizer=use_distributed_optimizer,
         )
         model = DistributedDataParallel(config, ddp_config, model)
+    if not with_optimizer:
+        return Trainer(chunks=[model], optimizer=None, device=device())
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -116,32 +130,54 @@ def batch(step: int, rank: int, *, vocab_size: int = VOCAB) -> tuple[torch.Tenso
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def train_step(trainer: Trainer, step: int) -> float:
-    """One real Megatron step: forward, backward, DDP grad sync, optimizer step; returns the loss."""
+def forward_backward(trainer: Trainer, step: int) -> float:
+    """Forward, backward and DDP grad sync of one step (grads ready in the grad buffers); returns the loss."""
     model = trainer.chunks[0]
     rank = torch.distributed.get_rank()
     tokens, labels = batch(step, rank)
     tokens, labels = tokens.to(trainer.device), labels.to(trainer.device)
     positions = torch.arange(SEQ, device=trainer.device).unsqueeze(0).expand(BATCH, -1)
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=trainer.device), diagonal=1)
-    if hasattr(model, "zero_grad_buffer"):
-        model.zero_grad_buffer()
+    model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     per_token = model(tokens, positions, causal.view(1, 1, SEQ, SEQ), labels=labels)
     loss = per_token.float().mean()
     loss.backward()
-    if hasattr(model, "finish_grad_sync"):
-        model.finish_grad_sync()
-    else:  # a plain (non-DDP) model: average grads by hand, as DDP would
-        for param in model.parameters():
-            if param.grad is not None:
-                param.main_grad = param.grad.float()
+    model.finish_grad_sync()
+    return loss.item()
+
+
+def optimizer_step(trainer: Trainer, step: int) -> None:
+    """The optimizer half of a step (grad clipping, Adam, param all-gather)."""
     ok, _, _ = trainer.optimizer.step()
     if not ok:
         raise RuntimeError(f"optimizer step {step} was skipped")
-    return loss.item()
+
+
+def train_step(trainer: Trainer, step: int) -> float:
+    """One real Megatron step: forward, backward, DDP grad sync, optimizer step; returns the loss."""
+    loss = forward_backward(trainer, step)
+    optimizer_step(trainer, step)
+    return loss
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every model parameter, copied to the CPU, by name: what bit-identity is checked on."""
     return {name: p.detach().to("cpu", copy=True) for name, p in trainer.chunks[0].named_parameters()}
+
+
+def logits(trainer: Trainer, step: int = 0) -> torch.Tensor:
+    """The model's output logits for a fixed batch, on the CPU (forward only, no grad)."""
+    model = trainer.chunks[0]
+    tokens, _ = batch(step, torch.distributed.get_rank())
+    tokens = tokens.to(trainer.device)
+    positions = torch.arange(SEQ, device=trainer.device).unsqueeze(0).expand(BATCH, -1)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=trainer.device), diagonal=1)
+    with torch.no_grad():
+        return model(tokens, positions, causal.view(1, 1, SEQ, SEQ)).float().cpu()
+
+
+def device_bytes(tensors) -> int:
+    """Device bytes held by the unique storages of ``tensors`` right now."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

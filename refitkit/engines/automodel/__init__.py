@@ -1,0 +1,5 @@
+"""NeMo Automodel adapter (extra ``automodel``): offload, reload and weight streaming for its trainers."""
+
+from refitkit.engines.automodel.adapter import AutomodelAdapter
+
+__all__ = ["AutomodelAdapter"]

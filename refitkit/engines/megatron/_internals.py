@@ -1,0 +1,156 @@
+"""The one place refitkit reads megatron-core's private attributes.
+
+Every function here was checked against megatron-core 0.16.1 (newest for Python 3.11) and
+0.19.2 (Python 3.12): the attributes it reads have the same names and meaning in both.
+Everything else in ``refitkit.engines.megatron`` goes through these functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refitkit.errors import InvalidInput
+
+INSTALL_HINT = "megatron-core is not installed: pip install 'refitkit[megatron]'"
+
+
+def _megatron() -> Any:
+    """megatron.core, imported lazily so ``import refitkit`` needs torch alone."""
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core import distributed, optimizer
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(INSTALL_HINT) from error
+    return distributed, optimizer
+
+
+def is_ddp(chunk: torch.nn.Module) -> bool:
+    """Whether a model chunk is Megatron's ``DistributedDataParallel`` (checked: 0.16.1, 0.19.2)."""
+    distributed, _ = _megatron()
+    return isinstance(chunk, distributed.DistributedDataParallel)
+
+
+def check_model_chunk(chunk: object, label: str) -> torch.nn.Module:
+    """Reject what these functions cannot enumerate, before anything moves (checked: 0.16.1, 0.19.2)."""
+    if not isinstance(chunk, torch.nn.Module):
+        raise InvalidInput(f"{label} is a {type(chunk).__name__}, not a torch.nn.Module (a Megatron model chunk)")
+    distributed, _ = _megatron()
+    fsdp = getattr(distributed, "FullyShardedDataParallel", None)
+    if fsdp is not None and isinstance(chunk, fsdp):
+        raise InvalidInput(
+            f"{label} is Megatron-FSDP ({type(chunk).__name__}); refitkit.engines.megatron supports "
+            "megatron DistributedDataParallel and unwrapped modules"
+        )
+    return chunk
+
+
+def ddp_buffers(chunk: torch.nn.Module) -> list[tuple[str, Any]]:
+    """A DDP chunk's param-and-grad buffers, dense then expert-parallel, labelled (checked: 0.16.1, 0.19.2).
+
+    ``DistributedDataParallel.buffers`` (an attribute that shadows ``Module.buffers()``) and
+    ``.expert_parallel_buffers`` are lists of ``_ParamAndGradBuffer``.
+    """
+    if not is_ddp(chunk):
+        return []
+    dense = [(f"buffers[{i}]", b) for i, b in enumerate(chunk.buffers)]
+    expert = [(f"expert_parallel_buffers[{i}]", b) for i, b in enumerate(chunk.expert_parallel_buffers)]
+    return dense + expert
+
+
+def buffer_param_data(buffer: Any) -> torch.Tensor | None:
+    """The flat tensor the buffer's params view, or None when params keep their own storage.
+
+    ``_ParamAndGradBuffer.param_data`` is allocated only with the distributed optimizer
+    (checked: 0.16.1, 0.19.2).
+    """
+    return buffer.param_data
+
+
+def buffer_grad_data(buffer: Any) -> torch.Tensor | None:
+    """The flat tensor every ``param.main_grad`` views (``_ParamAndGradBuffer.grad_data``; checked: 0.16.1, 0.19.2)."""
+    return buffer.grad_data
+
+
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP and Float16Module wrappers (their ``.module``; checked: 0.16.1, 0.19.2)."""
+    distributed, _ = _megatron()
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (distributed.DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def parallel_sizes(chunk: torch.nn.Module) -> dict[str, int]:
+    """The chunk's tensor / pipeline / expert parallel sizes from its ``config`` (checked: 0.16.1, 0.19.2)."""
+    config = getattr(chunk, "config", None)
+    return {
+        "tensor_model_parallel_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        "pipeline_model_parallel_size": int(getattr(config, "pipeline_model_parallel_size", 1) or 1),
+        "expert_model_parallel_size": int(getattr(config, "expert_model_parallel_size", 1) or 1),
+    }
+
+
+def leaf_optimizers(optimizer: object) -> list[Any]:
+    """The Megatron optimizers doing the work: a ``ChainedOptimizer``'s ``chained_optimizers``, flattened.
+
+    Checked: 0.16.1, 0.19.2 (where ``LayerWiseDistributedOptimizer`` is a ``ChainedOptimizer``).
+    """
+    _, optim = _megatron()
+    if isinstance(optimizer, optim.ChainedOptimizer):
+        leaves: list[Any] = []
+        for inner in optimizer.chained_optimizers:
+            leaves.extend(leaf_optimizers(inner))
+        return leaves
+    if not isinstance(optimizer, optim.MegatronOptimizer):
+        raise InvalidInput(
+            f"expected a Megatron optimizer (megatron.core.optimizer.MegatronOptimizer), got "
+            f"{type(optimizer).__name__}; for a plain torch optimizer use refitkit.offload.offload_optimizer"
+        )
+    return [optimizer]
+
+
+def copy_param_groups(leaf: Any) -> list[list[torch.Tensor | None]]:
+    """The fp32 master copies a mixed-precision optimizer keeps next to the bf16/fp16 params.
+
+    ``DistributedOptimizer.shard_fp32_from_float16_groups`` (this rank's shards; None entries with
+    a precision-aware optimizer), ``Float16OptimizerWithFloat16Params.fp32_from_float16_groups``,
+    none for ``FP32Optimizer``. Checked: 0.16.1, 0.19.2.
+    """
+    _, optim = _megatron()
+    if getattr(leaf, "is_stub_optimizer", False):
+        return []
+    if isinstance(leaf, optim.DistributedOptimizer):
+        return leaf.shard_fp32_from_float16_groups
+    if isinstance(leaf, optim.Float16OptimizerWithFloat16Params):
+        return leaf.fp32_from_float16_groups
+    if isinstance(leaf, optim.FP32Optimizer):
+        return []
+    raise InvalidInput(
+        f"optimizer kind {type(leaf).__name__} is not supported yet by refitkit.engines.megatron "
+        "(supported: DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer, and "
+        "ChainedOptimizer of those)"
+    )
+
+
+def inner_optimizer(leaf: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer holding the state (``MegatronOptimizer.optimizer``; checked: 0.16.1, 0.19.2).
+
+    None for a stub optimizer (a rank with no params in it).
+    """
+    copy_param_groups(leaf)  # rejects unsupported kinds first
+    inner = leaf.optimizer
+    if inner is None or getattr(leaf, "is_stub_optimizer", False):
+        return None
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    if isinstance(inner, HybridDeviceOptimizer):
+        raise InvalidInput(
+            "optimizer kind HybridDeviceOptimizer (optimizer_cpu_offload) is not supported: it already "
+            "keeps its state on the host; turn off optimizer_cpu_offload to offload with refitkit"
+        )
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise InvalidInput(f"the inner optimizer of {type(leaf).__name__} is a {type(inner).__name__}, not a torch optimizer")
+    return inner

@@ -1,0 +1,122 @@
+"""MegatronAdapter: the EngineAdapter for megatron-core model chunks and their Megatron optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from refitkit.engines.base import AdapterMove, DeviceState, EngineAdapter, NamedTensors
+from refitkit.engines.megatron import _internals
+from refitkit.engines.megatron._arenas import shared_arena
+from refitkit.engines.megatron.model import (
+    as_chunks,
+    drop_grads,
+    grad_buffer_tensors,
+    kept_grad_tensors,
+    loose_grads,
+    model_tensors,
+    regrow_grads,
+)
+from refitkit.engines.megatron.optimizer import copy_param_tensors, drop_main_grads, leaves, state_tensors
+from refitkit.errors import InvalidInput
+from refitkit.offload import offload_tensors, reload_tensors
+
+
+class MegatronAdapter(EngineAdapter):
+    """Offload / reload of Megatron model chunks (DDP or not) and a Megatron optimizer, per part.
+
+    Parts: ``model`` = param buffers, params outside them and module buffers; ``grad`` = the
+    DDP grad buffers (dropped and rebuilt zeroed, or kept with ``keep_grads``) and loose
+    ``.grad``s; ``optimizer`` = inner state and fp32 master copies. Shares its ``HostArena`` with
+    the module-level ``offload_megatron_*`` functions for the same objects, so both can be mixed.
+    """
+
+    def __init__(
+        self,
+        model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+        optimizer: object | None = None,
+        *,
+        keep_grads: bool = False,
+        zero_grads: bool = False,
+    ) -> None:
+        self.chunks = as_chunks(model_chunks)
+        self.optimizer = optimizer
+        self._leaves = leaves(optimizer) if optimizer is not None else []
+        arena = shared_arena([*self.chunks, *self._leaves])
+        super().__init__(arena=arena, keep_grads=keep_grads, zero_grads=zero_grads)
+
+    # --- enumeration -----------------------------------------------------------------------
+
+    def _model_tensors(self) -> NamedTensors:
+        return model_tensors(self.chunks)
+
+    def _optimizer_tensors(self) -> NamedTensors:
+        return copy_param_tensors(self._leaves, self._leaves) + state_tensors(self._leaves, self._leaves)
+
+    def _grad_params(self) -> NamedTensors:
+        return loose_grads(self.chunks)
+
+    # --- transitions: grads live in DDP buffers, not in param.grad --------------------------
+
+    def offload(
+        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
+    ) -> AdapterMove:
+        """Move the chosen parts to the host arena in one copy phase; idempotent per part."""
+        keep = self.keep_grads if keep_grads is None else keep_grads
+        wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
+        model_named = self._model_tensors() if "model" in wanted else []
+        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+        grad_named: NamedTensors = []
+        if "optimizer" in wanted:
+            drop_main_grads(self._leaves)
+        if "grad" in wanted and keep:
+            grad_named = grad_buffer_tensors(self.chunks) + [
+                (f"{name}.grad", p.grad) for name, p in loose_grads(self.chunks)
+            ]
+        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        if "grad" in wanted and not keep:
+            drop_grads(self.chunks, self.arena)  # after the phase's synchronize
+        for part in wanted:
+            self._states[part] = DeviceState.OFFLOADED
+        if "grad" in wanted:
+            self._grads_kept = keep
+        return self._split(total, model_named, optimizer_named, grad_named)
+
+    def reload(
+        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, zero_grads: bool | None = None
+    ) -> AdapterMove:
+        """Restore the chosen parts in place in one copy phase; dropped grad buffers come back zeroed."""
+        zero = self.zero_grads if zero_grads is None else zero_grads
+        wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.OFFLOADED)
+        model_named = self._model_tensors() if "model" in wanted else []
+        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+        grad_named = kept_grad_tensors(self.chunks, self.arena) if "grad" in wanted else []
+        total = reload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        if "grad" in wanted:
+            regrow_grads(self.chunks, self.arena, zero_all=zero)
+        for part in wanted:
+            self._states[part] = DeviceState.ON_DEVICE
+        return self._split(total, model_named, optimizer_named, grad_named)
+
+    # --- weights for inference -------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights as (name, tensor), one at a time, named as in the unwrapped GPT model.
+
+        Needs data parallelism only (tensor, pipeline and expert parallel size 1): then every
+        rank's param buffer holds the full, all-gathered params after each step.
+        """
+        if self._states["model"] is not DeviceState.ON_DEVICE:
+            raise InvalidInput("MegatronAdapter.named_weights(): the model is offloaded; reload(model=True) first")
+        for index, chunk in enumerate(self.chunks):
+            sizes = _internals.parallel_sizes(chunk)
+            sharded = {knob: size for knob, size in sizes.items() if size != 1}
+            if sharded:
+                raise InvalidInput(
+                    f"MegatronAdapter.named_weights(): models[{index}] is sharded ({sharded}); gathering "
+                    "tensor/pipeline/expert-parallel weights is not supported yet, only data parallelism"
+                )
+        for chunk in self.chunks:
+            for name, param in _internals.unwrap_model(chunk).named_parameters():
+                yield name, param.detach()
