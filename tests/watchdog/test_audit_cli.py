@@ -1,0 +1,41 @@
+"""`refitkit audit` (refitkit.audit.main): verdict table, exit code, PNG plot."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from refitkit.audit import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_clean_run_prints_ok_verdicts_and_writes_a_png(tmp_path, capsys):
+    plot = tmp_path / "audit.png"
+    assert main(["--cycles", "12", "--width", "128", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    for watcher in ("host RSS", "reference cycles", "GC activity", "GPU memory"):
+        assert watcher in out
+    assert "LEAK" not in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_planted_cycle_is_reported_and_fails_the_run(capsys):
+    enabled = gc.isenabled()
+    assert main(["--cycles", "8", "--width", "128", "--plant", "cycle"]) == 1
+    out = capsys.readouterr().out
+    assert "LEAK" in out and "_Planted" in out and "cpu: 1.00 MiB" in out
+    assert gc.isenabled() == enabled
+
+
+def test_planted_bytes_leak_is_flagged_by_the_rss_watchdog(capsys):
+    assert main(["--cycles", "16", "--width", "128", "--plant", "bytes", "--threshold-mib-per-cycle", "0.5"]) == 1
+    out = capsys.readouterr().out
+    assert "growing from cycle" in out
+
+
+def test_bad_cycles_is_a_usage_error():
+    with pytest.raises(SystemExit) as exited:
+        main(["--cycles", "0"])
+    assert exited.value.code == 2
