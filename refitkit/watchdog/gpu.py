@@ -91,7 +91,8 @@ class GpuMemoryAudit:
         """Current allocated/reserved bytes (0 without CUDA), labelled ``phase``."""
         if not self.available:
             return GpuSample(phase, 0, 0)
-        return GpuSample(phase, torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+        stats = torch.cuda.memory_stats(self.device)  # one stats call for both figures (~150 us)
+        return GpuSample(phase, stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.current", 0))
 
     def begin_cycle(self) -> GpuSample:
         """Take the baseline (and start recording history when asked)."""

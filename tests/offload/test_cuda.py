@@ -22,7 +22,9 @@ def test_memory_allocated_drops_by_the_offloaded_bytes_and_comes_back():
     arena = HostArena()
     moved = offload_tensors(tensors, arena)
     assert moved.bytes == nbytes
-    assert before - torch.cuda.memory_allocated() == nbytes
+    offloaded = torch.cuda.memory_allocated()
+    # blocks are rounded up by the caching allocator, so the drop is at least the storage bytes
+    assert nbytes <= before - offloaded <= nbytes + len(tensors) * (2 << 20)
     reserved = torch.cuda.memory_reserved()
     flush_device()
     assert torch.cuda.memory_reserved() <= reserved - nbytes + (2 << 20)

@@ -97,8 +97,8 @@ def test_gpu_offload_frees_device_memory_and_training_is_bit_identical():
         f"allocated -{result['allocated_drop'] / 2**20:.1f} MiB, reserved -{result['reserved_drop'] / 2**20:.1f} MiB"
     )
     assert result["pinned"]
-    # the caching allocator rounds each block up to 512 bytes
-    assert moved <= result["allocated_drop"] <= moved + 512 * storages
+    # the caching allocator rounds blocks up (512 B small, up to 2 MiB for large segments)
+    assert moved <= result["allocated_drop"] <= moved + (2 << 20) * storages
     assert result["reserved_drop"] >= 0.9 * moved, "flush_device must hand the freed blocks back"
     assert result["losses"] == result["base_losses"]
     assert result["final_differs"] == []

@@ -42,6 +42,11 @@ def offload_returns_memory(rank: int, world_size: int) -> dict:
     reserved_before = torch.cuda.memory_reserved()
     move = adapter.offload()
     allocated_after = torch.cuda.memory_allocated()
+    live_blocks = sorted(
+        (block["size"] for segment in torch.cuda.memory_snapshot() for block in segment["blocks"]
+         if block["state"] == "active_allocated"),
+        reverse=True,
+    )[:12]
     flush_device()
     reserved_after = torch.cuda.memory_reserved()
     adapter.reload()
@@ -60,6 +65,7 @@ def offload_returns_memory(rank: int, world_size: int) -> dict:
         "intact": intact,
         "finite": bool(torch.isfinite(loss).item()),
         "gbps": move.total.gbps,
+        "live_blocks": live_blocks,
     }
 
 

@@ -1,0 +1,216 @@
+"""CUDA IPC transport: a bucket the sender owns outright, so it can free it whatever the receiver does.
+
+Why not torch's own CUDA IPC (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``): sharing a
+storage that way wraps it in torch's ``CudaIPCSentData``; when the sender drops it while the
+receiver's reference counter is non-zero, the block goes to ``CudaIPCSentDataLimbo`` and is
+only freed once the receiver decrements that counter. A SIGKILLed receiver never does, so the
+bucket (2 GiB by default) stays reserved for the life of the trainer.
+
+Here the bucket is allocated with the CUDA driver (``cuMemAlloc``), outside torch's caching
+allocator, exported with ``cuIpcGetMemHandle`` and freed with ``cuMemFree`` by the sender alone:
+after a normal session (the receiver has already called ``cuIpcCloseMemHandle`` before its final
+ACK), after an error, and after a timeout on a dead receiver, whose context and mappings the
+driver tears down with the process. Nothing is ever parked in a limbo list, so the sender's
+``torch.cuda.memory_reserved()`` never moves and device free memory (``mem_get_info``) is back
+to its baseline when ``send()`` returns. Torch only sees the buffer through
+``__cuda_array_interface__`` (a non-owning view); a finalizer frees the memory when the last
+view dies, and ``free()`` checks that it did.
+
+The handle travels as raw fields: 64 handle bytes, the byte size and the GPU's UUID (so a
+receiver with a different ``CUDA_VISIBLE_DEVICES`` order maps the same physical GPU).
+The driver calls were checked against the CUDA 12/13 driver API (libcuda.so.1, ``_v2`` entry
+points) with torch 2.11/2.13.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from typing import Any
+
+import torch
+
+from refitkit.errors import ProtocolError, TransferError
+
+_IPC_HANDLE_BYTES = 64
+_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * _IPC_HANDLE_BYTES)]
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library, initialised; TransferError when there is none."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise TransferError(f"transport='cuda_ipc' needs the CUDA driver (libcuda.so.1): {exc}") from None
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+    lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
+    lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+    _check(lib, lib.cuInit(0), "cuInit")
+    return lib
+
+
+def _ipc_open_fn(lib: ctypes.CDLL) -> Any:
+    fn = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
+    return fn
+
+
+def _check(lib: ctypes.CDLL, result: int, call: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorString(result, ctypes.byref(text))
+        raise TransferError(f"{call} failed: CUDA error {result} ({(text.value or b'?').decode()})")
+
+
+def ipc_available() -> bool:
+    """Whether this process can use the cuda_ipc transport (a GPU and the CUDA driver)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _driver()
+    except TransferError:
+        return False
+    return True
+
+
+def device_uuid(device: torch.device) -> str:
+    """The physical GPU's UUID, the same in every process whatever CUDA_VISIBLE_DEVICES says."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_device_for(uuid: str, fallback: torch.device) -> torch.device:
+    """The local CUDA device with GPU ``uuid`` (``fallback`` when UUIDs are unavailable)."""
+    for index in range(torch.cuda.device_count()):
+        try:
+            if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+                return torch.device("cuda", index)
+        except (AttributeError, RuntimeError):
+            return fallback
+    raise TransferError(f"the sender's GPU {uuid} is not visible to the receiver (check CUDA_VISIBLE_DEVICES)")
+
+
+def _bind_context(device: torch.device) -> None:
+    # The runtime makes the device's primary context (the one torch uses) current on this thread.
+    torch.cuda.set_device(device)
+    torch.cuda.current_stream(device).synchronize()
+
+
+class _DevicePointer:
+    """A non-owning ``__cuda_array_interface__`` over raw device bytes, for torch.as_tensor."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3, "strides": None,
+        }  # fmt: skip
+
+
+def _wrap(pointer: int, nbytes: int, device: torch.device, on_last_view: Any) -> tuple[torch.Tensor, weakref.finalize]:
+    holder = _DevicePointer(pointer, nbytes)
+    tensor = torch.as_tensor(holder, device=device)
+    return tensor, weakref.finalize(holder, on_last_view)
+
+
+def _free(device: torch.device, pointer: int) -> None:
+    lib = _driver()
+    with torch.cuda.device(device):
+        _check(lib, lib.cuMemFree_v2(pointer), "cuMemFree")
+
+
+def _close(device: torch.device, pointer: int) -> None:
+    lib = _driver()
+    with torch.cuda.device(device):
+        _check(lib, lib.cuIpcCloseMemHandle(pointer), "cuIpcCloseMemHandle")
+
+
+class CudaIpcBucket:
+    """The sender's bucket buffer: driver-allocated device memory exported for IPC."""
+
+    transport = "cuda_ipc"
+
+    def __init__(self, nbytes: int, *, device: torch.device) -> None:
+        lib = _driver()
+        self.device, self.nbytes = device, nbytes
+        previous = torch.cuda.current_device()
+        _bind_context(device)
+        try:
+            pointer = ctypes.c_uint64()
+            _check(lib, lib.cuMemAlloc_v2(ctypes.byref(pointer), nbytes), f"cuMemAlloc({nbytes} bytes)")
+            handle = _IpcHandle()
+            try:
+                _check(lib, lib.cuIpcGetMemHandle(ctypes.byref(handle), pointer.value), "cuIpcGetMemHandle")
+            except TransferError:
+                _free(device, pointer.value)
+                raise
+        finally:
+            torch.cuda.set_device(previous)
+        self._handle = bytes(handle.reserved)
+        self.tensor: torch.Tensor | None
+        self.tensor, self._freed = _wrap(pointer.value, nbytes, device, functools.partial(_free, device, pointer.value))
+
+    def handle(self) -> dict[str, Any]:
+        """The raw fields the receiver needs to map this bucket."""
+        return {"ipc_handle": self._handle, "nbytes": self.nbytes, "device_uuid": device_uuid(self.device)}
+
+    def receiver_mapped(self) -> None:
+        """Nothing to do: the sender keeps sole ownership of the memory."""
+
+    def sync(self) -> None:
+        """Wait for the packing copies, so the receiver reads complete bytes."""
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def free(self) -> None:
+        """Wait for pending copies and return the memory to the driver; idempotent."""
+        if self.tensor is not None:
+            self.sync()
+        self.tensor = None  # the finalizer frees the memory as this last view dies
+        if self._freed.alive:
+            raise TransferError("sender bucket: a view of the CUDA bucket is still referenced; memory not freed")
+
+
+class CudaIpcMapping:
+    """The receiver's mapping of the sender's bucket, opened once per session."""
+
+    def __init__(self, handle: dict[str, Any], device: torch.device) -> None:
+        try:
+            raw, nbytes, uuid = bytes(handle["ipc_handle"]), int(handle["nbytes"]), str(handle["device_uuid"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError("bad cuda_ipc handle fields") from None
+        if len(raw) != _IPC_HANDLE_BYTES:
+            raise ProtocolError(f"cuda_ipc handle has {len(raw)} bytes, expected {_IPC_HANDLE_BYTES}")
+        lib = _driver()
+        self.device = local_device_for(uuid, device)
+        previous = torch.cuda.current_device()
+        _bind_context(self.device)
+        try:
+            pointer = ctypes.c_uint64()
+            result = _ipc_open_fn(lib)(ctypes.byref(pointer), _IpcHandle.from_buffer_copy(raw), _LAZY_ENABLE_PEER_ACCESS)
+            _check(lib, result, "cuIpcOpenMemHandle")
+        finally:
+            torch.cuda.set_device(previous)
+        self.tensor: torch.Tensor | None
+        self.tensor, self._closed = _wrap(pointer.value, nbytes, self.device, functools.partial(_close, self.device, pointer.value))
+
+    def bucket(self, offset: int, used_bytes: int) -> torch.Tensor:
+        """The used bytes of one half, read in place from the sender's GPU memory."""
+        assert self.tensor is not None
+        return self.tensor[offset : offset + used_bytes]
+
+    def release(self) -> None:
+        """Finish reads, close the IPC mapping and flush torch's caches; raises if a view is still referenced."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.tensor = None  # the finalizer closes the mapping as this last view dies
+        if self._closed.alive:
+            raise TransferError(
+                "receiver release: a tensor view of the CUDA IPC bucket is still referenced "
+                "(tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
+            )
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()

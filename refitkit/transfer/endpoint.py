@@ -1,0 +1,105 @@
+"""Endpoints and sockets: where a session's ZMQ socket lives and how it is opened.
+
+An ``endpoint`` is either
+
+- a bare name (letters, digits, ``._-``), mapped to ``ipc://<socket dir>/<name>.sock`` where the
+  socket dir is ``$REFITKIT_SOCKET_DIR``, else ``$XDG_RUNTIME_DIR/refitkit``, else
+  ``<tmp>/refitkit-<uid>``; it is created with mode 0700 and must be owned by us; or
+- an explicit ``ipc:///absolute/path.sock`` whose directory already exists (the caller owns its
+  permissions).
+
+The socket file is made mode 0600 right after bind. A leftover socket file from a dead sender is
+unlinked before binding; a file a live process still accepts on is refused (two senders would
+silently steal each other's receivers).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import stat
+import tempfile
+
+import zmq
+
+from refitkit.errors import InvalidInput, TransferError
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the NUL
+RECONNECT_IVL_MS = 5  # a receiver that starts first must not add 100 ms (the ZMQ default) to a sync
+
+
+def socket_dir() -> str:
+    """The private directory (mode 0700, ours) that holds named endpoints' socket files."""
+    base = os.environ.get("REFITKIT_SOCKET_DIR")
+    if not base:
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        base = os.path.join(runtime, "refitkit") if runtime else os.path.join(tempfile.gettempdir(), f"refitkit-{os.getuid()}")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    info = os.stat(base)
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise TransferError(
+            f"socket dir {base} must be owned by uid {os.getuid()} with mode 0700 "
+            f"(it is uid {info.st_uid}, mode {oct(stat.S_IMODE(info.st_mode))}); fix it or set REFITKIT_SOCKET_DIR"
+        )
+    return base
+
+
+def socket_path(endpoint: str) -> str:
+    """The socket file path an endpoint names (see the module docstring)."""
+    if not isinstance(endpoint, str):
+        raise InvalidInput(f"endpoint must be a str (a name or ipc:///path), got {type(endpoint).__name__}")
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if not os.path.isabs(path) or not os.path.isdir(os.path.dirname(path)):
+            raise InvalidInput(f"endpoint {endpoint!r}: need ipc:///absolute/path in an existing directory")
+    elif _NAME.match(endpoint):
+        path = os.path.join(socket_dir(), f"{endpoint}.sock")
+    else:
+        raise InvalidInput(f"endpoint {endpoint!r} is neither a name ([A-Za-z0-9._-]{{1,64}}) nor ipc:///path")
+    if len(path.encode()) > _MAX_UNIX_PATH:
+        raise InvalidInput(f"endpoint {endpoint!r} maps to {path}, longer than a unix socket path may be")
+    return path
+
+
+def _accepting(path: str) -> bool:
+    """Whether a live process accepts connections on the unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
+
+
+def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
+    """A ROUTER socket bound at ``path`` (file mode 0600), after clearing a dead sender's leftover."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise TransferError(f"endpoint file {path} exists and is not a socket; refusing to replace it")
+        if _accepting(path):
+            raise TransferError(f"endpoint {path} is in use by a live sender; use another endpoint name")
+        os.unlink(path)  # stale: its sender died without closing
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished receiver fails instead of vanishing
+    try:
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o600)
+    except Exception:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def connect_receiver(context: zmq.Context, path: str) -> zmq.Socket:
+    """A DEALER socket connected to ``path``; frames queue until the sender binds."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.connect(f"ipc://{path}")
+    return sock

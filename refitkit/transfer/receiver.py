@@ -1,0 +1,329 @@
+"""The inference side of a weight sync: map the sender's bucket once, hand out tensors, release, ACK.
+
+``receive(on_bucket)`` calls ``on_bucket(weights, is_last)`` once per bucket (at least once: an
+empty stream gives one call with ``[]`` and ``is_last=True``). ``iter_weights()`` is the same
+session as one generator. Tensors are views into the bucket (or, for tensors split across
+buckets, reassembled on the receiver's device) and are valid only during the call / until the
+next tensor is requested: copy what you keep.
+
+Ordering that keeps the sender's memory free: after the last bucket the receiver drops every
+view, unmaps the bucket (and on CUDA runs ``ipc_collect`` + ``empty_cache``) and only then sends
+the final ACK. Any failure (``on_bucket`` raising, a view kept past release, a sender abort,
+a timeout) also releases first and, when the sender can still hear it, reports an error frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import zmq
+
+from refitkit.errors import InvalidInput, ProtocolError, TransferError
+from refitkit.transfer import cuda_ipc, shm
+from refitkit.transfer.endpoint import connect_receiver, socket_path
+from refitkit.transfer.phases import SessionPhase, TransferStats
+from refitkit.transfer.protocol import SUPPORTED_DTYPES, Entry, decode, encode, expect, recv_frame
+
+log = logging.getLogger(__name__)
+
+OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
+
+
+class BucketedWeightReceiver:
+    """Connects to a sender's ``endpoint`` and receives one session per ``receive()`` / ``iter_weights()``."""
+
+    def __init__(self, endpoint: str, device: str | torch.device, timeout_s: float = 120.0) -> None:
+        if not timeout_s > 0:
+            raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidInput(f"device={device!r}; the receiver supports cpu and cuda")
+        self.endpoint = endpoint
+        self.path = socket_path(endpoint)
+        self.timeout_s = float(timeout_s)
+        self.last_stats: TransferStats | None = None
+
+    def receive(self, on_bucket: OnBucket) -> TransferStats:
+        """Run one session, calling ``on_bucket(weights, is_last)`` per bucket; returns after the final ACK."""
+        session = _ReceiveSession(self)
+        try:
+            session.open()
+            while True:
+                weights, last = session.next_bucket()
+                failure = None
+                try:
+                    on_bucket(weights, last)
+                except Exception as exc:  # reported to the sender; the traceback must not keep views alive
+                    failure = f"on_bucket raised {type(exc).__name__}: {exc}"
+                weights = None
+                if failure is not None:
+                    session.fail(failure)
+                    raise TransferError(failure)
+                session.bucket_consumed(last)
+                if last:
+                    self.last_stats = session.stats()
+                    return self.last_stats
+        except Exception as exc:
+            session.fail(f"receiver gave up: {exc}")
+            raise
+        finally:
+            session.close()
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The session as one generator; release + final ACK happen when it is exhausted or closed."""
+        session = _ReceiveSession(self)
+        yielded = 0
+        complete = False
+        try:
+            session.open()
+            while True:
+                weights, last = session.next_bucket()
+                for index in range(len(weights)):
+                    name, tensor = weights[index]
+                    weights[index] = None  # type: ignore[call-overload]
+                    complete = last and index == len(weights) - 1
+                    if complete and session.is_bucket_view(tensor):
+                        # A for-loop still holds this tensor when it asks for the end (which releases the
+                        # bucket); handing out a copy lets the release happen without a dangling view.
+                        tensor = tensor.clone()
+                    yielded += 1
+                    yield name, tensor
+                    name = tensor = None  # type: ignore[assignment]
+                weights = None  # type: ignore[assignment]
+                session.bucket_consumed(last)
+                if last:
+                    self.last_stats = session.stats()
+                    return
+        except GeneratorExit:
+            name = tensor = weights = None  # type: ignore[assignment]
+            if complete:  # closed after the last tensor: a normal end
+                session.bucket_consumed(True)
+                self.last_stats = session.stats()
+            else:
+                session.fail(f"iter_weights() was closed after {yielded} tensors, before the last bucket")
+        except Exception as exc:
+            session.fail(f"receiver gave up: {exc}")
+            raise
+        finally:
+            session.close()
+
+
+class _ReceiveSession:
+    """State of one receiving session: socket, mapping, sequence numbers, partly assembled tensors."""
+
+    def __init__(self, receiver: BucketedWeightReceiver) -> None:
+        self.receiver = receiver
+        self.device = receiver.device
+        self.phase = SessionPhase.HANDSHAKE
+        self.context: zmq.Context | None = None
+        self.sock: zmq.Socket | None = None
+        self.session: str | None = None
+        self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
+        self.half_bytes = 0
+        self.seq = 0
+        self.partial: dict[str, tuple[torch.Tensor, int]] = {}
+        self.assembled: list[torch.Tensor] = []  # this bucket's reassembled (owned) tensors
+        self.started = time.perf_counter()
+        self.wait_s = 0.0
+        self.bytes = 0
+        self.tensors = 0
+        self.released = False
+
+    # -- handshake --------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        self.context = zmq.Context()
+        self.sock = connect_receiver(self.context, self.receiver.path)
+        hello: dict[str, Any] = {"pid": os.getpid(), "device": self.device.type}
+        if self.device.type == "cuda":
+            hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
+        self.sock.send(encode("hello", **hello))
+        setup = self._recv("setup")
+        if setup["kind"] == "abort":
+            self.phase = SessionPhase.RELEASED
+            raise TransferError(f"sender on {self.receiver.endpoint!r} refused the session: {setup.get('reason')}")
+        expect(setup, "setup")
+        self.session = str(setup.get("session"))
+        self.half_bytes = int(setup.get("half_bytes", 0))
+        transport, handle = setup.get("transport"), setup.get("handle") or {}
+        try:
+            if transport == "shm":
+                self.mapping = shm.ShmMapping(handle, self.device)
+            elif transport == "cuda_ipc":
+                if self.device.type != "cuda":
+                    raise TransferError(f"sender chose cuda_ipc but this receiver is on {self.device}")
+                self.mapping = cuda_ipc.CudaIpcMapping(handle, self.device)
+                self.device = self.mapping.device
+            elif transport != "none":
+                raise ProtocolError(f"unknown transport {transport!r} in setup")
+        except Exception as exc:
+            self.fail(f"could not map the bucket: {exc}")
+            raise
+        self.sock.send(encode("ready", session=self.session))
+        self.phase = SessionPhase.STREAMING
+
+    # -- buckets ----------------------------------------------------------------------------------
+
+    def next_bucket(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """Wait for the next bucket frame and turn it into (name, tensor) pairs."""
+        frame = self._recv(f"bucket {self.seq}")
+        if frame["kind"] == "abort":
+            reason = str(frame.get("reason"))
+            self._release()
+            self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
+            self.phase = SessionPhase.RELEASED
+            raise TransferError(f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq}: {reason}")
+        expect(frame, "bucket", session=self.session)
+        if frame.get("seq") != self.seq or frame.get("half") not in (0, 1):
+            raise ProtocolError(f"bucket frame seq={frame.get('seq')!r} half={frame.get('half')!r}, expected seq {self.seq}")
+        entries = [Entry.from_wire(raw) for raw in frame.get("entries") or []]
+        weights = self._unpack(entries, int(frame["half"])) if entries else []
+        return weights, bool(frame.get("last"))
+
+    def _unpack(self, entries: list[Entry], half: int) -> list[tuple[str, torch.Tensor]]:
+        self._validate(entries)  # before any view exists, so a bad frame leaves nothing mapped in a traceback
+        assert self.mapping is not None
+        used = max(entry.offset + entry.nbytes for entry in entries)
+        self.assembled.clear()
+        base = self.mapping.bucket(half * self.half_bytes, used)
+        weights = []
+        for entry in entries:
+            dtype = SUPPORTED_DTYPES[entry.dtype]
+            piece = base[entry.offset : entry.offset + entry.nbytes]
+            if entry.whole:
+                weights.append((entry.name, piece.view(dtype).view(entry.shape)))
+            else:
+                tensor = self._assemble(entry, dtype, piece)
+                if tensor is not None:
+                    weights.append((entry.name, tensor))
+                    self.assembled.append(tensor)
+            self.bytes += entry.nbytes
+        self.tensors += len(weights)
+        return weights
+
+    def _validate(self, entries: list[Entry]) -> None:
+        if self.mapping is None:
+            raise ProtocolError("bucket with tensors in a session without a bucket buffer")
+        progress = {name: done for name, (_, done) in self.partial.items()}
+        for entry in entries:
+            if entry.offset + entry.nbytes > self.half_bytes:
+                raise ProtocolError(f"{entry.name!r}: bytes {entry.offset}+{entry.nbytes} outside a {self.half_bytes}-byte half")
+            itemsize = SUPPORTED_DTYPES[entry.dtype].itemsize
+            if torch.Size(entry.shape).numel() * itemsize != entry.total or entry.start + entry.nbytes > entry.total:
+                raise ProtocolError(f"{entry.name!r}: shape {entry.shape} of {entry.dtype} does not match its byte range")
+            if not entry.whole:
+                if progress.get(entry.name, 0) != entry.start or (entry.start and entry.name not in progress):
+                    raise ProtocolError(f"{entry.name!r}: byte range from {entry.start} arrived out of order")
+                progress[entry.name] = entry.start + entry.nbytes
+
+    def _assemble(self, entry: Entry, dtype: torch.dtype, piece: torch.Tensor) -> torch.Tensor | None:
+        """Copy one byte range of a split tensor into place; the tensor once its last range arrived."""
+        if entry.start == 0:
+            self.partial[entry.name] = (torch.empty(entry.shape, dtype=dtype, device=self.device), 0)
+        tensor, _ = self.partial[entry.name]
+        tensor.view(-1).view(torch.uint8)[entry.start : entry.start + entry.nbytes].copy_(piece)
+        if not entry.completes:
+            self.partial[entry.name] = (tensor, entry.start + entry.nbytes)
+            return None
+        del self.partial[entry.name]
+        return tensor
+
+    def is_bucket_view(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` points into the mapped bucket (rather than being reassembled and owned)."""
+        return not any(tensor is assembled for assembled in self.assembled)
+
+    def bucket_consumed(self, last: bool) -> None:
+        """The caller dropped this bucket's tensors: free its half, or release everything and ACK."""
+        if not last:
+            if isinstance(self.mapping, cuda_ipc.CudaIpcMapping) or self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # reads done before the half is reused
+            self._send(encode("done", session=self.session, seq=self.seq))
+            self.seq += 1
+            return
+        self.phase = SessionPhase.DRAINING
+        try:
+            self._release()
+        except TransferError as exc:
+            self.fail(str(exc))
+            raise
+        # Release strictly before the final ACK: an ACK first lets the sender free memory still mapped here.
+        log.debug("bucket memory released", extra={"refit_event": "receiver_released"})
+        log.debug("sending the final ACK", extra={"refit_event": "final_ack_sending"})
+        self._send(encode("released", session=self.session, seq=self.seq))
+        self.phase = SessionPhase.RELEASED
+
+    # -- release, failure, frames -----------------------------------------------------------------
+
+    def _release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.partial.clear()
+        self.assembled.clear()
+        mapping, self.mapping = self.mapping, None
+        if mapping is not None:
+            mapping.release()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def fail(self, message: str) -> None:
+        """Release, then tell the sender why this session failed (best effort; once per session)."""
+        if self.phase is SessionPhase.RELEASED:
+            return
+        try:
+            self._release()
+        except TransferError as exc:
+            message = f"{message}; and then {exc}"
+        if self.session is not None:
+            self._send(encode("error", session=self.session, phase=self.phase.value, message=message), quiet=True)
+        self.phase = SessionPhase.RELEASED
+
+    def stats(self) -> TransferStats:
+        return TransferStats(
+            bytes=self.bytes, tensors=self.tensors, buckets=self.seq + 1,
+            seconds=time.perf_counter() - self.started, ack_wait_s=self.wait_s,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Release whatever is still held and close the socket; never raises for the release."""
+        self.partial.clear()
+        self.assembled.clear()
+        try:
+            self._release()
+        except TransferError as exc:
+            log.warning("receiver on %r: %s", self.receiver.endpoint, exc)
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.context is not None:
+            self.context.term()
+            self.context = None
+
+    def _send(self, payload: bytes, *, quiet: bool = False) -> None:
+        assert self.sock is not None
+        try:
+            self.sock.send(payload, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if not quiet:
+                raise TransferError(f"{self.phase.value}: cannot reach the sender on {self.receiver.endpoint!r}: {exc}") from None
+
+    def _recv(self, waiting_for: str) -> dict[str, Any]:
+        assert self.sock is not None
+        began = time.perf_counter()
+        try:
+            parts = recv_frame(
+                self.sock, timeout_s=self.receiver.timeout_s, phase=self.phase,
+                waiting_for=waiting_for, peer=f"the sender on {self.receiver.endpoint!r}",
+            )  # fmt: skip
+        finally:
+            self.wait_s += time.perf_counter() - began
+        if len(parts) != 1:
+            raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.receiver.endpoint!r}")
+        return decode(parts[0])

@@ -1,0 +1,159 @@
+"""POSIX shared-memory transport: one segment per session, unlinked as soon as the receiver mapped it.
+
+Segments live in ``/dev/shm`` as ``refitkit-<uid>-<pid>-<session>`` with mode 0600. The sender
+unlinks the name right after the receiver's ``ready`` (both mappings stay valid; nothing can
+outlive both processes), and again on any failure. A sender that was SIGKILLed before that point
+leaves a named segment behind: the next sender in any process removes segments whose pid is dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+from typing import Any
+
+import torch
+
+from refitkit.errors import ProtocolError, TransferError
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_PREFIX = f"refitkit-{os.getuid()}-"
+_SEGMENT = re.compile(rf"^{re.escape(_PREFIX)}(\d+)-[0-9a-f]+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_segments() -> int:
+    """Unlink this user's segments whose creating process is gone; returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        match = _SEGMENT.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except FileNotFoundError:
+                pass  # another sender cleaned it first
+    if removed:
+        log.info("removed %d stale shared-memory segment(s) of dead senders", removed)
+    return removed
+
+
+def _map(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise ProtocolError(f"shm segment {path} has {os.fstat(fd).st_size} bytes, setup said {nbytes}")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
+
+
+class _Mapped:
+    """An mmap seen as a uint8 CPU tensor; closing fails loudly while any view is still alive."""
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self._mmap: mmap.mmap | None = mapping
+        # Through a memoryview, so the mmap refuses to close while a tensor view exists (no dangling views).
+        self.tensor: torch.Tensor | None = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
+
+    def close(self, *, what: str) -> None:
+        self.tensor = None
+        mapping, self._mmap = self._mmap, None
+        if mapping is None:
+            return
+        try:
+            mapping.close()
+        except BufferError:
+            # The mapping is unmapped when the last view dies; say who kept it.
+            raise TransferError(
+                f"{what}: a tensor view of the shared-memory bucket is still referenced "
+                "(tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
+            ) from None
+
+
+class ShmBucket(_Mapped):
+    """The sender's bucket buffer in a fresh shared-memory segment."""
+
+    transport = "shm"
+
+    def __init__(self, nbytes: int, *, session: str) -> None:
+        self.path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{session}")
+        super().__init__(_map(self.path, nbytes, create=True))
+        self.nbytes = nbytes
+
+    def handle(self) -> dict[str, Any]:
+        """The fields the receiver needs to map this bucket."""
+        return {"path": self.path, "nbytes": self.nbytes}
+
+    def receiver_mapped(self) -> None:
+        """The receiver holds its own mapping: drop the name so no crash can leak the segment."""
+        self._unlink()
+
+    def sync(self) -> None:
+        """Packing copies into host memory are synchronous; nothing to wait for."""
+
+    def free(self) -> None:
+        """Unmap and unlink; idempotent."""
+        self._unlink()
+        self.close(what="sender bucket")
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class ShmMapping(_Mapped):
+    """The receiver's mapping of the sender's segment, mapped once per session."""
+
+    def __init__(self, handle: dict[str, Any], device: torch.device) -> None:
+        try:
+            path, nbytes = str(handle["path"]), int(handle["nbytes"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(f"bad shm handle {handle!r}") from None
+        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith("refitkit-"):
+            raise ProtocolError(f"shm handle names {path!r}, not a refitkit segment in {SHM_DIR}")
+        super().__init__(_map(path, nbytes, create=False))
+        self.device = device
+        self._staging: torch.Tensor | None = None
+
+    def bucket(self, offset: int, used_bytes: int) -> torch.Tensor:
+        """The used bytes of one half as a uint8 tensor on the receiver's device."""
+        assert self.tensor is not None
+        view = self.tensor[offset : offset + used_bytes]
+        if self.device.type == "cpu":
+            return view
+        # A GPU receiver on shm: one host-to-device copy per bucket into a staging buffer kept for the session.
+        if self._staging is None or self._staging.numel() < used_bytes:
+            self._staging = torch.empty(max(used_bytes, self.tensor.numel() // 2), dtype=torch.uint8, device=self.device)
+        staged = self._staging[:used_bytes]
+        staged.copy_(view)
+        return staged
+
+    def release(self) -> None:
+        """Drop the staging buffer and unmap; raises TransferError if a view is still referenced."""
+        self._staging = None
+        self.close(what="receiver release")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the staging buffer goes back to the device, not to torch's cache

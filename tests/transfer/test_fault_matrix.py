@@ -1,0 +1,208 @@
+"""Fault matrix: every failure ends in the right exception within timeout_s + 1 s, memory is released
+on both sides, and a fresh session on the same endpoint then succeeds."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from refitkit.errors import ProtocolError, TransferError, TransferTimeout
+from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
+from refitkit.transfer.endpoint import socket_path
+from tests.transfer.harness import CASES, own_segment_files, roundtrip
+from tests.transfer.peers import killed_sender_main, mapped_segments, one_shot_receiver_main
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUT_S = 3.0
+BUCKET = 8192  # halves of 4096 bytes: one 4000-byte tensor per bucket
+
+
+def stream(count: int = 6, device: str = "cpu"):
+    return [(f"w{i}", torch.full((1000,), float(i), device=device)) for i in range(count)]
+
+
+def fresh_session_works(server, endpoint, case=None):
+    kwargs = {"case": case} if case is not None else {}
+    roundtrip(server, endpoint, stream(3, case.tensor_device if case else "cpu"), bucket_bytes=BUCKET, **kwargs)
+
+
+def send_expecting(endpoint, error, match, *, weights=None, transport="shm", device="cpu"):
+    """Run send() and check it fails with ``error`` within timeout + 1 s, holding no bucket memory."""
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, transport=transport, timeout_s=TIMEOUT_S) as sender:
+        began = time.monotonic()
+        with pytest.raises(error, match=match) as raised:
+            sender.send(weights if weights is not None else stream(device=device))
+        assert time.monotonic() - began < TIMEOUT_S + 1.0
+        assert own_segment_files() == [] and mapped_segments() == []
+    return raised.value
+
+
+def test_receiver_raises_in_on_bucket(receiver_server, endpoint, case):
+    receiver_server.start_session(endpoint, device=case.receiver_device, timeout_s=TIMEOUT_S, mode="raise", arg=2)
+    error = send_expecting(endpoint, TransferError, "loader exploded at bucket 2", transport=case.transport, device=case.tensor_device)
+    assert type(error) is TransferError and "loader exploded at bucket 2" in error.remote_message
+    result = receiver_server.result()
+    assert not result["ok"] and result["type"] == "TransferError" and result["segments_after"] == []
+    fresh_session_works(receiver_server, endpoint, case)
+
+
+def test_receiver_raises_in_cleanup(receiver_server, endpoint, case):
+    # The loader keeps a view past its call: release must refuse (not unmap under it) and report.
+    receiver_server.start_session(endpoint, device=case.receiver_device, timeout_s=TIMEOUT_S, mode="keep_view")
+    error = send_expecting(endpoint, TransferError, "still referenced", transport=case.transport, device=case.tensor_device)
+    assert "valid only until the next one" in error.remote_message
+    result = receiver_server.result()
+    assert not result["ok"] and "still referenced" in result["message"]
+    assert result["segments_after"] == []  # the kept views died with the session: the mapping went with them
+    fresh_session_works(receiver_server, endpoint, case)
+
+
+def test_receiver_sigkilled_mid_stream(receiver_server, endpoint, case):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, case.receiver_device, TIMEOUT_S, "kill", 2, child))
+    victim.start()
+    assert parent.poll(30) and parent.recv() == "starting"  # its hello is queued: time only the session
+    try:
+        send_expecting(endpoint, TransferTimeout, r"timeout_s=3", transport=case.transport, device=case.tensor_device)
+    finally:
+        victim.join(10)
+    assert victim.exitcode == -9
+    fresh_session_works(receiver_server, endpoint, case)
+
+
+def test_sender_sigkilled_mid_stream(receiver_server, endpoint):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    victim = ctx.Process(target=killed_sender_main, args=(endpoint, BUCKET, 3, child))
+    victim.start()
+    assert parent.poll(30)
+    victim_pid = parent.recv()
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=TIMEOUT_S)
+    seen: list[bool] = []
+    began = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"streaming: no bucket \d+ from the sender .* timeout_s=3"):
+        receiver.receive(lambda weights, is_last: seen.append(is_last))
+    assert time.monotonic() - began < TIMEOUT_S + 1.0 + 0.5  # + the victim's own start after its pid arrived
+    victim.join(10)
+    assert victim.exitcode == -9 and seen and not any(seen)
+    assert mapped_segments() == []
+    assert not any(f"-{victim_pid}-" in name for name in os.listdir("/dev/shm"))  # unlinked once mapped
+    assert os.path.exists(socket_path(endpoint))  # the dead sender's socket file is still there...
+    fresh_session_works(receiver_server, endpoint)  # ...and a new sender binds over it
+
+
+def test_nobody_listening(endpoint):
+    error = send_expecting(endpoint, TransferTimeout, "handshake: no hello")
+    assert "timeout_s=3" in str(error)
+
+
+def test_no_sender(endpoint):
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=TIMEOUT_S)
+    began = time.monotonic()
+    with pytest.raises(TransferTimeout, match="handshake: no setup from the sender .* timeout_s=3"):
+        receiver.receive(lambda weights, is_last: None)
+    assert time.monotonic() - began < TIMEOUT_S + 1.0
+
+
+def test_stale_socket_file(receiver_server, endpoint):
+    leftover = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    leftover.bind(socket_path(endpoint))
+    leftover.close()
+    fresh_session_works(receiver_server, endpoint)
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        ([b"\x93garbage!"], "undecodable|not a map"),
+        ([msgpack.packb({"v": 0, "kind": "hello"})], "wire version 0"),
+        ([msgpack.packb({"v": 1, "kind": "load_pickle"})], "unknown frame kind"),
+        ([b"two", b"parts"], "2-part message"),
+    ],
+    ids=["garbage", "old-version", "unknown-kind", "multipart"],
+)
+def test_garbage_to_the_sender(receiver_server, endpoint, payload, match):
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S) as sender:
+        context = zmq.Context()
+        rogue = context.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(f"ipc://{sender.path}")
+        rogue.send_multipart(payload)
+        began = time.monotonic()
+        with pytest.raises(ProtocolError, match=match):
+            sender.send(stream())
+        assert time.monotonic() - began < TIMEOUT_S + 1.0
+        rogue.close()
+        context.term()
+        assert own_segment_files() == []
+    fresh_session_works(receiver_server, endpoint)
+
+
+def test_garbage_to_the_receiver(endpoint):
+    context = zmq.Context()
+    fake_sender = context.socket(zmq.ROUTER)
+    fake_sender.setsockopt(zmq.LINGER, 0)
+    fake_sender.bind(f"ipc://{socket_path(endpoint)}")
+    try:
+        receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=TIMEOUT_S)
+        import threading
+
+        def answer_with_garbage():
+            if fake_sender.poll(int(TIMEOUT_S * 1000)):
+                peer, _hello = fake_sender.recv_multipart()
+                fake_sender.send_multipart([peer, b"\xff\x00not msgpack at all"])
+
+        thread = threading.Thread(target=answer_with_garbage)
+        thread.start()
+        with pytest.raises(ProtocolError, match="undecodable"):
+            receiver.receive(lambda weights, is_last: None)
+        thread.join(TIMEOUT_S + 1)
+    finally:
+        fake_sender.close()
+        context.term()
+
+
+def test_raw_bytes_on_the_socket(receiver_server, endpoint):
+    """Raw bytes framed the ZMTP/1.0 way reach the socket as a frame: garbage to us, a ProtocolError."""
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S) as sender:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(sender.path)
+        raw.sendall(b"\x01\x00" + b"\x08\x00garbage")  # legacy greeting (empty identity), then one frame
+        began = time.monotonic()
+        with pytest.raises(ProtocolError, match="undecodable"):
+            sender.send(stream(3))
+        assert time.monotonic() - began < TIMEOUT_S + 1.0
+        raw.close()
+    fresh_session_works(receiver_server, endpoint)
+
+
+def test_non_zmtp_bytes_are_dropped_and_the_session_succeeds(receiver_server, endpoint):
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S) as sender:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(sender.path)
+        raw.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        receiver_server.start_session(endpoint, timeout_s=TIMEOUT_S)
+        stats = sender.send(stream(3))
+        raw.close()
+    assert stats.tensors == 3 and receiver_server.result()["ok"]
+
+
+def test_iter_weights_closed_early(receiver_server, endpoint):
+    receiver_server.start_session(endpoint, timeout_s=TIMEOUT_S, mode="iter_close_early")
+    error = send_expecting(endpoint, TransferError, "closed after 1 tensors")
+    assert error.remote_message.startswith("iter_weights() was closed")
+    assert receiver_server.result()["segments_after"] == []
+    fresh_session_works(receiver_server, endpoint)
+
+
+def test_fault_cases_cover_cuda():
+    assert any("cuda" in str(param.values[0]) for param in CASES)

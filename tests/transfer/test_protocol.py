@@ -1,0 +1,130 @@
+"""Wire format and endpoints: frames are plain msgpack data; anything else is a ProtocolError."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import stat
+
+import msgpack
+import pytest
+import torch
+
+from refitkit.errors import InvalidInput, ProtocolError, TransferError
+from refitkit.transfer import BucketedWeightSender, shm
+from refitkit.transfer.endpoint import socket_dir, socket_path
+from refitkit.transfer.protocol import SUPPORTED_DTYPES, WIRE_VERSION, Entry, decode, dtype_name, encode
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_frames_round_trip_as_plain_data():
+    entry = Entry("layers.0.q_proj.weight", "bfloat16", (4096, 4096), 256, 1024, 2048, 4096 * 4096 * 2)
+    frame = decode(encode("bucket", session="ab", seq=3, half=1, last=False, entries=[entry.to_wire()]))
+    assert frame["kind"] == "bucket" and frame["v"] == WIRE_VERSION
+    assert Entry.from_wire(frame["entries"][0]) == entry
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b"\xc1\xc1garbage", "undecodable"),
+        (pickle.dumps({"v": 1, "kind": "hello"}), "undecodable|not a map"),
+        (msgpack.packb([1, "hello"]), "not a map"),
+        (msgpack.packb({"v": 99, "kind": "hello"}), "wire version 99"),
+        (msgpack.packb({"v": WIRE_VERSION, "kind": "exec"}), "unknown frame kind 'exec'"),
+        (msgpack.packb({1: 2}), "undecodable"),  # non-str keys are refused by the codec
+    ],
+)
+def test_anything_else_is_a_protocol_error(raw, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(raw)
+
+
+def test_malformed_entries_are_protocol_errors():
+    with pytest.raises(ProtocolError, match="malformed"):
+        Entry.from_wire(["w", "float32", [2]])
+    with pytest.raises(ProtocolError, match="bad dtype"):
+        Entry.from_wire(["w", "object", [2], 0, 8, 0, 8])
+
+
+def test_dtype_names_cover_every_supported_dtype():
+    for name, dtype in SUPPORTED_DTYPES.items():
+        assert dtype_name(dtype) == name
+    assert dtype_name(torch.qint8) is None and dtype_name(torch.uint4) is None
+
+
+def test_named_endpoint_lives_in_a_private_dir_and_socket_is_0600(endpoint):
+    with BucketedWeightSender(endpoint, timeout_s=1) as sender:
+        assert stat.S_IMODE(os.stat(socket_dir()).st_mode) == 0o700
+        assert sender.path == os.path.join(socket_dir(), f"{endpoint}.sock")
+        assert stat.S_IMODE(os.stat(sender.path).st_mode) == 0o600
+    assert not os.path.exists(sender.path)  # close() removes the socket file
+
+
+def test_explicit_ipc_path(tmp_path):
+    path = tmp_path / "explicit.sock"
+    with BucketedWeightSender(f"ipc://{path}", timeout_s=1):
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize("bad", ["", "../etc/passwd", "a b", "ipc://relative.sock", "x" * 65, 42])
+def test_bad_endpoints_are_rejected(bad):
+    with pytest.raises(InvalidInput, match="endpoint"):
+        socket_path(bad)
+
+
+def test_stale_socket_file_is_replaced(endpoint):
+    path = socket_path(endpoint)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()  # the file stays, nobody accepts on it: a dead sender's leftover
+    assert os.path.exists(path)
+    with BucketedWeightSender(endpoint, timeout_s=1):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_live_endpoint_is_refused(endpoint):
+    with BucketedWeightSender(endpoint, timeout_s=1):
+        with pytest.raises(TransferError, match="in use by a live sender"):
+            BucketedWeightSender(endpoint, timeout_s=1)
+
+
+def test_non_socket_file_is_not_replaced(endpoint):
+    path = socket_path(endpoint)
+    with open(path, "w") as handle:
+        handle.write("precious")
+    with pytest.raises(TransferError, match="not a socket"):
+        BucketedWeightSender(endpoint, timeout_s=1)
+    os.unlink(path)
+
+
+def test_stale_shm_segments_of_dead_senders_are_removed():
+    dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
+    stale = f"{shm.SHM_DIR}/refitkit-{os.getuid()}-{dead_pid}-deadbeef"
+    mine = f"{shm.SHM_DIR}/refitkit-{os.getuid()}-{os.getpid()}-cafe"
+    for path in (stale, mine):
+        with open(path, "wb") as handle:
+            handle.write(b"\0" * 64)
+    try:
+        assert shm.remove_stale_segments() >= 1
+        assert not os.path.exists(stale) and os.path.exists(mine)
+    finally:
+        for path in (stale, mine):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"transport": "tcp"}, "transport"),
+        ({"bucket_bytes": 100}, "bucket_bytes"),
+        ({"bucket_bytes": 1.5e9}, "bucket_bytes"),
+        ({"timeout_s": 0}, "timeout_s"),
+    ],
+)
+def test_sender_knobs_are_checked(endpoint, kwargs, match):
+    with pytest.raises(InvalidInput, match=match):
+        BucketedWeightSender(endpoint, **kwargs)
