@@ -44,11 +44,14 @@ def restore_gc():
 
 def test_finds_the_planted_cycle_its_tensor_bytes_and_how_it_is_held():
     survivor = torch.ones(1024)  # reachable: must not be reported
+    # some interpreters start with objects already frozen (seen on the GPU image): then the audit
+    # cannot freeze cleanly and falls back to collecting first
+    expected_method = "freeze" if gc.get_freeze_count() == 0 else "collect-before"
     with CycleAudit() as audit:
         plant_cycle()
         kept = torch.zeros(2048)
     report = audit.report
-    assert report.method == "freeze"
+    assert report.method == expected_method
     assert report.by_type[f"{__name__}.Holder"] == 1
     assert report.by_type["torch.Tensor"] == 1
     assert report.tensor_bytes == {"cpu": 1 << 20}
@@ -95,6 +98,7 @@ def test_garbage_made_before_the_block_is_not_reported():
 
 def test_restores_gc_state_flags_thresholds_and_garbage(restore_gc):
     sentinel = object()
+    frozen_before = gc.get_freeze_count()
     gc.garbage.append(sentinel)
     try:
         gc.disable()
@@ -105,7 +109,7 @@ def test_restores_gc_state_flags_thresholds_and_garbage(restore_gc):
             plant_cycle()
         assert not audit.report.clean
         assert (gc.isenabled(), gc.get_threshold(), gc.get_debug()) == (False, (1234, 5, 6), gc.DEBUG_UNCOLLECTABLE)
-        assert gc.garbage == [sentinel] and gc.get_freeze_count() == 0
+        assert gc.garbage == [sentinel] and gc.get_freeze_count() == frozen_before
         gc.enable()
         with CycleAudit():
             assert not gc.isenabled()  # no automatic collection inside the audited block
@@ -116,12 +120,13 @@ def test_restores_gc_state_flags_thresholds_and_garbage(restore_gc):
 
 def test_restores_state_when_the_block_raises(restore_gc):
     gc.set_threshold(777, 8, 9)
+    frozen_before = gc.get_freeze_count()
     audit = CycleAudit()
     with pytest.raises(KeyError):
         with audit:
             plant_cycle()
             raise KeyError("boom")
-    assert gc.isenabled() and gc.get_threshold() == (777, 8, 9) and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_threshold() == (777, 8, 9) and gc.get_freeze_count() == frozen_before
     assert audit.report.tensor_bytes == {"cpu": 1 << 20}
 
 

@@ -23,6 +23,13 @@ def offload_returns_memory(rank: int, world_size: int) -> dict:
     torch.cuda.set_device(0)
     # run_world's default group is gloo; FSDP2 on CUDA tensors wants NCCL
     mesh = DeviceMesh.from_group(dist.new_group(backend="nccl"), "cuda")
+    # the first GEMMs allocate cuBLAS / cuBLASLt workspaces (32 MiB each on Hopper, through the caching
+    # allocator) that live as long as the process: part of the baseline, not training state
+    warm = torch.randn(256, 256, device="cuda", requires_grad=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        (warm.to(dtype) @ warm.to(dtype)).float().sum().backward()
+    del warm
+    torch.cuda.synchronize()
     base_allocated = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(3)]).cuda()
