@@ -7,19 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
-from refitkit.offload import (
-    HostArena,
-    MoveStats,
-    flush_device,
-    offload_grads,
-    offload_optimizer,
-    offload_tensors,
-    reload_grads,
-    reload_optimizer,
-    reload_tensors,
-)
 
 
 def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
@@ -40,59 +27,34 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     Console().print(table)
 
 
-def _stats_row(phase: str, stats: MoveStats) -> list[str]:
-    return [phase, f"{stats.bytes / 2**20:.1f}", str(stats.storages), f"{stats.seconds * 1e3:.2f}", f"{stats.gbps:.2f}"]
-
-
-def _demo_model(device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)]
-    model = torch.nn.Sequential(*layers).to(device)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, device: torch.device) -> float:
-    generator = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 512, generator=generator).to(device)
-    loss = model(x).pow(2).mean()
-    loss.backward()
-    optimizer.step()
-    return loss.item()
-
-
 def demo(args: argparse.Namespace) -> int:
-    """Train, offload params + grads + AdamW state into a HostArena, reload, train on: show what moved."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, optimizer = _demo_model(device)
-    params = list(model.named_parameters())
-    arena = HostArena()
+    """The refit cycle end to end: train, stream weights to a spawned peer, offload, barrier, reload."""
+    from refitkit.demo import run_demo
+
+    result = run_demo(rounds=args.rounds, device=args.device)
     rows: list[list[str]] = []
-    for round_index in range(args.rounds):
-        loss = _train_step(model, optimizer, round_index, device)
-        grads = offload_grads(params, arena, keep=True)
-        weights = offload_tensors(params, arena)
-        states = offload_optimizer(optimizer, arena)
-        flush_device(device)
-        freed = all(p.untyped_storage().nbytes() == 0 for _, p in params)
-        rows += [
-            _stats_row(f"round {round_index} offload params", weights),
-            _stats_row(f"round {round_index} offload grads", grads),
-            _stats_row(f"round {round_index} offload optimizer", states),
-        ]
-        rows.append(_stats_row(f"round {round_index} reload params", reload_tensors(params, arena)))
-        rows.append(_stats_row(f"round {round_index} reload optimizer", reload_optimizer(optimizer, arena)))
-        reload_grads(params, arena, zero=True)
-        optimizer.zero_grad(set_to_none=True)
-        print(f"round {round_index}: loss {loss:.5f}; device storages freed while offloaded: {freed}")
+    for index, round_ in enumerate(result.rounds):
+        for phase in round_.refit.phases + round_.resume.phases:
+            rows.append([
+                f"round {index} {phase.name}", f"{phase.bytes / 2**20:.1f}", f"{phase.seconds * 1e3:.2f}",
+                f"{phase.gbps:.2f}" if phase.bytes else "",
+            ])
     _table(
-        f"refitkit demo on {device}: host arena {arena.nbytes / 2**20:.1f} MiB (pinned={arena.pinned}), "
-        f"allocated once for {args.rounds} rounds",
-        ["phase", "MiB", "storages", "ms", "GB/s"],
+        f"refitkit demo on {result.device} ({result.transport} transport, spawned inference peer)",
+        ["phase", "MiB", "ms", "GB/s"],
         rows,
     )
-    return 0
+    for index, round_ in enumerate(result.rounds):
+        print(
+            f"round {index}: loss {round_.loss:.6f}; peer weights bit-identical: {round_.peer_matches}; "
+            f"trainer device storages freed while offloaded: {round_.freed_while_offloaded}"
+        )
+    print(
+        f"host arena {result.arena_bytes / 2**20:.1f} MiB (pinned={result.arena_pinned}), allocated once; "
+        f"RSS watchdog: {result.watchdog_status}; explicit gc.collect() calls: {result.explicit_gc}"
+    )
+    ok = all(r.peer_matches and r.freed_while_offloaded for r in result.rounds) and result.explicit_gc == 0
+    return 0 if ok else 1
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -121,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return audit(argv[1:])
     parser = argparse.ArgumentParser(prog="refitkit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="offload/reload rounds on a small model")
+    demo_parser = commands.add_parser("demo", help="the refit cycle end to end on a small model")
     demo_parser.add_argument("--rounds", type=int, default=3)
     demo_parser.add_argument("--device", default=None)
     commands.add_parser("bench", help="run benchmarks/ (GPU figures against same-run limits)")
