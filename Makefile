@@ -12,7 +12,7 @@ CORE_TEST_DIRS := tests/offload tests/refit tests/watchdog tests/transfer tests/
 ENGINE_ENVS := megatron torchtitan automodel
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-core test-engines bench audit clean $(addprefix test-,$(ENGINE_ENVS))
+.PHONY: demo test test-core test-engines bench audit clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,13 @@ test-core: $(VENV)/.installed
 
 test-engines: $(addprefix test-,$(ENGINE_ENVS))
 
-test-%: .venv-%/.installed
-	.venv-$*/bin/python -m pytest $(PYTEST_FLAGS) tests/engines/$*
+# one explicit rule per engine (make skips pattern rules for phony targets, so no `test-%`)
+define ENGINE_TEST_RULE
+.PHONY: test-$(1)
+test-$(1): .venv-$(1)/.installed
+	.venv-$(1)/bin/python -m pytest $$(PYTEST_FLAGS) tests/engines/$(1)
+endef
+$(foreach engine,$(ENGINE_ENVS),$(eval $(call ENGINE_TEST_RULE,$(engine))))
 
 bench: $(VENV)/.installed
 	$(PY) -m refitkit.cli bench
