@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import mmap
 import sys
 from dataclasses import dataclass, field
 
@@ -66,7 +67,11 @@ def _one_cycle(model, optimizer, arena, *, width: int, device: torch.device, pla
     reload_grads(named, arena, zero=True)
     flush_device(device)
     if plant == "bytes":
-        hoard.append(b"\x01" * MIB)
+        # a fresh anonymous mapping, every page written: new resident memory, never heap space that
+        # glibc could recycle from frees earlier in the process (which would hide the leak)
+        page = mmap.mmap(-1, MIB)
+        page.write(b"\x01" * MIB)
+        hoard.append(page)
     marks("reload")
 
 
@@ -86,7 +91,7 @@ def run_audit(
     run.gpu_available = gpu.available
     monitor = GcMonitor()
     run.gc_monitor = monitor
-    hoard: list[bytes] = []
+    hoard: list[mmap.mmap] = []
     was_enabled = gc.isenabled()
     if plant == "cycle":
         gc.disable()  # the planted cycles leak only while nothing collects them

@@ -199,3 +199,24 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def cycle_garbage(rank: int, world_size: int) -> dict:
+    """Cyclic garbage made by each of offload, reload and a named_weights pass on real FSDP2 (after a warm cycle)."""
+    from refitkit.engines.fsdp import FSDPAdapter
+    from refitkit.watchdog import CycleAudit
+
+    model, optimizer = build(world_size, fsdp=True, mixed_precision=True)
+    train_step(model, optimizer, rank, 0)
+    adapter = FSDPAdapter(model, optimizer)
+    adapter.offload()
+    adapter.reload()
+    for _ in adapter.named_weights():
+        pass
+    result = {}
+    for phase, run in (("offload", adapter.offload), ("reload", adapter.reload), ("named_weights", lambda: list(adapter.named_weights()))):
+        with CycleAudit() as audit:
+            run()
+        result[phase] = (audit.report.cyclic_objects, dict(audit.report.by_type))
+    return result
+

@@ -160,3 +160,10 @@ def test_replaced_param_is_named_in_the_error_and_nothing_is_restored():
 def test_clean_fqn_drops_wrapper_components():
     assert clean_fqn("layers.0._checkpoint_wrapped_module.attention.wq.weight") == "layers.0.attention.wq.weight"
     assert clean_fqn("_orig_mod.tok_embeddings.weight") == "tok_embeddings.weight"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_adapter_cycle_creates_no_cyclic_garbage(world_size):
+    for result in run_world(ranks.cycle_garbage, world_size, timeout_s=150):
+        assert {phase: count for phase, (count, _) in result.items()} == {"offload": 0, "reload": 0, "named_weights": 0}, result
