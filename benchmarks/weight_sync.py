@@ -4,9 +4,17 @@ Shapes come from the models' published configs (no download). The receiver runs 
 process on the same GPU and does what vLLM's load_weights does with each tensor: copies it into
 its own preallocated parameter. Prints ms per sync (steady state = median after a warm-up
 round), GB/s, bucket memory retained after send() returns, and this GPU's D2D copy rate
-measured in the same run.
+measured in the same run; after the last round the receiver's parameters are checked against
+the sender's weights (a checksum per tensor).
 
     python benchmarks/weight_sync.py [--models 0.6b,8b] [--rounds 5] [--bucket-gib 2]
+
+``--cpu-overhead`` (no GPU needed) measures what the transfer itself costs per tensor on each
+side: tiny tensors through the shm transport, so copies are negligible, at two stream lengths;
+the slope between them is the CPU microseconds per tensor (sender, receiver) and the wall
+microseconds per tensor of a whole sync; the intercept is the fixed cost of a session.
+
+    python benchmarks/weight_sync.py --cpu-overhead [--tensors 64,1024] [--rounds 30]
 """
 
 from __future__ import annotations
@@ -19,34 +27,9 @@ import uuid
 
 import torch
 
-QWEN3 = {  # from the published config.json files
-    "0.6b": dict(hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128, vocab=151936, tied=True),
-    "8b": dict(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128, vocab=151936, tied=False),
-}
+from refitkit.shapes import QWEN3_0_6B, QWEN3_8B, weight_shapes
 
-
-def qwen3_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    h, d = cfg["hidden"], cfg["head_dim"]
-    shapes = [("model.embed_tokens.weight", (cfg["vocab"], h))]
-    for i in range(cfg["layers"]):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (cfg["heads"] * d, h)),
-            (p + "self_attn.k_proj.weight", (cfg["kv_heads"] * d, h)),
-            (p + "self_attn.v_proj.weight", (cfg["kv_heads"] * d, h)),
-            (p + "self_attn.o_proj.weight", (h, cfg["heads"] * d)),
-            (p + "self_attn.q_norm.weight", (d,)),
-            (p + "self_attn.k_norm.weight", (d,)),
-            (p + "mlp.gate_proj.weight", (cfg["intermediate"], h)),
-            (p + "mlp.up_proj.weight", (cfg["intermediate"], h)),
-            (p + "mlp.down_proj.weight", (h, cfg["intermediate"])),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    shapes.append(("model.norm.weight", (h,)))
-    if not cfg["tied"]:
-        shapes.append(("lm_head.weight", (cfg["vocab"], h)))
-    return shapes
+MODELS = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}  # shapes from the published config.json files
 
 
 def d2d_copy_gbps(nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -63,6 +46,11 @@ def d2d_copy_gbps(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return nbytes * reps / (start.elapsed_time(end) / 1e3) / 1e9
 
 
+def checksums(named: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """One integer per tensor from its raw bits: equal lists mean (all but certainly) equal weights."""
+    return torch.stack([torch.sum(t.view(torch.int16), dtype=torch.int64) for _, t in named]).tolist()
+
+
 def receiver_main(endpoint: str, shapes: list, sessions: int, conn) -> None:
     from refitkit.transfer import BucketedWeightReceiver
 
@@ -77,12 +65,17 @@ def receiver_main(endpoint: str, shapes: list, sessions: int, conn) -> None:
     for _ in range(sessions):
         stats = receiver.receive(load_weights)
         conn.send(stats.seconds)
+    # wait until the sender has measured device memory: the checksum's temporaries are this process's,
+    # and the device-wide free-memory figure would otherwise count them against the sender
+    conn.poll(120)
+    conn.recv()
+    conn.send(checksums([(name, params[name]) for name, _ in shapes]))
 
 
 def bench_model(model: str, rounds: int, bucket_bytes: int) -> dict:
     from refitkit.transfer import BucketedWeightSender
 
-    shapes = qwen3_shapes(QWEN3[model])
+    shapes = weight_shapes(MODELS[model])
     weights = [(name, torch.randn(shape, dtype=torch.bfloat16, device="cuda")) for name, shape in shapes]
     total = sum(t.numel() * t.element_size() for _, t in weights)
     endpoint = f"bench-{uuid.uuid4().hex[:8]}"
@@ -104,10 +97,13 @@ def bench_model(model: str, rounds: int, bucket_bytes: int) -> dict:
             retained_reserved.append(torch.cuda.memory_reserved() - reserved_before)
             retained_device.append(free_before - torch.cuda.mem_get_info()[0])
             parent.recv()
+    parent.send("checksum")
+    assert parent.poll(120)
+    intact = parent.recv() == checksums(weights)
     peer.join(60)
     steady = times_ms[1:]
     return {
-        "model": model, "bytes": total, "tensors": len(weights), "first_ms": times_ms[0],
+        "model": model, "bytes": total, "tensors": len(weights), "first_ms": times_ms[0], "intact": intact,
         "median_ms": statistics.median(steady), "min_ms": min(steady),
         "gbps": total / (statistics.median(steady) / 1e3) / 1e9, "ack_wait_ms": statistics.median(ack_ms[1:]),
         "retained_reserved_mib": max(retained_reserved) / 2**20, "retained_device_mib": max(retained_device) / 2**20,
@@ -115,12 +111,83 @@ def bench_model(model: str, rounds: int, bucket_bytes: int) -> dict:
     }  # fmt: skip
 
 
+def overhead_receiver_main(endpoint: str, sessions: int, conn) -> None:
+    from refitkit.transfer import BucketedWeightReceiver
+
+    torch.set_num_threads(1)
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=60)
+
+    def walk(weights, is_last):  # touch every tensor, copy nothing: only the transfer's own work remains
+        for _name, _tensor in weights:
+            pass
+
+    conn.send("ready")
+    for _ in range(sessions):
+        began = time.thread_time()
+        receiver.receive(walk)
+        conn.send(time.thread_time() - began)
+
+
+def _slope_and_intercept(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    (x0, x1), (y0, y1) = xs, ys
+    slope = (y1 - y0) / (x1 - x0)
+    return slope, y0 - slope * x0
+
+
+def cpu_overhead(counts: list[int], rounds: int, warmup: int = 3) -> None:
+    """Per-tensor CPU cost of a sync on each side (shm transport, 128-byte tensors, one bucket buffer of 8 MiB)."""
+    import refitkit
+    from refitkit.transfer import BucketedWeightSender
+
+    torch.set_num_threads(1)
+    streams = {
+        n: [(f"model.layers.{i // 11}.w{i % 11}.weight", torch.randn(64).to(torch.bfloat16)) for i in range(n)] for n in counts
+    }
+    endpoint = f"bench-cpu-{uuid.uuid4().hex[:8]}"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    peer = ctx.Process(target=overhead_receiver_main, args=(endpoint, (rounds + warmup) * len(counts), child))
+    peer.start()
+    assert parent.poll(120) and parent.recv() == "ready"
+    samples: dict[int, dict[str, list[float]]] = {n: {"sender": [], "receiver": [], "wall": []} for n in counts}
+    with BucketedWeightSender(endpoint, bucket_bytes=8 << 20, transport="shm", timeout_s=60) as sender:
+        for round_index in range(rounds + warmup):
+            for n in counts:  # interleaved, so drift hits both lengths alike
+                began_wall, began_cpu = time.perf_counter(), time.thread_time()
+                sender.send(streams[n])
+                cpu_s, wall_s = time.thread_time() - began_cpu, time.perf_counter() - began_wall
+                assert parent.poll(60), "the receiver process gave no figures"
+                receiver_cpu_s = parent.recv()
+                if round_index >= warmup:
+                    for key, value in (("sender", cpu_s), ("receiver", receiver_cpu_s), ("wall", wall_s)):
+                        samples[n][key].append(value)
+    peer.join(60)
+    print(f"refitkit from {refitkit.__file__}; torch {torch.__version__}; shm transport, bf16 tensors of 128 bytes")
+    print(f"median of {rounds} sessions per stream length (after {warmup} warm-up rounds)")
+    print(f"{'tensors':>8} {'sender CPU ms':>14} {'receiver CPU ms':>16} {'sync wall ms':>13}")
+    medians = {n: {k: statistics.median(v) * 1e3 for k, v in samples[n].items()} for n in counts}
+    for n in counts:
+        m = medians[n]
+        print(f"{n:8d} {m['sender']:14.3f} {m['receiver']:16.3f} {m['wall']:13.3f}")
+    lo, hi = min(counts), max(counts)
+    print(f"per tensor (slope between {lo} and {hi} tensors) and per session (intercept):")
+    for key, label in (("sender", "sender CPU"), ("receiver", "receiver CPU"), ("wall", "sync wall")):
+        slope_ms, intercept_ms = _slope_and_intercept([lo, hi], [medians[lo][key], medians[hi][key]])
+        print(f"  {label:<13} {slope_ms * 1e3:6.2f} us/tensor   {intercept_ms:6.3f} ms/session")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="0.6b,8b")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None, help="steady-state rounds (default 5; 30 with --cpu-overhead)")
     parser.add_argument("--bucket-gib", type=float, default=2.0)
+    parser.add_argument("--cpu-overhead", action="store_true", help="per-tensor CPU cost on each side, no GPU needed")
+    parser.add_argument("--tensors", default="64,1024", help="--cpu-overhead: the two stream lengths")
     args = parser.parse_args()
+    if args.cpu_overhead:
+        cpu_overhead([int(n) for n in args.tensors.split(",")], args.rounds or 30)
+        return
+    args.rounds = args.rounds or 5
     if not torch.cuda.is_available():
         raise SystemExit("weight_sync benchmark needs a CUDA GPU")
     targets_ms = {"0.6b": 3.0, "8b": 20.0}
@@ -134,6 +201,8 @@ def main() -> None:
         # Lower bound: the sender packs (one D2D copy) and the receiver loads (another): 2 x bytes at the D2D rate.
         floor_ms = 2 * r["bytes"] / (copy_gbps * 1e9) * 1e3
         verdict = "ok" if r["median_ms"] <= targets_ms.get(model, float("inf")) else "MISS"
+        if not r["intact"]:
+            verdict += ", WEIGHTS DIFFER (receiver checksums != sender's)"
         print(
             f"{model:>6} {r['bytes'] / 1e9:6.2f} {r['tensors']:7d} {r['first_ms']:9.1f} {r['median_ms']:10.1f} "
             f"{r['min_ms']:7.1f} {r['gbps']:6.0f} {r['ack_wait_ms']:7.1f} {floor_ms / r['median_ms']:6.2f} "

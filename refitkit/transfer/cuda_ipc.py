@@ -152,6 +152,7 @@ class CudaIpcBucket:
         finally:
             torch.cuda.set_device(previous)
         self._handle = bytes(handle.reserved)
+        self._packed = torch.cuda.Event()  # recorded after each bucket's copies; cheaper to wait on than the stream
         self.tensor: torch.Tensor | None
         self.tensor, self._freed = _wrap(pointer.value, nbytes, device, functools.partial(_free, device, pointer.value))
 
@@ -162,14 +163,18 @@ class CudaIpcBucket:
     def receiver_mapped(self) -> None:
         """Nothing to do: the sender keeps sole ownership of the memory."""
 
-    def sync(self) -> None:
-        """Wait for the packing copies, so the receiver reads complete bytes."""
-        torch.cuda.current_stream(self.device).synchronize()
+    def mark_packed(self) -> None:
+        """Note the point on the stream where the copies of the bucket being shipped end."""
+        self._packed.record(torch.cuda.current_stream(self.device))
+
+    def wait_packed(self) -> None:
+        """Wait for those copies only (not for later work on the stream), so the receiver reads complete bytes."""
+        self._packed.synchronize()
 
     def free(self) -> None:
         """Wait for pending copies and return the memory to the driver; idempotent."""
         if self.tensor is not None:
-            self.sync()
+            torch.cuda.current_stream(self.device).synchronize()
         self.tensor = None  # the finalizer frees the memory as this last view dies
         if self._freed.alive:
             raise TransferError("sender bucket: a view of the CUDA bucket is still referenced; memory not freed")

@@ -1,8 +1,22 @@
-"""Checking each streamed (name, tensor) and laying tensors out in bucket halves.
+"""Checking each streamed (name, tensor) and laying tensors out in buckets of the bucket buffer.
 
-The sender validates every item just before packing it (the stream is consumed once). Small
-tensors go whole into the current half, or start a new one; a tensor larger than a half is
-split into byte ranges that fill halves one after another.
+The sender validates every item just before packing it (the stream is consumed once). A bucket is
+one half of the buffer (the sender fills one half while the receiver reads the other), or a *wide*
+bucket spanning both halves:
+
+- a tensor that fits in a half goes whole into the current bucket, or starts the next one;
+- a tensor larger than a half but not than the buffer goes whole into a wide bucket, so the
+  receiver hands out a view of it instead of allocating and reassembling a copy;
+- a larger tensor is split into byte ranges that fill buckets one after another.
+
+A bucket is also shipped once it holds ``BUCKET_MAX_TENSORS`` tensors: the receiver's per-tensor
+work (views, the loader's copies) then overlaps the sender's packing of the next bucket instead of
+starting only after a whole half was packed, and the last bucket, whose consumption nothing
+overlaps, stays short.
+
+Everything here runs once per tensor on the critical path of a sync: the checks are plain type
+and attribute tests, and a tensor's destination is one ``as_strided`` view of the buffer (viewed
+as each dtype once per session).
 """
 
 from __future__ import annotations
@@ -14,26 +28,35 @@ from typing import Any
 import torch
 
 from refitkit.errors import InvalidInput
-from refitkit.transfer.protocol import SUPPORTED_DTYPES, Entry, align_up, dtype_name
+from refitkit.transfer.protocol import SUPPORTED_DTYPES, WIRE_DTYPE_NAMES, align_up, contiguous_strides, entry_to_wire
+
+BUCKET_MAX_TENSORS = 64
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+BOTH_HALVES = 0b11
+
+CheckedItem = tuple[str, torch.Tensor, str]  # name, tensor (no autograd history), wire dtype name
+SendBucket = Callable[[int, bool, list[Any], bool], None]  # half, wide, entries, last
 
 
-def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool) -> tuple[str, torch.Tensor]:
-    """One streamed item as (name, detached tensor), or InvalidInput naming what is wrong with it."""
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool) -> CheckedItem:
+    """One streamed item as (name, tensor, wire dtype), or InvalidInput naming what is wrong with it."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise InvalidInput(f"weights item #{index} is a {type(item).__name__}, not a (name, tensor) pair")
     name, tensor = item
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"weights item #{index}: the name must be a non-empty str, got {name!r}")
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidInput(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-    dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it was imported
-    if dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor):
-        raise InvalidInput(f"{name!r} is a DTensor shard; send full tensors (adapter.named_weights() gathers them)")
-    if tensor.layout != torch.strided:
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:  # subclasses (DTensor, ...) take the slow checks
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInput(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it was imported
+        if dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor):
+            raise InvalidInput(f"{name!r} is a DTensor shard; send full tensors (adapter.named_weights() gathers them)")
+    if tensor.layout is not torch.strided:
         raise InvalidInput(f"{name!r} has layout {tensor.layout}; only dense (strided) tensors can be sent")
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cuda or tensor.is_cpu):
         raise InvalidInput(f"{name!r} is on device {tensor.device}; only cpu and cuda tensors can be sent")
-    if dtype_name(tensor.dtype) is None:
+    wire_dtype = WIRE_DTYPE_NAMES.get(tensor.dtype)
+    if wire_dtype is None:
         raise InvalidInput(
             f"{name!r} has dtype {tensor.dtype}, which cannot be sent; supported: {', '.join(sorted(SUPPORTED_DTYPES))}"
         )
@@ -42,62 +65,94 @@ def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool) -> tup
     if need_cuda and not tensor.is_cuda:
         raise InvalidInput(f"{name!r} is on {tensor.device}; transport='cuda_ipc' needs CUDA tensors")
     seen.add(name)
-    return name, tensor.detach()
-
-
-def tensor_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    if tensor.requires_grad:  # copying from it into the bucket must not record autograd history
+        tensor = tensor.detach()
+    return name, tensor, wire_dtype
 
 
 class BucketPacker:
-    """Copies tensors into the two halves of a bucket buffer; calls ``flush`` when a half is full."""
+    """Copies tensors into the bucket buffer, bucket after bucket.
 
-    def __init__(self, buffer: torch.Tensor, half_bytes: int, flush: Callable[[bool], None]) -> None:
-        self._buffer = buffer
+    ``send_bucket(half, wide, entries, last)`` ships the bucket just packed; ``wait_free(halves)``
+    returns once the receiver is done with every half in the ``halves`` bit mask (bit 0: half 0,
+    bit 1: half 1), which the packer calls before it writes into them.
+    """
+
+    def __init__(
+        self, buffer: torch.Tensor, half_bytes: int, *, send_bucket: SendBucket, wait_free: Callable[[int], None]
+    ) -> None:
+        self._buffer: torch.Tensor | None = buffer
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype, made once
         self.half_bytes = half_bytes
-        self._flush = flush
+        self._send_bucket = send_bucket
+        self._wait_free = wait_free
         self.half = 0
-        self.used = 0
-        self.entries: list[Entry] = []
+        self.wide = False
+        self.capacity = half_bytes  # bytes of the current bucket
+        self.bucket_start = 0  # where the current bucket starts in the buffer
+        self.used = 0  # bytes used in the current bucket
+        self.entries: list[Any] = []  # wire entries of the current bucket
 
     def detach(self) -> None:
-        """Forget the buffer, so it can be freed even while this packer is still referenced."""
-        self._buffer = None  # type: ignore[assignment]
+        """Forget the buffer and every view of it, so it can be freed while this packer is still referenced."""
+        self._buffer = None
+        self._typed.clear()
 
-    def next_half(self) -> None:
-        """Start packing the other half (the caller waited until the receiver was done with it)."""
-        self.half ^= 1
-        self.used = 0
-        self.entries = []
-
-    def _region(self, offset: int, nbytes: int) -> torch.Tensor:
-        base = self.half * self.half_bytes + offset
-        return self._buffer[base : base + nbytes]
-
-    def pack(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one tensor in, whole when it fits in a half, else as byte ranges over several halves."""
-        nbytes = tensor_nbytes(tensor)
-        if nbytes <= self.half_bytes:
-            offset = align_up(self.used)
-            if offset + nbytes > self.half_bytes:
-                self._flush(False)
-                offset = 0
-            self._region(offset, nbytes).view(tensor.dtype).view(tensor.shape).copy_(tensor)
-            self._add(Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes, 0, nbytes), offset)
+    def pack(self, name: str, tensor: torch.Tensor, wire_dtype: str) -> None:
+        """Copy one tensor in: whole when it fits in the buffer's half (or whole buffer), else as byte ranges."""
+        nbytes = tensor.nbytes
+        if nbytes > 2 * self.half_bytes:
+            self._pack_split(name, tensor, wire_dtype, nbytes)
             return
-        # Larger than a half: one contiguous byte view (a temporary copy only if the tensor is strided).
+        offset = align_up(self.used)
+        if offset + nbytes > self.capacity or len(self.entries) >= BUCKET_MAX_TENSORS:
+            self._next_bucket(wide=nbytes > self.half_bytes)
+            offset = 0
+        strides = tensor.stride() if tensor.is_contiguous() else contiguous_strides(tensor.shape)
+        # No local name for the destination view: a traceback would keep the bucket alive.
+        self._typed_buffer(tensor.dtype).as_strided(
+            tensor.shape, strides, (self.bucket_start + offset) // tensor.element_size()
+        ).copy_(tensor)
+        self.entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
+        self.used = offset + nbytes
+
+    def finish(self) -> None:
+        """Ship the current bucket as the last one (possibly empty: the receiver still learns the stream ended)."""
+        self._send_bucket(self.half, self.wide, self.entries, True)
+
+    def _pack_split(self, name: str, tensor: torch.Tensor, wire_dtype: str, nbytes: int) -> None:
+        # One contiguous byte view of the source (a temporary copy only if the tensor is strided).
         flat = tensor.contiguous().reshape(-1).view(torch.uint8)
         start = 0
         while start < nbytes:
             offset = align_up(self.used)
-            if offset >= self.half_bytes:
-                self._flush(False)
+            if offset >= self.capacity or len(self.entries) >= BUCKET_MAX_TENSORS:
+                self._next_bucket(wide=False)
                 offset = 0
-            count = min(self.half_bytes - offset, nbytes - start)
-            self._region(offset, count).copy_(flat[start : start + count])
-            self._add(Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, count, start, nbytes), offset)
+            count = min(self.capacity - offset, nbytes - start)
+            first = self.bucket_start + offset
+            self._typed_buffer(torch.uint8)[first : first + count].copy_(flat[start : start + count])
+            self.entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset, (start, count)))
+            self.used = offset + count
             start += count
 
-    def _add(self, entry: Entry, offset: int) -> None:
-        self.entries.append(entry)
-        self.used = offset + entry.nbytes
+    def _next_bucket(self, *, wide: bool) -> None:
+        """Ship the current bucket (if it holds anything) and wait until the next one's memory is free."""
+        if self.entries:
+            self._send_bucket(self.half, self.wide, self.entries, False)
+            self.half = 0 if self.wide else self.half ^ 1
+        if wide:
+            self.half = 0
+        self.wide = wide
+        self.capacity = 2 * self.half_bytes if wide else self.half_bytes
+        self.bucket_start = 0 if wide else self.half * self.half_bytes
+        self.used = 0
+        self.entries = []
+        self._wait_free(BOTH_HALVES if wide else 1 << self.half)
+
+    def _typed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        typed = self._typed.get(dtype)
+        if typed is None:
+            assert self._buffer is not None, "packer used after detach()"
+            typed = self._typed[dtype] = self._buffer.view(dtype)
+        return typed

@@ -6,9 +6,15 @@ Kinds and their fields (R = receiver, S = sender):
 - ``hello``    R→S  ``pid``, ``device`` ("cpu" or "cuda"), ``device_uuid`` (CUDA only)
 - ``setup``    S→R  ``session``, ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
                     ``handle`` (the transport's raw fields: shm path, or CUDA IPC handle bytes)
-- ``ready``    R→S  ``session``: the bucket buffer is mapped (once for the whole session)
-- ``bucket``   S→R  ``session``, ``seq``, ``half``, ``last``, ``entries`` (see ``Entry``)
-- ``done``     R→S  ``session``, ``seq``: bucket ``seq`` consumed, its half may be reused
+- ``ready``    R→S  ``session``: the bucket buffer is mapped (once for the whole session); the
+                    sender packs the first bucket meanwhile and sends no bucket before it
+- ``bucket``   S→R  ``session``, ``seq``, ``half``, ``wide``, ``last``, ``entries``: a bucket is one
+                    half of the buffer, or (``wide``, with ``half`` 0) the whole buffer, used for a
+                    tensor larger than a half so that it arrives as one view, not reassembled.
+                    Each entry is ``[name, dtype, shape, offset]`` for a whole tensor, or
+                    ``[name, dtype, shape, offset, start, nbytes]`` for a byte range of a tensor
+                    split across buckets; offsets are relative to the bucket and ``ALIGN_BYTES``-aligned
+- ``done``     R→S  ``session``, ``seq``: bucket ``seq`` consumed, its half (or both) may be reused
 - ``released`` R→S  ``session``, ``seq``: final ACK, sent only after every view and the
                     mapping were released
 - ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released)
@@ -18,9 +24,11 @@ Kinds and their fields (R = receiver, S = sender):
 
 from __future__ import annotations
 
+import functools
+import math
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -29,7 +37,7 @@ import zmq
 from refitkit.errors import ProtocolError, TransferTimeout
 from refitkit.transfer.phases import SessionPhase
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: short entries for whole tensors, wide buckets
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "done", "released", "error", "abort"})
 # Entries start on this boundary so every dtype view of the bucket is aligned (and GPU copies coalesce).
 ALIGN_BYTES = 256
@@ -50,10 +58,23 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 
+WIRE_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str | None:
     """The wire name of a supported dtype, or None when the dtype cannot be shipped."""
-    name = str(dtype).removeprefix("torch.")
-    return name if SUPPORTED_DTYPES.get(name) is dtype else None
+    return WIRE_DTYPE_NAMES.get(dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major element strides of ``shape``: how every entry lies in the bucket (cached: shapes repeat per layer)."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def align_up(offset: int) -> int:
@@ -61,40 +82,68 @@ def align_up(offset: int) -> int:
     return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor, or one byte range of a tensor split across buckets, inside a bucket half."""
+class Entry(NamedTuple):
+    """One tensor, or one byte range of a tensor split across buckets, inside a bucket."""
 
     name: str
-    dtype: str
+    dtype: torch.dtype
     shape: tuple[int, ...]
-    offset: int  # byte offset inside the half
+    offset: int  # byte offset inside the bucket (a half, or the whole buffer for a wide bucket)
     nbytes: int  # bytes of this piece
     start: int  # first byte of the tensor this piece carries (0 unless split)
     total: int  # bytes of the whole tensor
 
     @property
     def whole(self) -> bool:
-        return self.start == 0 and self.nbytes == self.total
+        return self.nbytes == self.total
 
     @property
     def completes(self) -> bool:
         return self.start + self.nbytes == self.total
 
-    def to_wire(self) -> list[Any]:
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes, self.start, self.total]
 
-    @classmethod
-    def from_wire(cls, raw: Any) -> "Entry":
+def entry_to_wire(
+    name: str, dtype: str, shape: Sequence[int], offset: int, piece: tuple[int, int] | None = None
+) -> list[Any]:
+    """The wire form of one entry: [name, dtype, shape, offset] for a whole tensor, plus the piece's
+    (start, nbytes) for a byte range of a split one."""
+    if piece is None:
+        return [name, dtype, shape, offset]
+    return [name, dtype, shape, offset, piece[0], piece[1]]
+
+
+def entries_from_wire(raw: Any, *, capacity: int) -> list[Entry]:
+    """Parse and check a bucket's entries against a bucket of ``capacity`` bytes; ProtocolError if malformed.
+
+    This runs once per tensor on the receiver's critical path, so it is one flat loop of cheap checks
+    rather than a validating object per entry.
+    """
+    if not isinstance(raw, list):
+        raise ProtocolError(f"bucket entries are a {type(raw).__name__}, not a list")
+    entries: list[Entry] = []
+    for item in raw:
         try:
-            name, dtype, shape, offset, nbytes, start, total = raw
-            entry = cls(str(name), str(dtype), tuple(int(s) for s in shape), int(offset), int(nbytes),
-                        int(start), int(total))  # fmt: skip
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed bucket entry {raw!r}: {exc}") from None
-        if entry.dtype not in SUPPORTED_DTYPES or min(entry.offset, entry.nbytes, entry.start) < 0:
-            raise ProtocolError(f"bucket entry for {entry.name!r} has bad dtype or byte range: {raw!r}")
-        return entry
+            whole = len(item) == 4
+            if whole:
+                name, dtype_wire, shape, offset = item
+            else:
+                name, dtype_wire, shape, offset, start, nbytes = item
+            dtype = SUPPORTED_DTYPES[dtype_wire]
+            shape = tuple(shape)
+            total = math.prod(shape) * dtype.itemsize
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ProtocolError(f"malformed bucket entry {item!r}: {type(exc).__name__}: {exc}") from None
+        if whole:
+            start, nbytes = 0, total
+        if not (
+            type(name) is str and name and type(offset) is int and type(start) is int and type(nbytes) is int
+            and all(type(size) is int and size >= 0 for size in shape)
+            and 0 <= offset and offset % ALIGN_BYTES == 0 and offset + nbytes <= capacity
+            and 0 <= start and 0 <= nbytes and start + nbytes <= total
+        ):  # fmt: skip
+            raise ProtocolError(f"bucket entry {item!r} has a bad name, shape or byte range (bucket of {capacity} bytes)")
+        entries.append(Entry(name, dtype, shape, offset, nbytes, start, total))
+    return entries
 
 
 def encode(kind: str, **fields: Any) -> bytes:

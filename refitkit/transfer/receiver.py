@@ -2,9 +2,11 @@
 
 ``receive(on_bucket)`` calls ``on_bucket(weights, is_last)`` once per bucket (at least once: an
 empty stream gives one call with ``[]`` and ``is_last=True``). ``iter_weights()`` is the same
-session as one generator. Tensors are views into the bucket (or, for tensors split across
-buckets, reassembled on the receiver's device) and are valid only during the call / until the
-next tensor is requested: copy what you keep.
+session as one generator. Tensors are views into the bucket (also a tensor larger than a half,
+which comes whole in a wide bucket; only tensors larger than the whole bucket are split across
+buckets and reassembled on the receiver's device) and are valid only during the call / until the
+next tensor is requested: copy what you keep. A GPU receiver on the shm transport hands out views
+of a device staging buffer instead, under the same rule: a view kept past release is an error.
 
 Ordering that keeps the sender's memory free: after the last bucket the receiver drops every
 view, unmaps the bucket (and on CUDA runs ``ipc_collect`` + ``empty_cache``) and only then sends
@@ -27,7 +29,9 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer import cuda_ipc, shm
 from refitkit.transfer.endpoint import connect_receiver, socket_path
 from refitkit.transfer.phases import SessionPhase, TransferStats
-from refitkit.transfer.protocol import SUPPORTED_DTYPES, Entry, decode, encode, expect, recv_frame
+from refitkit.transfer.protocol import (
+    ALIGN_BYTES, Entry, align_up, contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +167,10 @@ class _ReceiveSession:
                 self.device = self.mapping.device
             elif transport != "none":
                 raise ProtocolError(f"unknown transport {transport!r} in setup")
+            if self.mapping is not None:
+                buffer_bytes = self.mapping.tensor.numel()  # type: ignore[union-attr]
+                if not (0 < self.half_bytes and self.half_bytes % ALIGN_BYTES == 0 and 2 * self.half_bytes <= buffer_bytes):
+                    raise ProtocolError(f"setup: half_bytes={self.half_bytes} does not fit a {buffer_bytes}-byte bucket buffer")
         except Exception as exc:
             self.fail(f"could not map the bucket: {exc}")
             raise
@@ -181,52 +189,63 @@ class _ReceiveSession:
             self.phase = SessionPhase.RELEASED
             raise TransferError(f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq}: {reason}")
         expect(frame, "bucket", session=self.session)
-        if frame.get("seq") != self.seq or frame.get("half") not in (0, 1):
-            raise ProtocolError(f"bucket frame seq={frame.get('seq')!r} half={frame.get('half')!r}, expected seq {self.seq}")
-        entries = [Entry.from_wire(raw) for raw in frame.get("entries") or []]
-        weights = self._unpack(entries, int(frame["half"])) if entries else []
+        half, wide = frame.get("half"), frame.get("wide", False)
+        if frame.get("seq") != self.seq or half not in (0, 1) or wide not in (False, True) or (wide and half != 0):
+            raise ProtocolError(
+                f"bucket frame seq={frame.get('seq')!r} half={half!r} wide={wide!r}, expected seq {self.seq} in half 0 or 1"
+            )
+        entries = entries_from_wire(frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes)
+        weights = self._unpack(entries, 0 if wide else half * self.half_bytes) if entries else []
         return weights, bool(frame.get("last"))
 
-    def _unpack(self, entries: list[Entry], half: int) -> list[tuple[str, torch.Tensor]]:
-        self._validate(entries)  # before any view exists, so a bad frame leaves nothing mapped in a traceback
+    def _unpack(self, entries: list[Entry], bucket_offset: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of the bucket for whole tensors; split ones are copied into place (and handed out once complete)."""
+        self._check_split_order(entries)  # before any view exists, so a bad frame leaves nothing mapped in a traceback
         assert self.mapping is not None
-        used = max(entry.offset + entry.nbytes for entry in entries)
+        # Whole ALIGN_BYTES blocks, so the bucket can be seen as any dtype (the bucket's size is a multiple).
+        used = align_up(max(entry.offset + entry.nbytes for entry in entries))
         self.assembled.clear()
-        base = self.mapping.bucket(half * self.half_bytes, used)
+        base = self.mapping.bucket(bucket_offset, used)
+        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the bucket seen as each dtype, and where it starts
         weights = []
-        for entry in entries:
-            dtype = SUPPORTED_DTYPES[entry.dtype]
-            piece = base[entry.offset : entry.offset + entry.nbytes]
-            if entry.whole:
-                weights.append((entry.name, piece.view(dtype).view(entry.shape)))
-            else:
-                tensor = self._assemble(entry, dtype, piece)
-                if tensor is not None:
-                    weights.append((entry.name, tensor))
-                    self.assembled.append(tensor)
-            self.bytes += entry.nbytes
+        try:
+            for entry in entries:
+                if entry.whole:
+                    dtype = entry.dtype
+                    if dtype not in typed:
+                        view = base.view(dtype)
+                        typed[dtype] = (view, view.storage_offset())
+                    view, first = typed[dtype]
+                    element = first + entry.offset // dtype.itemsize
+                    weights.append((entry.name, view.as_strided(entry.shape, contiguous_strides(entry.shape), element)))
+                else:
+                    tensor = self._assemble(entry, base[entry.offset : entry.offset + entry.nbytes])
+                    if tensor is not None:
+                        weights.append((entry.name, tensor))
+                        self.assembled.append(tensor)
+                self.bytes += entry.nbytes
+        except BaseException:
+            base = view = typed = weights = None  # type: ignore[assignment]  # the traceback must not pin the bucket
+            raise
         self.tensors += len(weights)
         return weights
 
-    def _validate(self, entries: list[Entry]) -> None:
+    def _check_split_order(self, entries: list[Entry]) -> None:
         if self.mapping is None:
             raise ProtocolError("bucket with tensors in a session without a bucket buffer")
-        progress = {name: done for name, (_, done) in self.partial.items()}
+        progress = None
         for entry in entries:
-            if entry.offset + entry.nbytes > self.half_bytes:
-                raise ProtocolError(f"{entry.name!r}: bytes {entry.offset}+{entry.nbytes} outside a {self.half_bytes}-byte half")
-            itemsize = SUPPORTED_DTYPES[entry.dtype].itemsize
-            if torch.Size(entry.shape).numel() * itemsize != entry.total or entry.start + entry.nbytes > entry.total:
-                raise ProtocolError(f"{entry.name!r}: shape {entry.shape} of {entry.dtype} does not match its byte range")
             if not entry.whole:
+                if progress is None:
+                    progress = {name: done for name, (_, done) in self.partial.items()}
                 if progress.get(entry.name, 0) != entry.start or (entry.start and entry.name not in progress):
                     raise ProtocolError(f"{entry.name!r}: byte range from {entry.start} arrived out of order")
                 progress[entry.name] = entry.start + entry.nbytes
 
-    def _assemble(self, entry: Entry, dtype: torch.dtype, piece: torch.Tensor) -> torch.Tensor | None:
+    def _assemble(self, entry: Entry, piece: torch.Tensor) -> torch.Tensor | None:
         """Copy one byte range of a split tensor into place; the tensor once its last range arrived."""
         if entry.start == 0:
-            self.partial[entry.name] = (torch.empty(entry.shape, dtype=dtype, device=self.device), 0)
+            self.partial[entry.name] = (torch.empty(entry.shape, dtype=entry.dtype, device=self.device), 0)
         tensor, _ = self.partial[entry.name]
         tensor.view(-1).view(torch.uint8)[entry.start : entry.start + entry.nbytes].copy_(piece)
         if not entry.completes:

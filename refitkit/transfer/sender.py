@@ -1,8 +1,9 @@
 """The trainer side of a weight sync: stream (name, tensor) pairs through a double-buffered bucket.
 
 One ``send()`` is one session: wait for a receiver's hello, allocate the bucket buffer (two halves
-of ``bucket_bytes // 2``), let the receiver map it once, stream buckets, and wait for the final ACK
-that the receiver sends only after it released every view and its mapping. The bucket is freed
+of ``bucket_bytes // 2``), let the receiver map it once (the first bucket is packed meanwhile, and
+sent once the receiver said ``ready``), stream buckets, and wait for the final ACK that the receiver
+sends only after it released every view and its mapping. The bucket is freed
 in a ``finally``, so the sender holds 0 bytes of bucket memory after every ``send()``, whether it
 succeeded or not.
 
@@ -24,13 +25,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, shm
 from refitkit.transfer.endpoint import bind_sender, socket_path
-from refitkit.transfer.packing import BucketPacker, check_item, tensor_nbytes
+from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame
 
@@ -172,10 +172,11 @@ class _SendSession:
         self.peer: bytes | None = None
         self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
         self.packer: BucketPacker | None = None
-        self.set_up = False
+        self.setup_sent = False
+        self.set_up = False  # the receiver said ready: it mapped the bucket
         self.remote_failed = False
         self.seq = 0
-        self.unacked: deque[int] = deque()
+        self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
         self.ack_wait_s = 0.0
         self.items = 0
         self.seen: set[str] = set()
@@ -193,19 +194,21 @@ class _SendSession:
         self.phase = SessionPhase.STREAMING
         total_bytes = 0
         item = first
-        while item is not None:
-            name, tensor = item
-            assert self.packer is not None
-            self.packer.pack(name, tensor)
-            total_bytes += tensor_nbytes(tensor)
-            item = self._next_item()
-        self._flush(last=True)
+        if self.packer is not None:
+            pack, next_item = self.packer.pack, self._next_item
+            while item is not None:
+                pack(*item)
+                total_bytes += item[1].nbytes
+                item = next_item()
+            self.packer.finish()
+        else:
+            self._send_bucket(0, False, [], True)  # an empty stream: the receiver still learns it ended
         self._mark("stream", began)
         began = time.perf_counter()
         self.phase = SessionPhase.DRAINING
-        last_seq = self.unacked.pop()
+        last_seq, _ = self.unacked.pop()
         while self.unacked:
-            self._await("done", self.unacked.popleft())
+            self._await("done", self.unacked.popleft()[0])
         self._await("released", last_seq)
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
@@ -220,7 +223,7 @@ class _SendSession:
 
     # -- items and buckets ------------------------------------------------------------------------
 
-    def _next_item(self) -> tuple[str, torch.Tensor] | None:
+    def _next_item(self) -> CheckedItem | None:
         item = self.pull()
         if item is _END:
             return None
@@ -228,7 +231,7 @@ class _SendSession:
         self.items += 1
         return checked
 
-    def _set_up(self, hello: dict[str, Any], first: tuple[str, torch.Tensor] | None) -> None:
+    def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.sender.half_bytes
         if transport == "shm":
@@ -238,13 +241,18 @@ class _SendSession:
             self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle))
+        self.setup_sent = True
+        # No wait for "ready" here: the first bucket is packed while the receiver maps the buffer.
+        if self.bucket is not None:
+            self.packer = BucketPacker(self.bucket.tensor, half, send_bucket=self._send_bucket, wait_free=self._wait_free)
+
+    def _await_ready(self) -> None:
         self._await("ready", None)
         self.set_up = True
         if self.bucket is not None:
             self.bucket.receiver_mapped()
-            self.packer = BucketPacker(self.bucket.tensor, half, self._flush)
 
-    def _choose_transport(self, hello: dict[str, Any], first: tuple[str, torch.Tensor] | None) -> str:
+    def _choose_transport(self, hello: dict[str, Any], first: CheckedItem | None) -> str:
         if first is None:
             return "none"
         receiver_cuda = hello.get("device") == "cuda"
@@ -258,23 +266,23 @@ class _SendSession:
             raise InvalidInput(f"{first[0]!r} is on {first[1].device}; transport='cuda_ipc' needs CUDA tensors")
         return wanted
 
-    def _flush(self, last: bool) -> None:
-        """Send the current half; unless it is the last, wait until the other half is free to pack."""
-        # No local names for the packer or bucket views: a traceback would keep the bucket alive.
+    def _send_bucket(self, half: int, wide: bool, entries: list[Any], last: bool) -> None:
+        """Ship one packed bucket, once the receiver has mapped the buffer and the copies into it are done."""
         if self.bucket is not None:
-            self.bucket.sync()
-        entries = [entry.to_wire() for entry in self.packer.entries] if self.packer else []
-        half = self.packer.half if self.packer else 0
-        self._send(encode("bucket", session=self.session, seq=self.seq, half=half, last=last, entries=entries))
-        self.unacked.append(self.seq)
+            self.bucket.mark_packed()
+        payload = encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries)
+        if not self.set_up:
+            self._await_ready()
+        if self.bucket is not None:
+            self.bucket.wait_packed()  # the receiver must read complete bytes
+        self._send(payload)
+        self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
         self.seq += 1
-        if last:
-            return
-        # Double buffering: the other half was bucket seq-2; it must be consumed before we overwrite it.
-        while self.unacked and self.unacked[0] <= self.seq - 2:
-            self._await("done", self.unacked.popleft())
-        assert self.packer is not None
-        self.packer.next_half()
+
+    def _wait_free(self, halves: int) -> None:
+        """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
+        while any(mask & halves for _, mask in self.unacked):
+            self._await("done", self.unacked.popleft()[0])  # the receiver consumes buckets in order
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -341,9 +349,10 @@ class _SendSession:
             self.sock.send_multipart([self.peer, encode("abort", session=self.session, reason=repr(exc))], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return
-        if isinstance(exc, (TransferTimeout, ProtocolError)) or not self.set_up:
-            return  # the peer is dead, hostile or never mapped the bucket: free without waiting
-        # Wait (bounded) for the receiver to unmap before the bucket is freed under it.
+        if isinstance(exc, (TransferTimeout, ProtocolError)) or not self.setup_sent:
+            return  # the peer is dead, hostile or was never asked to map the bucket: free without waiting
+        # Wait (bounded) for the receiver to unmap (it may still be mapping: setup went out before
+        # ready came back) before the bucket is freed under it.
         deadline = time.monotonic() + self.sender.timeout_s
         try:
             while time.monotonic() < deadline:

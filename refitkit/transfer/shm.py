@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -109,8 +110,11 @@ class ShmBucket(_Mapped):
         """The receiver holds its own mapping: drop the name so no crash can leak the segment."""
         self._unlink()
 
-    def sync(self) -> None:
-        """Packing copies into host memory are synchronous; nothing to wait for."""
+    def mark_packed(self) -> None:
+        """Packing copies into host memory are synchronous; nothing to note."""
+
+    def wait_packed(self) -> None:
+        """Nothing to wait for (see ``mark_packed``)."""
 
     def free(self) -> None:
         """Unmap and unlink; idempotent."""
@@ -122,6 +126,34 @@ class ShmBucket(_Mapped):
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class _DeviceStaging:
+    """A device buffer lent out only through views that keep this holder alive.
+
+    A GPU receiver on shm copies each bucket here; the views it hands to the loader point into this
+    buffer, not into the mapping, so the mapping alone cannot tell whether a loader kept one. A view
+    kept past its bucket would silently change with the next bucket and keep the buffer allocated
+    after the session, so release checks the holder is gone, as it checks the mapping.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self._owner = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (self._owner.data_ptr(), False), "version": 3, "strides": None,
+        }  # fmt: skip
+
+
+def _lend(nbytes: int, device: torch.device) -> tuple[torch.Tensor, weakref.finalize]:
+    holder = _DeviceStaging(nbytes, device)
+    tensor = torch.as_tensor(holder, device=device)  # the tensor's storage holds ``holder`` (and so the memory)
+    return tensor, weakref.finalize(holder, lambda: None)
+
+
+_KEPT_STAGING = (
+    "receiver release: a tensor view of the device staging buffer is still referenced "
+    "(tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
+)
 
 
 class ShmMapping(_Mapped):
@@ -137,23 +169,34 @@ class ShmMapping(_Mapped):
         super().__init__(_map(path, nbytes, create=False))
         self.device = device
         self._staging: torch.Tensor | None = None
+        self._staging_lent: weakref.finalize | None = None
 
     def bucket(self, offset: int, used_bytes: int) -> torch.Tensor:
-        """The used bytes of one half as a uint8 tensor on the receiver's device."""
+        """The used bytes of one bucket as a uint8 tensor on the receiver's device."""
         assert self.tensor is not None
         view = self.tensor[offset : offset + used_bytes]
         if self.device.type == "cpu":
             return view
-        # A GPU receiver on shm: one host-to-device copy per bucket into a staging buffer kept for the session.
-        if self._staging is None or self._staging.numel() < used_bytes:
-            self._staging = torch.empty(max(used_bytes, self.tensor.numel() // 2), dtype=torch.uint8, device=self.device)
+        # A GPU receiver on shm: one host-to-device copy per bucket into a staging buffer kept for the session,
+        # sized for the whole mapping at once: a wide bucket must not regrow it while a caller (a for-loop
+        # over iter_weights) still holds the previous bucket's last tensor.
+        if self._staging is None:
+            self._staging, self._staging_lent = _lend(self.tensor.numel(), self.device)
         staged = self._staging[:used_bytes]
         staged.copy_(view)
         return staged
 
     def release(self) -> None:
-        """Drop the staging buffer and unmap; raises TransferError if a view is still referenced."""
+        """Drop the staging buffer and unmap; raises TransferError if a view of either is still referenced."""
+        try:
+            self._drop_staging()
+        finally:
+            self.close(what="receiver release")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the staging buffer goes back to the device, not to torch's cache
+
+    def _drop_staging(self) -> None:
         self._staging = None
-        self.close(what="receiver release")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the staging buffer goes back to the device, not to torch's cache
+        lent, self._staging_lent = self._staging_lent, None
+        if lent is not None and lent.alive:
+            raise TransferError(_KEPT_STAGING)

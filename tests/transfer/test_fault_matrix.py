@@ -16,6 +16,7 @@ import zmq
 from refitkit.errors import ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer.endpoint import socket_path
+from refitkit.transfer.protocol import WIRE_VERSION
 from tests.transfer.harness import CASES, own_segment_files, roundtrip
 from tests.transfer.peers import killed_sender_main, mapped_segments, one_shot_receiver_main
 
@@ -125,25 +126,28 @@ def test_stale_socket_file(receiver_server, endpoint):
     [
         ([b"\x93garbage!"], "undecodable|not a map"),
         ([msgpack.packb({"v": 0, "kind": "hello"})], "wire version 0"),
-        ([msgpack.packb({"v": 1, "kind": "load_pickle"})], "unknown frame kind"),
+        ([msgpack.packb({"v": WIRE_VERSION, "kind": "load_pickle"})], "unknown frame kind"),
         ([b"two", b"parts"], "2-part message"),
     ],
     ids=["garbage", "old-version", "unknown-kind", "multipart"],
 )
 def test_garbage_to_the_sender(receiver_server, endpoint, payload, match):
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S) as sender:
-        context = zmq.Context()
-        rogue = context.socket(zmq.DEALER)
-        rogue.setsockopt(zmq.LINGER, 0)
-        rogue.connect(f"ipc://{sender.path}")
-        rogue.send_multipart(payload)
-        began = time.monotonic()
-        with pytest.raises(ProtocolError, match=match):
-            sender.send(stream())
-        assert time.monotonic() - began < TIMEOUT_S + 1.0
+    # Closed in a finally: a context left open in a failed test's traceback hangs the run when GC'd.
+    context = zmq.Context()
+    rogue = context.socket(zmq.DEALER)
+    try:
+        with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S) as sender:
+            rogue.setsockopt(zmq.LINGER, 0)
+            rogue.connect(f"ipc://{sender.path}")
+            rogue.send_multipart(payload)
+            began = time.monotonic()
+            with pytest.raises(ProtocolError, match=match):
+                sender.send(stream())
+            assert time.monotonic() - began < TIMEOUT_S + 1.0
+            assert own_segment_files() == []
+    finally:
         rogue.close()
         context.term()
-        assert own_segment_files() == []
     fresh_session_works(receiver_server, endpoint)
 
 

@@ -14,16 +14,22 @@ import torch
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer import BucketedWeightSender, shm
 from refitkit.transfer.endpoint import socket_dir, socket_path
-from refitkit.transfer.protocol import SUPPORTED_DTYPES, WIRE_VERSION, Entry, decode, dtype_name, encode
+from refitkit.transfer.protocol import (
+    SUPPORTED_DTYPES, WIRE_VERSION, Entry, decode, dtype_name, encode, entries_from_wire, entry_to_wire,
+)  # fmt: skip
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def test_frames_round_trip_as_plain_data():
-    entry = Entry("layers.0.q_proj.weight", "bfloat16", (4096, 4096), 256, 1024, 2048, 4096 * 4096 * 2)
-    frame = decode(encode("bucket", session="ab", seq=3, half=1, last=False, entries=[entry.to_wire()]))
+    whole = entry_to_wire("layers.0.k_norm.weight", "float32", torch.Size([128]), 0)
+    piece = entry_to_wire("layers.0.q_proj.weight", "bfloat16", (4096, 4096), 512, (2048, 1024))
+    frame = decode(encode("bucket", session="ab", seq=3, half=1, wide=False, last=False, entries=[whole, piece]))
     assert frame["kind"] == "bucket" and frame["v"] == WIRE_VERSION
-    assert Entry.from_wire(frame["entries"][0]) == entry
+    assert entries_from_wire(frame["entries"], capacity=4096) == [
+        Entry("layers.0.k_norm.weight", torch.float32, (128,), 0, 512, 0, 512),
+        Entry("layers.0.q_proj.weight", torch.bfloat16, (4096, 4096), 512, 1024, 2048, 4096 * 4096 * 2),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -42,11 +48,26 @@ def test_anything_else_is_a_protocol_error(raw, match):
         decode(raw)
 
 
-def test_malformed_entries_are_protocol_errors():
-    with pytest.raises(ProtocolError, match="malformed"):
-        Entry.from_wire(["w", "float32", [2]])
-    with pytest.raises(ProtocolError, match="bad dtype"):
-        Entry.from_wire(["w", "object", [2], 0, 8, 0, 8])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (["w", "float32", [2]], "malformed"),  # too few fields
+        (["w", "object", [2], 0], "malformed"),  # not a dtype we ship
+        (["w", "float32", "ab", 0], "malformed"),  # shape not a list of ints
+        (["w", "float32", [2, True], 0], "bad name, shape"),  # bool is no dimension
+        (["w", "float32", [-2, -3], 0], "bad name, shape"),  # negative dims with a positive product
+        (["w", "float32", [2], 100], "bad name, shape"),  # offset off the alignment boundary
+        (["w", "float32", [2000], 0], "bad name, shape"),  # 8000 bytes in a 4096-byte bucket
+        (["w", "float32", [4], 0, 8, 12], "bad name, shape"),  # piece beyond the tensor's end
+        (["", "float32", [2], 0], "bad name, shape"),
+        ([7, "float32", [2], 0], "bad name, shape"),
+    ],
+)
+def test_malformed_entries_are_protocol_errors(raw, match):
+    with pytest.raises(ProtocolError, match=match):
+        entries_from_wire([raw], capacity=4096)
+    with pytest.raises(ProtocolError, match="not a list"):
+        entries_from_wire({"w": 1}, capacity=4096)
 
 
 def test_dtype_names_cover_every_supported_dtype():

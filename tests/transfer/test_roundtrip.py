@@ -66,6 +66,29 @@ def test_tensor_larger_than_bucket_is_split_and_reassembled(receiver_server, end
     assert sum(count for count, _ in result["calls"]) == 3  # each split tensor delivered once, whole
 
 
+def test_tensor_between_a_half_and_the_bucket_goes_whole_into_a_wide_bucket(receiver_server, endpoint, case):
+    # A wide bucket spans both halves: its tensor arrives in one bucket (a view, not reassembled), and
+    # small tensors that still fit follow it there. Only tensors larger than the whole bucket are split.
+    def make(shape, seed):
+        return random_tensor(shape, torch.float32, case.tensor_device, seed)
+
+    weights = [
+        ("full", make((HALF // 4,), 1)),  # fills half 0 exactly
+        ("empty", make((0, 3), 2)),  # zero bytes at the very end of a full half
+        ("wide", make((1500,), 3)),  # 6000 bytes: more than a half, less than the bucket
+        ("small", make((3,), 4)),  # fits behind it in the same wide bucket
+        ("wide_exact", make((2 * HALF // 4,), 5)),  # exactly the whole bucket
+        ("empty_at_end", make((0,), 6)),
+        ("huge", make((5000,), 7)),  # 20000 bytes: split over five halves
+        ("wide_strided", make((40, 30), 8).t()),
+    ]
+    for mode in ("collect", "iter"):
+        stats, result = roundtrip(receiver_server, endpoint + mode, weights, bucket_bytes=2 * HALF, case=case, mode=mode)
+        if mode == "collect":
+            assert result["calls"] == [(2, False), (2, False), (2, False)] + [(0, False)] * 4 + [(1, False), (1, True)]
+        assert stats.buckets == 9
+
+
 def test_empty_iterable(receiver_server, endpoint, case):
     stats, result = roundtrip(receiver_server, endpoint, [], case=case)
     assert result["calls"] == [(0, True)]  # the loader still learns the stream ended
