@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := -q --disable-pip-version-check -c constraints.txt
 # Suites that run in the core venv, and engines with a venv of their own (added as each lands).
 CORE_TEST_DIRS := tests/offload tests/refit tests/watchdog tests/transfer tests/engines/fsdp
-ENGINE_ENVS := megatron torchtitan automodel
+ENGINE_ENVS := megatron torchtitan automodel vllm
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 .PHONY: demo test test-core test-engines bench audit clean

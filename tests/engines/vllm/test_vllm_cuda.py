@@ -1,0 +1,36 @@
+"""On a GPU: the trainer's CUDA weights reach vLLM through CUDA IPC, bit-exactly.
+
+(That the sender's IPC bucket is freed, whatever the receiver does, is tests/transfer/test_cuda.py's job.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from refitkit.transfer import BucketedWeightSender
+from refitkit.transfer.vllm import push_weights
+from tests.engines.vllm.tiny_llama import random_llama
+from tests.engines.vllm.vllm_checks import (
+    LOGPROB_TOLERANCE, TIMEOUT_S, assert_engine_holds, prompt_logprobs, reference_logprobs, worker_info,
+)  # fmt: skip
+
+pytestmark = pytest.mark.cuda
+
+
+def test_cuda_ipc_push_lands_bit_exactly(engine):
+    trainer = random_llama(seed=2).to("cuda")
+    with BucketedWeightSender("vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+        stats = push_weights(engine.llm, sender, trainer.named_parameters())
+    assert stats.sender.tensors == len(list(trainer.parameters())) == stats.workers[0]["tensors"]
+    assert worker_info(engine.llm)["device"].startswith("cuda")
+
+    assert_engine_holds(engine, trainer)  # every parameter, stacked as vLLM stacks them, bit for bit
+    assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
+
+    original = engine.original.to("cuda")
+    try:
+        with BucketedWeightSender("vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+            push_weights(engine.llm, sender, original.named_parameters())
+    finally:
+        engine.original.to("cpu")
+    assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # the same state as vLLM's own disk load

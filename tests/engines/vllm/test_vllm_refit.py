@@ -1,0 +1,128 @@
+"""Weights pushed from a trainer copy through BucketedWeightSender land in a live vLLM engine."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import torch
+
+from refitkit.errors import InvalidInput, TransferError
+from refitkit.transfer import BucketedWeightSender
+from refitkit.transfer.vllm import push_weights
+from tests.engines.vllm.tiny_llama import random_llama
+from tests.engines.vllm.vllm_checks import (
+    LOGPROB_TOLERANCE, TIMEOUT_S, assert_engine_holds, prompt_logprobs, push, reference_logprobs, worker_info,
+)  # fmt: skip
+from tests.transfer.peers import mapped_segments
+
+
+@pytest.fixture(scope="module")
+def trainer() -> torch.nn.Module:
+    """The trainer's copy: same architecture as the engine's checkpoint, different random weights."""
+    return random_llama(seed=1)
+
+
+def test_push_replaces_the_weights_vllm_computes_with(engine, trainer):
+    push(engine, engine.original.named_parameters())
+    before = prompt_logprobs(engine.llm)
+    expected = reference_logprobs(trainer)
+    assert max(abs(a - b) for a, b in zip(before, expected)) > 0.05  # the two weight sets are distinguishable
+
+    stats = push(engine, trainer.named_parameters())
+
+    after = prompt_logprobs(engine.llm)
+    assert after == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+    assert_engine_holds(engine, trainer)
+    sent_bytes = sum(param.nbytes for param in trainer.parameters())
+    assert stats.sender.tensors == len(list(trainer.parameters())) and stats.sender.bytes == sent_bytes
+    assert stats.sender.buckets > 4  # the small bucket really was reused many times
+    [worker] = stats.workers
+    assert (worker["tensors"], worker["bytes"], worker["buckets"]) == (stats.sender.tensors, sent_bytes, stats.sender.buckets)
+    assert all(isinstance(value, (int, float)) for value in worker.values())  # plain numbers crossed the rpc
+
+
+def test_pushing_the_checkpoint_back_restores_vllms_own_load_bit_exactly(engine, trainer):
+    push(engine, trainer.named_parameters())
+    push(engine, engine.original.named_parameters(), bucket_bytes=1 << 20)
+
+    assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # bit-exact: same state as vLLM's disk load
+    assert_engine_holds(engine, engine.original)
+
+
+def test_unknown_name_fails_on_the_trainer_side_and_the_engine_recovers(engine, trainer):
+    weights = list(trainer.named_parameters())
+    bogus = ("model.layers.0.self_attn.bogus.weight", torch.zeros(4, 4))
+    began = time.monotonic()
+    with pytest.raises(TransferError) as caught:
+        push(engine, weights[:8] + [bogus] + weights[8:])
+    elapsed_s = time.monotonic() - began
+
+    assert elapsed_s < TIMEOUT_S  # reported by the worker, not found by a timeout
+    message = str(caught.value)
+    assert "iter_weights() was closed after 9 tensors" in message  # the receiver's report to the sender
+    assert "layers.0.self_attn.bogus" in message and "no module or parameter" in message  # vLLM's own reason
+    assert mapped_segments(worker_info(engine.llm)["pid"]) == []  # the worker unmapped the bucket
+    assert worker_info(engine.llm)["weights_consistent"] is False  # half old, half new: flagged
+    assert len(prompt_logprobs(engine.llm)) == len(engine.baseline_logprobs)  # the engine still serves
+
+    push(engine, trainer.named_parameters())  # a retry after the failure lands completely
+    assert worker_info(engine.llm)["weights_consistent"] is True
+    assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
+    assert_engine_holds(engine, trainer)
+
+
+def test_a_bad_item_mid_stream_raises_invalid_input_naming_it(engine, trainer):
+    weights = list(trainer.named_parameters())
+    began = time.monotonic()
+    with pytest.raises(InvalidInput, match="'model.layers.1.mlp.up_proj.weight' is a list, not a torch.Tensor"):
+        push(engine, weights[:10] + [("model.layers.1.mlp.up_proj.weight", [1.0, 2.0])] + weights[10:])
+    assert time.monotonic() - began < TIMEOUT_S
+    info = worker_info(engine.llm)
+    assert info["weights_consistent"] is False and mapped_segments(info["pid"]) == []
+
+    push(engine, engine.original.named_parameters())
+    assert prompt_logprobs(engine.llm) == engine.baseline_logprobs
+    assert worker_info(engine.llm)["weights_consistent"] is True
+
+
+def test_a_non_iterable_is_rejected_before_the_worker_waits(engine):
+    began = time.monotonic()
+    with BucketedWeightSender("vllm-refit-none", transport="shm", timeout_s=TIMEOUT_S) as sender:
+        with pytest.raises(InvalidInput, match="weights is a int"):
+            push_weights(engine.llm, sender, 42)
+    assert time.monotonic() - began < 5.0
+
+
+def test_refit_receive_without_a_sender_times_out_within_its_bound(engine, trainer, tmp_path):
+    push(engine, trainer.named_parameters())
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    began = time.monotonic()
+    with pytest.raises(Exception, match=r"handshake: no setup from the sender on .*nobody\.sock.* within timeout_s=1 "):
+        engine.llm.collective_rpc("refit_receive", args=(endpoint, 1.0))  # vLLM re-raises worker errors as Exception
+    assert time.monotonic() - began < 15.0
+    assert worker_info(engine.llm)["weights_consistent"] is True  # nothing arrived: the last push still stands
+    assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
+
+
+def test_raw_rpc_with_a_per_rank_endpoint(engine, trainer):
+    """Without push_weights: the rpc runs in a thread while the sender sends; ``{rank}`` names rank 0's sender."""
+    with BucketedWeightSender("vllm-rank-0", bucket_bytes=1 << 20, transport="shm", timeout_s=TIMEOUT_S) as sender:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            rpc = pool.submit(engine.llm.collective_rpc, "refit_receive", timeout=TIMEOUT_S, args=("vllm-rank-{rank}", TIMEOUT_S))
+            sent = sender.send(trainer.named_parameters())
+            [received] = rpc.result(timeout=TIMEOUT_S)
+    assert (received["tensors"], received["bytes"]) == (sent.tensors, sent.bytes)
+    assert_engine_holds(engine, trainer)
+
+
+def test_checksums_of_an_unknown_parameter_name_it(engine):
+    with pytest.raises(Exception, match=r"no parameter\(s\) \['model.nope.weight'\] in the vLLM model"):
+        engine.llm.collective_rpc("refit_checksums", args=(["model.nope.weight"],))
+
+
+def test_push_weights_rejects_a_bad_timeout(engine):
+    with BucketedWeightSender("vllm-refit-bad", transport="shm", timeout_s=TIMEOUT_S) as sender:
+        with pytest.raises(InvalidInput, match="timeout_s=0"):
+            push_weights(engine.llm, sender, [], timeout_s=0)
