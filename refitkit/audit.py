@@ -1,11 +1,9 @@
-"""`refitkit audit`: run offload/reload cycles on a demo model under all four watchers; print a verdict."""
+"""Offload/reload cycles on a demo model under all four watchers: the body of `refitkit audit` (the CLI prints)."""
 
 from __future__ import annotations
 
-import argparse
 import gc
 import mmap
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -124,53 +122,8 @@ def run_audit(
     return run
 
 
-def _verdict_rows(run: AuditRun) -> list[tuple[str, str, str]]:
-    rows = []
-    last = run.verdicts[-1]
-    flagged = [v for v in run.verdicts if v.leaking]
-    if flagged:
-        first = flagged[0]
-        rows.append(("host RSS", "LEAK", f"growing from cycle {first.cycle}: {last.slope_mib_per_cycle:+.2f} MiB/cycle, phase {first.phase!r}"))
-    else:
-        rows.append(("host RSS", "ok", f"{last.slope_mib_per_cycle:+.2f} MiB/cycle over {last.window} cycles; RSS {last.rss_bytes / MIB:.0f} MiB"))
-    report = run.cycle_report
-    if report is None or report.clean:
-        rows.append(("reference cycles", "ok", "0 objects in cycles in one audited cycle"))
-    else:
-        held = ", ".join(f"{d}: {b / MIB:.2f} MiB" for d, b in report.tensor_bytes.items()) or "no tensors"
-        top = ", ".join(f"{name} x{n}" for name, n in list(report.by_type.items())[:3])
-        chain = " <- ".join(report.largest_chain[:3])
-        rows.append(("reference cycles", "LEAK", f"{report.cyclic_objects} objects ({top}); tensors {held}; {chain}"))
-    totals = run.gc_monitor.totals() if run.gc_monitor else None
-    if totals is not None:
-        gens = "/".join(str(n) for n in totals.automatic_by_generation)
-        status = "warn" if totals.explicit else "ok"
-        rows.append(("GC activity", status, f"automatic by generation {gens}, {totals.automatic_s * 1e3:.1f} ms; "
-                     f"explicit {totals.explicit}; longest pause {totals.max_pause_s * 1e3:.2f} ms"))  # fmt: skip
-    if not run.gpu_available:
-        rows.append(("GPU memory", "n/a", "no CUDA device"))
-    elif run.gpu_retained_bytes:
-        rows.append(("GPU memory", "LEAK", f"{run.gpu_retained_bytes} B retained after reload. {run.gpu_summary}"))
-    else:
-        rows.append(("GPU memory", "ok", "0 B retained after reload"))
-    return rows
-
-
-def _print_table(run: AuditRun, rows: list[tuple[str, str, str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"refitkit audit: {run.cycles} offload/reload cycles on {run.device}")
-    table.add_column("watcher")
-    table.add_column("verdict")
-    table.add_column("detail")
-    styles = {"ok": "green", "LEAK": "bold red", "warn": "yellow", "n/a": "dim"}
-    for watcher, verdict, detail in rows:
-        table.add_row(watcher, f"[{styles[verdict]}]{verdict}[/]", detail)
-    Console(file=sys.stdout, width=160).print(table)
-
-
-def _plot(run: AuditRun, path: str) -> None:
+def plot_audit(run: AuditRun, path: str) -> None:
+    """A PNG of host RSS and GPU memory after every phase of every cycle (needs the `plot` extra)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,34 +150,3 @@ def _plot(run: AuditRun, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``refitkit audit``; returns 0 when every watcher is clean, 1 on a leak."""
-    parser = argparse.ArgumentParser(prog="refitkit audit", description=__doc__)
-    parser.add_argument("--cycles", type=int, default=30, help="watched offload/reload cycles (default 30)")
-    parser.add_argument("--width", type=int, default=512, help="demo model width (4 square layers)")
-    parser.add_argument("--window", type=int, default=20, help="RSS trend window in cycles")
-    parser.add_argument("--warmup", type=int, default=5, help="cycles before the RSS trend is judged")
-    parser.add_argument("--threshold-mib-per-cycle", type=float, default=1.0, help="RSS growth that counts as a leak")
-    parser.add_argument("--plant", choices=("none", "cycle", "bytes"), default="none",
-                        help="plant a 1 MiB/cycle leak to see what a finding looks like")  # fmt: skip
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of host RSS and GPU memory per phase")
-    parser.add_argument("--memory-history", metavar="PATH", help="(CUDA) record allocator history for the last cycle and dump it here")
-    args = parser.parse_args(argv)
-    if args.cycles < 1:
-        parser.error("--cycles must be >= 1")
-    run = run_audit(
-        cycles=args.cycles, width=args.width, plant=args.plant, window=args.window, warmup=args.warmup,
-        threshold_mib_per_cycle=args.threshold_mib_per_cycle, memory_history=args.memory_history,
-    )  # fmt: skip
-    rows = _verdict_rows(run)
-    _print_table(run, rows)
-    if args.plot:
-        _plot(run, args.plot)
-        print(f"plot written to {args.plot}")
-    return 1 if any(verdict == "LEAK" for _, verdict, _ in rows) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -8,7 +8,7 @@ import torch
 def flush_device(device: torch.device | str | int | None = None) -> None:
     """Wait for the device's queued work, then return its cached free blocks to the driver.
 
-    This is the explicit replacement for the accidental sync that ``gc.collect()`` gives peers:
+    This is the explicit replacement for the accidental sync that a full garbage collection gives peers:
     ``synchronize()`` then ``empty_cache()``. A no-op without CUDA.
     """
     if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""`refitkit audit` (refitkit.audit.main): verdict table, exit code, PNG plot."""
+"""`refitkit audit` (refitkit.cli.audit over refitkit.audit.run_audit): verdict table, exit code, PNG plot."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from refitkit.audit import main
+from refitkit.cli import audit as main
 
 pytestmark = pytest.mark.timeout(120)
 
