@@ -125,8 +125,28 @@ class EngineAdapter(abc.ABC):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) weights as (name, tensor), one at a time, for streaming to inference."""
 
-    def _prepare_offload(self) -> None:
+    def _prepare_offload(self, parts: list[str]) -> None:
         """Bring the engine to a state whose tensors can be enumerated (e.g. FSDP reshard)."""
+
+    # --- grads: where an engine keeps them (default: ``param.grad``) ------------------------
+
+    def _grads_to_keep(self) -> NamedTensors:
+        """The grad tensors copied to the arena when grads are kept."""
+        return [(f"{name}.grad", p.grad) for name, p in self._grad_params() if p.grad is not None]
+
+    def _drop_grads(self) -> None:
+        """Free the grads without a copy (after the phase's synchronize)."""
+        for _, param in self._grad_params():
+            param.grad = None  # as zero_grad(set_to_none=True) would
+
+    def _grads_to_restore(self, zero: bool) -> NamedTensors:
+        """The kept grad tensors copied back in the reload phase (none when they are zeroed instead)."""
+        return self._grads_to_keep() if self._grads_kept and not zero else []
+
+    def _after_grad_reload(self, zero: bool) -> None:
+        """Finish the grad part of a reload (default: zero grads on request)."""
+        if zero:
+            reload_grads(self._grad_params(), self.arena, zero=True)
 
     # --- state -----------------------------------------------------------------------------
 
@@ -183,19 +203,14 @@ class EngineAdapter(abc.ABC):
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
         if not wanted:
             return _empty_move()
-        self._prepare_offload()
+        self._prepare_offload(wanted)
         model_named = self._model_tensors() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named: NamedTensors = []
-        if "grad" in wanted:
-            params = [(name, p) for name, p in self._grad_params() if p.grad is not None]
-            if keep:
-                grad_named = [(f"{name}.grad", p.grad) for name, p in params]
-            else:
-                for _, param in params:
-                    param.grad = None  # dropped, as zero_grad(set_to_none=True) would
+        grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
         # one call, so the phase pays one synchronize
         total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        if "grad" in wanted and not keep:
+            self._drop_grads()
         for part in wanted:
             self._states[part] = DeviceState.OFFLOADED
         if "grad" in wanted:
@@ -213,12 +228,10 @@ class EngineAdapter(abc.ABC):
             return _empty_move()
         model_named = self._model_tensors() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named: NamedTensors = []
-        if "grad" in wanted and self._grads_kept and not zero:
-            grad_named = [(f"{name}.grad", p.grad) for name, p in self._grad_params() if p.grad is not None]
+        grad_named = self._grads_to_restore(zero) if "grad" in wanted else []
         total = reload_tensors(model_named + optimizer_named + grad_named, self.arena)
-        if "grad" in wanted and zero:
-            reload_grads(self._grad_params(), self.arena, zero=True)
+        if "grad" in wanted:
+            self._after_grad_reload(zero)
         for part in wanted:
             self._states[part] = DeviceState.ON_DEVICE
         logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)

@@ -45,7 +45,7 @@ class FSDPAdapter(EngineAdapter):
 
     # --- enumeration -----------------------------------------------------------------------
 
-    def _prepare_offload(self) -> None:
+    def _prepare_offload(self, parts: list[str] | None = None) -> None:
         # an unsharded module holds all-gathered copies that offloading the shards would miss
         for part in self.model_parts:
             reshard_all(part)

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from refitkit.engines.base import AdapterMove, DeviceState, EngineAdapter, NamedTensors
+from refitkit.engines.base import DeviceState, EngineAdapter, NamedTensors
 from refitkit.engines.megatron import _internals
 from refitkit.engines.megatron._arenas import shared_arena
 from refitkit.engines.megatron.model import (
@@ -20,7 +20,6 @@ from refitkit.engines.megatron.model import (
 )
 from refitkit.engines.megatron.optimizer import copy_param_tensors, drop_main_grads, leaves, state_tensors
 from refitkit.errors import InvalidInput
-from refitkit.offload import offload_tensors, reload_tensors
 
 
 class MegatronAdapter(EngineAdapter):
@@ -57,47 +56,23 @@ class MegatronAdapter(EngineAdapter):
     def _grad_params(self) -> NamedTensors:
         return loose_grads(self.chunks)
 
-    # --- transitions: grads live in DDP buffers, not in param.grad --------------------------
+    # --- grads live in DDP grad buffers (and loose .grad of non-DDP chunks) --------------------
 
-    def offload(
-        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
-    ) -> AdapterMove:
-        """Move the chosen parts to the host arena in one copy phase; idempotent per part."""
-        keep = self.keep_grads if keep_grads is None else keep_grads
-        wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
-        model_named = self._model_tensors() if "model" in wanted else []
-        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named: NamedTensors = []
-        if "optimizer" in wanted:
-            drop_main_grads(self._leaves)
-        if "grad" in wanted and keep:
-            grad_named = grad_buffer_tensors(self.chunks) + [
-                (f"{name}.grad", p.grad) for name, p in loose_grads(self.chunks)
-            ]
-        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
-        if "grad" in wanted and not keep:
-            drop_grads(self.chunks, self.arena)  # after the phase's synchronize
-        for part in wanted:
-            self._states[part] = DeviceState.OFFLOADED
-        if "grad" in wanted:
-            self._grads_kept = keep
-        return self._split(total, model_named, optimizer_named, grad_named)
+    def _prepare_offload(self, parts: list[str]) -> None:
+        if "optimizer" in parts:
+            drop_main_grads(self._leaves)  # rebuilt from the grad buffers at the next step
 
-    def reload(
-        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, zero_grads: bool | None = None
-    ) -> AdapterMove:
-        """Restore the chosen parts in place in one copy phase; dropped grad buffers come back zeroed."""
-        zero = self.zero_grads if zero_grads is None else zero_grads
-        wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.OFFLOADED)
-        model_named = self._model_tensors() if "model" in wanted else []
-        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named = kept_grad_tensors(self.chunks, self.arena) if "grad" in wanted else []
-        total = reload_tensors(model_named + optimizer_named + grad_named, self.arena)
-        if "grad" in wanted:
-            regrow_grads(self.chunks, self.arena, zero_all=zero)
-        for part in wanted:
-            self._states[part] = DeviceState.ON_DEVICE
-        return self._split(total, model_named, optimizer_named, grad_named)
+    def _grads_to_keep(self) -> NamedTensors:
+        return grad_buffer_tensors(self.chunks) + [(f"{name}.grad", p.grad) for name, p in loose_grads(self.chunks)]
+
+    def _drop_grads(self) -> None:
+        drop_grads(self.chunks, self.arena)
+
+    def _grads_to_restore(self, zero: bool) -> NamedTensors:
+        return kept_grad_tensors(self.chunks, self.arena)
+
+    def _after_grad_reload(self, zero: bool) -> None:
+        regrow_grads(self.chunks, self.arena, zero_all=zero)  # dropped buffers come back zeroed
 
     # --- weights for inference -------------------------------------------------------------
 
