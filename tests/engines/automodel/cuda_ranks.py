@@ -10,7 +10,8 @@ from torch import nn
 
 from refitkit.engines.automodel import AutomodelAdapter
 from refitkit.offload import flush_device
-from tests.engines.automodel.ranks import _bits_equal, local_state
+from tests.engines.automodel.ranks import local_state
+from tests.helpers.bits import bits_equal
 
 VOCAB = 32000
 
@@ -94,7 +95,7 @@ def cuda_cycle(rank: int, world_size: int) -> dict:
     return {
         "base_losses": base_losses,
         "losses": losses,
-        "final_differs": [k for k in base_final if k not in final or not _bits_equal(base_final[k], final[k])],
+        "final_differs": [k for k in base_final if k not in final or not bits_equal(base_final[k], final[k])],
         "moved_bytes": offload.total.bytes,
         "storages": offload.total.storages,
         "allocated_drop": allocated_before - allocated_after,

@@ -12,6 +12,7 @@ from torch import nn
 
 from refitkit.engines.automodel import AutomodelAdapter
 from refitkit.offload.device import local_tensor
+from tests.helpers.bits import bits_equal
 
 VOCAB = 101  # odd sizes so world size 2 shards carry padding
 SEQ = 12
@@ -83,10 +84,6 @@ def local_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer])
     return out
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
 def _live(adapter: AutomodelAdapter) -> list[str]:
     named = adapter._model_tensors() + adapter._optimizer_tensors()
     return [name for name, tensor in named if local_tensor(tensor).untyped_storage().nbytes() > 0]
@@ -134,11 +131,11 @@ def train_with_cycle(rank: int, world_size: int, mixed_precision: bool, use_to: 
         "again_bytes": again.total.bytes,
         "state_after_reload": adapter.state.name,
         "same_objects": same_objects,
-        "intact": [k for k in before if k not in after or not _bits_equal(before[k], after[k])],
+        "intact": [k for k in before if k not in after or not bits_equal(before[k], after[k])],
         "n_state": len(before),
         "n_grads_before": len(grads_before),
-        "grads_changed": [k for k in grads_before if k not in grads_after or not _bits_equal(grads_before[k], grads_after[k])],
-        "final_differs": [k for k in base_final if k not in final or not _bits_equal(base_final[k], final[k])],
+        "grads_changed": [k for k in grads_before if k not in grads_after or not bits_equal(grads_before[k], grads_after[k])],
+        "final_differs": [k for k in base_final if k not in final or not bits_equal(base_final[k], final[k])],
         "n_final": len(base_final),
     }
 
@@ -176,7 +173,7 @@ def two_rank_checks(rank: int, world_size: int, cycles: int) -> dict:
         "full_names": sorted(full),
         "hf_names": hf_names,
         "wrapped_module_names": [n for n in module_names if "_checkpoint_wrapped_module" in n],
-        "mismatch": [n for n, t in streamed if n not in full or not _bits_equal(t, full[n].detach())],
+        "mismatch": [n for n, t in streamed if n not in full or not bits_equal(t, full[n].detach())],
         "types": sorted(types),
         "sharded": any(type(p).__name__ == "DTensor" for p in parts[0].parameters()),
         "sizes": sizes,

@@ -7,6 +7,8 @@ from torch import nn
 
 from refitkit.engines import DeviceState
 from refitkit.engines.fsdp import FSDPAdapter
+from refitkit.offload.device import local_tensor as _local
+from tests.helpers.bits import bits_equal
 
 DIM = 12  # odd-ish sizes so world size 2 shards carry padding
 
@@ -113,8 +115,8 @@ def train_with_cycle(rank: int, world_size: int, fsdp: bool, mixed_precision: bo
         "losses": losses,
         "base_final": local_state(base_model, base_opt),
         "final": local_state(model, optimizer),
-        "intact": sorted(before) == sorted(after) and all(_bits_equal(before[k], after[k]) for k in before),
-        "grads_intact": sorted(grads_before) == sorted(grads_after) and all(_bits_equal(grads_before[k], grads_after[k]) for k in grads_before),
+        "intact": sorted(before) == sorted(after) and all(bits_equal(before[k], after[k]) for k in before),
+        "grads_intact": sorted(grads_before) == sorted(grads_after) and all(bits_equal(grads_before[k], grads_after[k]) for k in grads_before),
         "n_grads_before": len(grads_before),
         "freed": freed,
         "again_bytes": again.total.bytes,
@@ -140,12 +142,12 @@ def named_weights_match(rank: int, world_size: int) -> dict:
     return {
         "initial_names": [n for n, _ in initial],
         "reference_names": list(reference),
-        "initial_equal": all(_bits_equal(t, reference[n]) for n, t in initial),
+        "initial_equal": all(bits_equal(t, reference[n]) for n, t in initial),
         "trained_names": [n for n, _ in trained],
         "full_names": list(full),
-        "trained_equal": all(_bits_equal(t, full[n]) for n, t in trained),
+        "trained_equal": all(bits_equal(t, full[n]) for n, t in trained),
         "types": sorted({type(t).__name__ for _, t in trained}),
-        "trained_changed": not all(_bits_equal(t, reference[n]) for n, t in trained if n in reference),
+        "trained_changed": not all(bits_equal(t, reference[n]) for n, t in trained if n in reference),
     }
 
 
@@ -168,7 +170,7 @@ def offload_after_inference_forward(rank: int, world_size: int) -> dict:
         "unsharded_before": unsharded_before,
         "unsharded_after": unsharded_after,
         "live": live,
-        "same_output": _bits_equal(expected, again),
+        "same_output": bits_equal(expected, again),
     }
 
 
@@ -184,21 +186,6 @@ def repeated_cycles(rank: int, world_size: int, cycles: int) -> dict:
         sizes.append((adapter.arena.nbytes, adapter.arena.chunks, adapter.arena.held_bytes))
         adapter.reload()
     return {"sizes": sizes, "held_after": adapter.arena.held_bytes}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from refitkit.offload.device import local_tensor
-
-    return local_tensor(tensor)
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = _local(a), _local(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def cycle_garbage(rank: int, world_size: int) -> dict:

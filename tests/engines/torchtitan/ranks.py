@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from refitkit.offload.device import local_tensor as _local
+from tests.helpers.bits import bits_equal
 
 SEQ_LEN = 32
 BATCH = 2
@@ -142,7 +144,7 @@ def named_weights_and_cycles(rank: int, world_size: int, cycles: int) -> dict:
         "sizes": sizes,
         "names": sorted(n for n, _ in weights),
         "full_names": sorted(full),
-        "equal": all(_bits_equal(t, full[n]) for n, t in weights),
+        "equal": all(bits_equal(t, full[n]) for n, t in weights),
         "types": sorted({type(t).__name__ for _, t in weights}),
         "shapes_full": all(tuple(t.shape) == tuple(full[n].shape) for n, t in weights),
     }
@@ -179,18 +181,5 @@ def local_state(model_parts, optimizers) -> dict[str, torch.Tensor]:
     return out
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from refitkit.offload.device import local_tensor
-
-    return local_tensor(tensor)
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = _local(a), _local(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
 def _all_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return sorted(a) == sorted(b) and all(_bits_equal(a[k], b[k]) for k in a)
+    return sorted(a) == sorted(b) and all(bits_equal(a[k], b[k]) for k in a)
