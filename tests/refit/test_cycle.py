@@ -27,3 +27,16 @@ def test_refit_rounds_deliver_identical_weights_and_free_the_trainer():
     # allocated once: exactly the offloaded bytes plus per-storage alignment
     offloaded = result.rounds[0].refit.phase("offload").bytes
     assert offloaded <= result.arena_bytes <= offloaded + 256 * 64
+
+
+@pytest.mark.timeout(240)
+def test_two_fsdp_ranks_refit_with_one_sender_and_a_real_barrier():
+    from tests.helpers.world import run_world
+    from tests.refit import ranks
+
+    sender_rank, other_rank = run_world(ranks.refit_two_ranks, 2, timeout_s=180)
+    assert sender_rank["phases"] == other_rank["phases"] == ["sync_weights", "offload", "flush_device", "barrier"]
+    assert sender_rank["received_equal"], "the receiver's weights differ from the gathered full weights"
+    assert sender_rank["sync_bytes"] > 0 and other_rank["sync_bytes"] == 0  # rank 1 only joined the gathers
+    assert sender_rank["offloaded"] and other_rank["offloaded"]
+    assert sender_rank["loss_finite"] and other_rank["loss_finite"]
