@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
 
-from refitkit.engines import DeviceState
-from refitkit.engines.automodel import AutomodelAdapter
-from refitkit.errors import InvalidInput
 from tests.engines.automodel import ranks
 from tests.helpers.world import run_world
 

@@ -39,7 +39,7 @@ def adapter_world(rank: int, world_size: int) -> dict:
     losses = [tiny_gpt.train_step(trainer, step) for step in range(2)]
     adapter = rm.MegatronAdapter(trainer.chunks, trainer.optimizer)
     seen: dict = {"arena_shared": rm.arena_of(trainer.chunks[0]) is adapter.arena is rm.arena_of(trainer.optimizer.chained_optimizers[0])}
-    seen["before"] = before = _all_device_bytes(trainer)
+    seen["before"] = _all_device_bytes(trainer)
     seen["weights"] = {name: w.to("cpu", copy=True) for name, w in adapter.named_weights()}
     seen["gpt_names"] = [n for n, _ in trainer.chunks[0].module.module.named_parameters()]
 
