@@ -18,28 +18,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.limits import measure_copy_limits  # noqa: E402
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def flat_pinned_memcpy_gbps(nbytes: int, *, repeats: int = 5) -> tuple[float, float]:
-    """Best-of D2H and H2D GB/s for one flat copy of ``nbytes`` between the GPU and pinned host memory."""
-    device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host_buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rates = {"d2h": 0.0, "h2d": 0.0}
-    for _ in range(repeats):
-        for direction, (dst, src) in {"d2h": (host_buffer, device_buffer), "h2d": (device_buffer, host_buffer)}.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            rates[direction] = max(rates[direction], nbytes / (time.perf_counter() - start) / 1e9)
-    del device_buffer, host_buffer
-    torch.cuda.empty_cache()
-    return rates["d2h"], rates["h2d"]
 
 
 def _timed(label: str, call, rows: list[dict]) -> None:
@@ -80,7 +65,8 @@ def run(hidden_size: int, num_layers: int, rounds: int) -> dict:
     _timed("offload_megatron_copy_params", lambda: rm.offload_megatron_copy_params(trainer.optimizer), rows)
     _timed("load_megatron_copy_params", lambda: rm.load_megatron_copy_params(trainer.optimizer), rows)
     moved = max(row["bytes"] for row in rows)
-    d2h, h2d = flat_pinned_memcpy_gbps(moved)
+    limits = measure_copy_limits(moved, repeats=5)
+    d2h, h2d = limits.pinned_d2h_gbps, limits.pinned_h2d_gbps
     steady = [row for row in rows if not row["call"].startswith("r0 ") and row["call"].startswith("r")]
     offload_bytes = sum(r["bytes"] for r in steady if "offload" in r["call"])
     offload_s = sum(r["copy_s"] for r in steady if "offload" in r["call"])

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refitkit.offload import HostArena, flush_device, offload_grads, offload_optimizer, offload_tensors
-from refitkit.offload import reload_grads, reload_optimizer, reload_tensors
+from refitkit.engines.fsdp import FSDPAdapter
+from refitkit.offload import flush_device
 from refitkit.watchdog import CycleAudit, CycleReport, GcMonitor, GpuMemoryAudit, RSSWatchdog, WatchdogVerdict
 
 MIB = 1 << 20
@@ -45,24 +45,20 @@ def _demo_model(width: int, device: torch.device) -> tuple[torch.nn.Module, torc
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _one_cycle(model, optimizer, arena, *, width: int, device: torch.device, plant: str, hoard: list, marks) -> None:
+def _one_cycle(adapter: FSDPAdapter, *, width: int, device: torch.device, plant: str, hoard: list, marks) -> None:
     """Train step, offload everything, reload everything; ``marks(phase)`` after each phase."""
-    named = list(model.named_parameters())
+    model, optimizer = adapter.model_parts[0], adapter.optimizers[0]
     model(torch.randn(32, width, device=device)).square().mean().backward()
     optimizer.step()
     marks("train")
-    offload_grads(named, arena)
-    offload_tensors(named, arena)
-    offload_optimizer(optimizer, arena)
+    adapter.offload()  # params, AdamW state; grads dropped
     flush_device(device)
     if plant == "cycle":
         holder = _Planted()
         holder.me, holder.payload = holder, torch.ones(MIB // 4)  # 1 MiB held only by the cycle
         del holder
     marks("offload")
-    reload_tensors(named, arena)
-    reload_optimizer(optimizer, arena)
-    reload_grads(named, arena, zero=True)
+    adapter.reload()  # grads come back as zeros
     flush_device(device)
     if plant == "bytes":
         # a fresh anonymous mapping, every page written: new resident memory, never heap space that
@@ -79,8 +75,7 @@ def run_audit(
 ) -> AuditRun:  # fmt: skip
     """Run ``cycles`` watched cycles plus one under ``CycleAudit``; returns what was seen."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model, optimizer = _demo_model(width, device)
-    arena = HostArena()
+    adapter = FSDPAdapter(*_demo_model(width, device), zero_grads=True)
     run = AuditRun(device=str(device), cycles=cycles)
     rss = RSSWatchdog(window=window, warmup=warmup, threshold_mib_per_cycle=threshold_mib_per_cycle, on_leak=lambda v: None)
     gpu = GpuMemoryAudit()
@@ -104,7 +99,7 @@ def run_audit(
                     monitor.mark(phase)
 
                 watcher.begin_cycle()
-                _one_cycle(model, optimizer, arena, width=width, device=device, plant=plant, hoard=hoard, marks=marks)
+                _one_cycle(adapter, width=width, device=device, plant=plant, hoard=hoard, marks=marks)
                 verdict = rss.end_cycle()
                 run.verdicts.append(verdict)
                 run.rss_points += [(cycle, phase, nbytes) for phase, nbytes in verdict.samples]
@@ -114,7 +109,7 @@ def run_audit(
                 run.gpu_summary = report.summary() if report.alive_blocks else ""
         audit = CycleAudit()
         with audit:
-            _one_cycle(model, optimizer, arena, width=width, device=device, plant=plant, hoard=hoard, marks=lambda phase: None)
+            _one_cycle(adapter, width=width, device=device, plant=plant, hoard=hoard, marks=lambda phase: None)
         run.cycle_report = audit.report
     finally:
         if was_enabled:

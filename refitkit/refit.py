@@ -79,15 +79,15 @@ class RefitCycle:
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
         records.append(self._timed("sync_weights", origin, self._sync_weights))
-        records.append(self._timed("offload", origin, lambda: self._moved(self.adapter.offload())))
-        records.append(self._timed("flush_device", origin, lambda: (flush_device(), 0)[1]))
-        records.append(self._timed("barrier", origin, lambda: (self._barrier("offload"), 0)[1]))
+        records.append(self._timed("offload", origin, lambda: self.adapter.offload().total.bytes))
+        records.append(self._timed("flush_device", origin, flush_device))
+        records.append(self._timed("barrier", origin, lambda: self._barrier("offload")))
         return RefitReport(step=step, rank=self._rank(), phases=tuple(records))
 
     def resume(self, step: int) -> RefitReport:
         """Bring the training state back to the device."""
         origin = time.perf_counter()
-        record = self._timed("reload", origin, lambda: self._moved(self.adapter.reload()))
+        record = self._timed("reload", origin, lambda: self.adapter.reload().total.bytes)
         return RefitReport(step=step, rank=self._rank(), phases=(record,))
 
     def _sync_weights(self) -> int:
@@ -101,14 +101,9 @@ class RefitCycle:
     def _barrier(self, phase: str) -> None:
         bounded_barrier(self.group, timeout_s=self.barrier_timeout_s, phase=phase)
 
-    @staticmethod
-    def _moved(move: Any) -> int:
-        total = getattr(move, "total", move)
-        return int(getattr(total, "bytes", 0))
-
-    def _timed(self, name: str, origin: float, fn: Callable[[], int]) -> PhaseRecord:
+    def _timed(self, name: str, origin: float, fn: Callable[[], int | None]) -> PhaseRecord:
         start = time.perf_counter()
-        moved = fn()
+        moved = fn() or 0
         end = time.perf_counter()
         if self.on_phase is not None:
             self.on_phase(name)

@@ -180,13 +180,8 @@ class EngineAdapter(abc.ABC):
         )
 
     def _part_bytes(self, named: NamedTensors) -> PartBytes:
-        seen: set[int] = set()
         device_bytes = host_bytes = 0
-        for _, tensor in named:
-            storage = local_tensor(tensor).untyped_storage()
-            if storage._cdata in seen:
-                continue
-            seen.add(storage._cdata)
+        for storage in _unique_storages(named):
             device_bytes += storage.nbytes()
             slot = self.arena.slot_of(storage)
             if slot is not None and slot.holds_data:
@@ -271,20 +266,23 @@ class EngineAdapter(abc.ABC):
         return AdapterMove(model=parts[0], optimizer=parts[1], grad=parts[2], total=total)
 
     def _moved(self, named: NamedTensors, seconds: float) -> MoveStats:
-        seen: set[int] = set()
-        nbytes = 0
-        for _, tensor in named:
-            storage = local_tensor(tensor).untyped_storage()
-            slot = self.arena.slot_of(storage)
-            if storage._cdata in seen or slot is None:
-                continue
-            seen.add(storage._cdata)
-            nbytes += slot.nbytes
-        return MoveStats(bytes=nbytes, storages=len(seen), seconds=seconds if nbytes else 0.0)
+        slots = [slot for storage in _unique_storages(named) if (slot := self.arena.slot_of(storage)) is not None]
+        nbytes = sum(slot.nbytes for slot in slots)
+        return MoveStats(bytes=nbytes, storages=len(slots), seconds=seconds if nbytes else 0.0)
 
     def __repr__(self) -> str:
         states = ", ".join(f"{part}={state.name}" for part, state in self._states.items())
         return f"{type(self).__name__}({states}, arena={self.arena!r})"
+
+
+def _unique_storages(named: NamedTensors) -> Iterator[torch.UntypedStorage]:
+    """Each storage behind ``named`` once (views and shards share storages)."""
+    seen: set[int] = set()
+    for _, tensor in named:
+        storage = local_tensor(tensor).untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            yield storage
 
 
 def _empty_move() -> AdapterMove:
