@@ -152,7 +152,6 @@ class CudaIpcBucket:
         finally:
             torch.cuda.set_device(previous)
         self._handle = bytes(handle.reserved)
-        self._packed = torch.cuda.Event()  # recorded after each bucket's copies; cheaper to wait on than the stream
         self.tensor: torch.Tensor | None
         self.tensor, self._freed = _wrap(pointer.value, nbytes, device, functools.partial(_free, device, pointer.value))
 
@@ -163,13 +162,11 @@ class CudaIpcBucket:
     def receiver_mapped(self) -> None:
         """Nothing to do: the sender keeps sole ownership of the memory."""
 
-    def mark_packed(self) -> None:
-        """Note the point on the stream where the copies of the bucket being shipped end."""
-        self._packed.record(torch.cuda.current_stream(self.device))
-
-    def wait_packed(self) -> None:
-        """Wait for those copies only (not for later work on the stream), so the receiver reads complete bytes."""
-        self._packed.synchronize()
+    def mark_packed(self) -> torch.cuda.Event:
+        """An event after the copies of the bucket being shipped (later work on the stream is not waited for)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def free(self) -> None:
         """Wait for pending copies and return the memory to the driver; idempotent."""

@@ -5,16 +5,22 @@ Kinds and their fields (R = receiver, S = sender):
 
 - ``hello``    R→S  ``pid``, ``device`` ("cpu" or "cuda"), ``device_uuid`` (CUDA only)
 - ``setup``    S→R  ``session``, ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
-                    ``handle`` (the transport's raw fields: shm path, or CUDA IPC handle bytes)
+                    ``handle`` (the transport's raw fields: shm path, or CUDA IPC handle bytes),
+                    ``control`` (path of the progress-counter segment, see ``doorbell``; None
+                    when the hand-offs travel as ``packed`` / ``done`` frames instead)
 - ``ready``    R→S  ``session``: the bucket buffer is mapped (once for the whole session); the
-                    sender packs the first bucket meanwhile and sends no bucket before it
-- ``bucket``   S→R  ``session``, ``seq``, ``half``, ``wide``, ``last``, ``entries``: a bucket is one
-                    half of the buffer, or (``wide``, with ``half`` 0) the whole buffer, used for a
-                    tensor larger than a half so that it arrives as one view, not reassembled.
+                    sender does not wait for it before packing and queueing buckets
+- ``bucket``   S→R  ``session``, ``seq``, ``half``, ``wide``, ``last``, ``entries``: sent as soon as
+                    the bucket's copies are issued; its bytes may be read once the bucket is
+                    announced as packed (``PACKED`` counter > ``seq``, or a ``packed`` frame).
+                    A bucket is one half of the buffer, or (``wide``, with ``half`` 0) the whole
+                    buffer, used for a tensor larger than a half so that it arrives as one view.
                     Each entry is ``[name, dtype, shape, offset]`` for a whole tensor, or
                     ``[name, dtype, shape, offset, start, nbytes]`` for a byte range of a tensor
                     split across buckets; offsets are relative to the bucket and ``ALIGN_BYTES``-aligned
+- ``packed``   S→R  ``session``, ``seq``: bucket ``seq``'s bytes are complete (only without a control segment)
 - ``done``     R→S  ``session``, ``seq``: bucket ``seq`` consumed, its half (or both) may be reused
+                    (only without a control segment; with one, the ``CONSUMED`` counter says it)
 - ``released`` R→S  ``session``, ``seq``: final ACK, sent only after every view and the
                     mapping were released
 - ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released)
@@ -37,8 +43,8 @@ import zmq
 from refitkit.errors import ProtocolError, TransferTimeout
 from refitkit.transfer.phases import SessionPhase
 
-WIRE_VERSION = 2  # 2: short entries for whole tensors, wide buckets
-KINDS = frozenset({"hello", "setup", "ready", "bucket", "done", "released", "error", "abort"})
+WIRE_VERSION = 3  # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters
+KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # Entries start on this boundary so every dtype view of the bucket is aligned (and GPU copies coalesce).
 ALIGN_BYTES = 256
 # A frame is metadata only; anything bigger is not ours.
@@ -193,7 +199,12 @@ def recv_frame(
         if sock.poll(remaining_ms, zmq.POLLIN):
             return sock.recv_multipart(copy=True)
         if time.monotonic() >= deadline:
-            raise TransferTimeout(
-                f"{phase.value}: no {waiting_for} from {peer} within timeout_s={timeout_s:g} "
-                f"(peer dead or stuck? raise timeout_s if it is just slow)"
-            )
+            raise timeout_error(phase, waiting_for, peer, timeout_s)
+
+
+def timeout_error(phase: SessionPhase, waiting_for: str, peer: str, timeout_s: float) -> TransferTimeout:
+    """The one wording of a timed-out wait: the phase, what was awaited from whom, and the knob."""
+    return TransferTimeout(
+        f"{phase.value}: no {waiting_for} from {peer} within timeout_s={timeout_s:g} "
+        f"(peer dead or stuck? raise timeout_s if it is just slow)"
+    )

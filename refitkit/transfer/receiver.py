@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,16 +27,24 @@ import torch
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
-from refitkit.transfer import cuda_ipc, shm
+from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import connect_receiver, socket_path
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, Entry, align_up, contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame,
+    timeout_error,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # the sender dropped it first
 
 
 class BucketedWeightReceiver:
@@ -130,6 +139,10 @@ class _ReceiveSession:
         self.sock: zmq.Socket | None = None
         self.session: str | None = None
         self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
+        self.bell: doorbell.Doorbell | None = None
+        self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
+        self.packed_by_frame = 0  # buckets announced by "packed" frames (no control segment)
+        self.unconsumed: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None): reads not yet announced
         self.half_bytes = 0
         self.seq = 0
         self.partial: dict[str, tuple[torch.Tensor, int]] = {}
@@ -167,6 +180,11 @@ class _ReceiveSession:
                 self.device = self.mapping.device
             elif transport != "none":
                 raise ProtocolError(f"unknown transport {transport!r} in setup")
+            if setup.get("control") is not None:
+                self.bell = doorbell.Doorbell.open(setup.get("control"))
+            for path in (self.bell.path if self.bell else None, handle.get("path") if transport == "shm" else None):
+                if path is not None:  # both sides hold mappings now: no crash can leak the names
+                    _unlink_quietly(path)
             if self.mapping is not None:
                 buffer_bytes = self.mapping.tensor.numel()  # type: ignore[union-attr]
                 if not (0 < self.half_bytes and self.half_bytes % ALIGN_BYTES == 0 and 2 * self.half_bytes <= buffer_bytes):
@@ -180,14 +198,8 @@ class _ReceiveSession:
     # -- buckets ----------------------------------------------------------------------------------
 
     def next_bucket(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-        """Wait for the next bucket frame and turn it into (name, tensor) pairs."""
-        frame = self._recv(f"bucket {self.seq}")
-        if frame["kind"] == "abort":
-            reason = str(frame.get("reason"))
-            self._release()
-            self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
-            self.phase = SessionPhase.RELEASED
-            raise TransferError(f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq}: {reason}")
+        """Wait for the next bucket frame, then for its bytes, and turn it into (name, tensor) pairs."""
+        frame = self._next_frame(f"bucket {self.seq}")
         expect(frame, "bucket", session=self.session)
         half, wide = frame.get("half"), frame.get("wide", False)
         if frame.get("seq") != self.seq or half not in (0, 1) or wide not in (False, True) or (wide and half != 0):
@@ -195,8 +207,88 @@ class _ReceiveSession:
                 f"bucket frame seq={frame.get('seq')!r} half={half!r} wide={wide!r}, expected seq {self.seq} in half 0 or 1"
             )
         entries = entries_from_wire(frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes)
-        weights = self._unpack(entries, 0 if wide else half * self.half_bytes) if entries else []
-        return weights, bool(frame.get("last"))
+        if not entries:
+            return [], bool(frame.get("last"))
+        self._wait_packed()
+        return self._unpack(entries, 0 if wide else half * self.half_bytes), bool(frame.get("last"))
+
+    def _next_frame(self, waiting_for: str) -> dict[str, Any]:
+        """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
+        began = time.perf_counter()
+        spin_until, deadline = began + doorbell.SPIN_S, began + self.receiver.timeout_s
+        try:
+            while not self.inbox:
+                self._announce_consumed()
+                now = time.perf_counter()
+                if now >= deadline:
+                    raise timeout_error(self.phase, waiting_for, f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s)
+                # Nothing to look at but the socket once reads are announced: block for the rest of the time.
+                wait_ms = 0 if now < spin_until or self.unconsumed else max(1, int((deadline - now) * 1000))
+                if self.sock.poll(wait_ms, zmq.POLLIN):  # type: ignore[union-attr]
+                    self._take(self._recv_now())
+                elif wait_ms == 0:
+                    os.sched_yield()  # see _wait_packed
+            return self.inbox.popleft()
+        finally:
+            self.wait_s += time.perf_counter() - began
+
+    def _wait_packed(self) -> None:
+        """Wait until the sender announced this bucket's bytes as complete."""
+        target = self.seq + 1
+        if self._packed() >= target:
+            return
+        began = time.perf_counter()
+        spin_until, deadline = began + doorbell.SPIN_S, began + self.receiver.timeout_s
+        looks = 0
+        try:
+            while self._packed() < target:
+                self._announce_consumed()
+                looks += 1
+                os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
+                if looks % 32 == 0:
+                    now = time.perf_counter()
+                    if now >= deadline:
+                        raise timeout_error(
+                            self.phase, f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
+                            f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s,
+                        )  # fmt: skip
+                    wait_ms = 0 if now < spin_until or self.unconsumed else doorbell.WAIT_SLICE_MS
+                    if self.sock.poll(wait_ms, zmq.POLLIN):  # type: ignore[union-attr]
+                        self._take(self._recv_now())
+        finally:
+            self.wait_s += time.perf_counter() - began
+
+    def _packed(self) -> int:
+        return self.bell.read(doorbell.PACKED) if self.bell is not None else self.packed_by_frame
+
+    def _take(self, frame: dict[str, Any]) -> None:
+        """File a frame that arrived: an abort ends the session here, ``packed`` counts, others wait in the inbox."""
+        kind = frame["kind"]
+        if kind == "abort" and frame.get("session") == self.session:
+            reason = str(frame.get("reason"))
+            self._release()
+            self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
+            self.phase = SessionPhase.RELEASED
+            raise TransferError(f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq}: {reason}")
+        if kind == "packed":
+            expect(frame, "packed", session=self.session)
+            if frame.get("seq") != self.packed_by_frame:
+                raise ProtocolError(f"packed for bucket {frame.get('seq')!r}, expected bucket {self.packed_by_frame}")
+            self.packed_by_frame += 1
+            return
+        self.inbox.append(frame)
+
+    def _announce_consumed(self) -> None:
+        """Tell the sender about every bucket whose reads have finished, in order (never waits)."""
+        while self.unconsumed:
+            seq, event = self.unconsumed[0]
+            if event is not None and not event.query():
+                return
+            self.unconsumed.popleft()
+            if self.bell is not None:
+                self.bell.write(doorbell.CONSUMED, seq + 1)
+            else:
+                self._send(encode("done", session=self.session, seq=seq))
 
     def _unpack(self, entries: list[Entry], bucket_offset: int) -> list[tuple[str, torch.Tensor]]:
         """Views of the bucket for whole tensors; split ones are copied into place (and handed out once complete)."""
@@ -259,12 +351,15 @@ class _ReceiveSession:
         return not any(tensor is assembled for assembled in self.assembled)
 
     def bucket_consumed(self, last: bool) -> None:
-        """The caller dropped this bucket's tensors: free its half, or release everything and ACK."""
+        """The caller dropped this bucket's tensors: free its half once the reads finished, or release and ACK."""
         if not last:
-            if isinstance(self.mapping, cuda_ipc.CudaIpcMapping) or self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # reads done before the half is reused
-            self._send(encode("done", session=self.session, seq=self.seq))
+            event = None
+            if self.device.type == "cuda":  # the loader's copies out of the bucket are queued on this stream
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            self.unconsumed.append((self.seq, event))
             self.seq += 1
+            self._announce_consumed()
             return
         self.phase = SessionPhase.DRAINING
         try:
@@ -286,11 +381,17 @@ class _ReceiveSession:
         self.released = True
         self.partial.clear()
         self.assembled.clear()
+        self.unconsumed.clear()
         mapping, self.mapping = self.mapping, None
-        if mapping is not None:
-            mapping.release()
-        elif self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            if mapping is not None:
+                mapping.release()  # finishes this stream's reads first
+            elif self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        finally:
+            bell, self.bell = self.bell, None
+            if bell is not None:
+                bell.close()
 
     def fail(self, message: str) -> None:
         """Release, then tell the sender why this session failed (best effort; once per session)."""
@@ -333,12 +434,16 @@ class _ReceiveSession:
             if not quiet:
                 raise TransferError(f"{self.phase.value}: cannot reach the sender on {self.receiver.endpoint!r}: {exc}") from None
 
-    def _recv(self, waiting_for: str) -> dict[str, Any]:
+    def _recv_now(self) -> dict[str, Any]:
+        """A frame that poll() said is there."""
+        return self._recv("a frame", timeout_s=0.0)
+
+    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> dict[str, Any]:
         assert self.sock is not None
         began = time.perf_counter()
         try:
             parts = recv_frame(
-                self.sock, timeout_s=self.receiver.timeout_s, phase=self.phase,
+                self.sock, timeout_s=self.receiver.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
                 waiting_for=waiting_for, peer=f"the sender on {self.receiver.endpoint!r}",
             )  # fmt: skip
         finally:

@@ -28,11 +28,11 @@ from typing import Any
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer import cuda_ipc, shm
+from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import bind_sender, socket_path
 from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item
 from refitkit.transfer.phases import SessionPhase, TransferStats
-from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame
+from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class BucketedWeightSender:
 
 
 class _SendSession:
-    """State of one send(): the peer, the bucket, the packer and the sequence numbers."""
+    """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
     def __init__(self, sender: BucketedWeightSender, pull: Callable[[], Any]) -> None:
         self.sender = sender
@@ -171,12 +171,16 @@ class _SendSession:
         self.phase = SessionPhase.HANDSHAKE
         self.peer: bytes | None = None
         self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
+        self.bell: doorbell.Doorbell | None = None
         self.packer: BucketPacker | None = None
         self.setup_sent = False
         self.set_up = False  # the receiver said ready: it mapped the bucket
+        self.released = False  # the final ACK arrived
         self.remote_failed = False
         self.seq = 0
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
+        self.unpacked: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None): copies not yet announced
+        self.consumed_by_frame = 0  # progress learnt from "done" frames (no doorbell on this machine)
         self.ack_wait_s = 0.0
         self.items = 0
         self.seen: set[str] = set()
@@ -195,10 +199,12 @@ class _SendSession:
         total_bytes = 0
         item = first
         if self.packer is not None:
-            pack, next_item = self.packer.pack, self._next_item
+            pack, next_item, unpacked = self.packer.pack, self._next_item, self.unpacked
             while item is not None:
                 pack(*item)
                 total_bytes += item[1].nbytes
+                if unpacked:  # announce finished buckets now, not when the next one is full
+                    self._announce_packed()
                 item = next_item()
             self.packer.finish()
         else:
@@ -206,10 +212,7 @@ class _SendSession:
         self._mark("stream", began)
         began = time.perf_counter()
         self.phase = SessionPhase.DRAINING
-        last_seq, _ = self.unacked.pop()
-        while self.unacked:
-            self._await("done", self.unacked.popleft()[0])
-        self._await("released", last_seq)
+        self._wait(lambda: self.released, f"released for bucket {self.seq - 1}")
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
         self.phase = SessionPhase.RELEASED
@@ -240,17 +243,15 @@ class _SendSession:
             assert first is not None
             self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
-        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle))
+        control = None
+        if self.bucket is not None and doorbell.available():
+            self.bell = doorbell.Doorbell.create(self.session)
+            control = self.bell.handle()
+        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control))
         self.setup_sent = True
-        # No wait for "ready" here: the first bucket is packed while the receiver maps the buffer.
+        # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
         if self.bucket is not None:
             self.packer = BucketPacker(self.bucket.tensor, half, send_bucket=self._send_bucket, wait_free=self._wait_free)
-
-    def _await_ready(self) -> None:
-        self._await("ready", None)
-        self.set_up = True
-        if self.bucket is not None:
-            self.bucket.receiver_mapped()
 
     def _choose_transport(self, hello: dict[str, Any], first: CheckedItem | None) -> str:
         if first is None:
@@ -267,22 +268,68 @@ class _SendSession:
         return wanted
 
     def _send_bucket(self, half: int, wide: bool, entries: list[Any], last: bool) -> None:
-        """Ship one packed bucket, once the receiver has mapped the buffer and the copies into it are done."""
-        if self.bucket is not None:
-            self.bucket.mark_packed()
-        payload = encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries)
-        if not self.set_up:
-            self._await_ready()
-        if self.bucket is not None:
-            self.bucket.wait_packed()  # the receiver must read complete bytes
-        self._send(payload)
+        """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished."""
+        event = self.bucket.mark_packed() if self.bucket is not None else None
+        self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries))
         self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
+        if entries:  # an empty bucket has no bytes to announce
+            self.unpacked.append((self.seq, event))
         self.seq += 1
+        self._announce_packed()
+
+    def _announce_packed(self) -> None:
+        """Tell the receiver about every bucket whose copies have finished, in order (never waits)."""
+        while self.unpacked:
+            seq, event = self.unpacked[0]
+            if event is not None and not event.query():
+                return
+            self.unpacked.popleft()
+            if self.bell is not None:
+                self.bell.write(doorbell.PACKED, seq + 1)
+            else:
+                self._send(encode("packed", session=self.session, seq=seq))
+
+    def _consumed(self) -> int:
+        """How many buckets the receiver is done with."""
+        return self.bell.read(doorbell.CONSUMED) if self.bell is not None else self.consumed_by_frame
 
     def _wait_free(self, halves: int) -> None:
         """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
-        while any(mask & halves for _, mask in self.unacked):
-            self._await("done", self.unacked.popleft()[0])  # the receiver consumes buckets in order
+
+        def free() -> bool:
+            consumed = self._consumed()
+            while self.unacked and self.unacked[0][0] < consumed:
+                self.unacked.popleft()
+            return not any(mask & halves for _, mask in self.unacked)
+
+        if not free():
+            self._wait(free, f"done for bucket {self.unacked[0][0]}")
+
+    def _wait(self, condition: Callable[[], bool], waiting_for: str) -> None:
+        """Until ``condition()``: announce finished buckets, read frames, spin, then block in short looks.
+
+        Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once.
+        """
+        began = time.perf_counter()
+        spin_until, deadline = began + doorbell.SPIN_S, began + self.sender.timeout_s
+        looks = 0
+        try:
+            while True:
+                self._announce_packed()
+                if condition():
+                    return
+                looks += 1
+                os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
+                if looks % 32 == 0:
+                    now = time.perf_counter()
+                    if now >= deadline:
+                        raise timeout_error(
+                            self.phase, waiting_for, f"the receiver on {self.sender.endpoint!r}", self.sender.timeout_s
+                        )
+                    spinning = now < spin_until or self.unpacked  # copies about to finish: keep looking
+                    self._read_frames(0 if spinning else doorbell.WAIT_SLICE_MS)
+        finally:
+            self.ack_wait_s += time.perf_counter() - began
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -291,13 +338,14 @@ class _SendSession:
         try:
             self.sock.send_multipart([self.peer, payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
+            self._read_frames(0)  # a receiver that failed and left reported why first: raise that
             raise TransferTimeout(
                 f"{self.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}"
             ) from None
 
-    def _recv(self, waiting_for: str) -> tuple[bytes, dict[str, Any]]:
+    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]]:
         parts = recv_frame(
-            self.sock, timeout_s=self.sender.timeout_s, phase=self.phase,
+            self.sock, timeout_s=self.sender.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
             waiting_for=waiting_for, peer=f"the receiver on {self.sender.endpoint!r}",
         )  # fmt: skip
         if len(parts) != 2:
@@ -312,31 +360,38 @@ class _SendSession:
                 return frame
             log.debug("dropped a stale %s frame before the handshake", frame["kind"])
 
-    def _await(self, kind: str, seq: int | None) -> dict[str, Any]:
-        """Wait for ``kind`` (for bucket ``seq``) from our peer; an error frame becomes TransferError."""
-        waiting_for = f"{kind} for bucket {seq}" if seq is not None else kind
-        began = time.perf_counter()
-        try:
-            while True:
-                peer, frame = self._recv(waiting_for)
-                if peer != self.peer:
-                    if frame["kind"] == "hello":  # another receiver: tell it we are busy
-                        self.sock.send_multipart([peer, encode("abort", session="", reason="sender busy")], flags=zmq.NOBLOCK)
-                    continue  # a well-formed frame from an earlier session's peer
-                if frame["kind"] == "error":
-                    message = str(frame.get("message"))
-                    self.remote_failed = True  # the receiver released before it reported
-                    raise TransferError(
-                        f"receiver on {self.sender.endpoint!r} failed ({frame.get('phase')}): {message}",
-                        remote_message=message,
-                    )
-                expect(frame, kind, session=self.session)
-                if seq is not None and frame.get("seq") != seq:
-                    raise ProtocolError(f"{kind} for bucket {frame.get('seq')!r}, expected bucket {seq}")
-                return frame
-        finally:
-            if kind in ("done", "released"):
-                self.ack_wait_s += time.perf_counter() - began
+    def _read_frames(self, timeout_ms: int) -> None:
+        """Handle every frame already queued (waiting up to ``timeout_ms`` for the first)."""
+        while self.sock.poll(timeout_ms, zmq.POLLIN):
+            timeout_ms = 0
+            peer, frame = self._recv("a frame", timeout_s=0.0)
+            self._handle(peer, frame)
+
+    def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
+        if peer != self.peer:
+            if frame["kind"] == "hello":  # another receiver: tell it we are busy
+                self.sock.send_multipart([peer, encode("abort", session="", reason="sender busy")], flags=zmq.NOBLOCK)
+            return  # a well-formed frame from an earlier session's peer
+        if frame["kind"] == "error":
+            message = str(frame.get("message"))
+            self.remote_failed = True  # the receiver released before it reported
+            raise TransferError(
+                f"receiver on {self.sender.endpoint!r} failed ({frame.get('phase')}): {message}", remote_message=message
+            )
+        expect(frame, "ready", "done", "released", session=self.session)
+        kind, seq = frame["kind"], frame.get("seq")
+        if kind == "ready":
+            self.set_up = True
+            if self.bucket is not None:
+                self.bucket.receiver_mapped()
+            return
+        if kind == "done" and type(seq) is int and seq == self.consumed_by_frame and seq < self.seq:
+            self.consumed_by_frame = seq + 1
+            return
+        if kind == "released" and seq == self.seq - 1 and not self.unpacked and self.set_up:
+            self.released = True
+            return
+        raise ProtocolError(f"unexpected {kind} for bucket {seq!r} (sent {self.seq} buckets)")
 
     # -- failure and cleanup ----------------------------------------------------------------------
 
@@ -367,6 +422,9 @@ class _SendSession:
         if self.packer is not None:
             self.packer.detach()  # a traceback may still reference the packer; it must not keep the bucket
         self.packer = None
+        bell, self.bell = self.bell, None
+        if bell is not None:
+            bell.close()
         bucket, self.bucket = self.bucket, None
         if bucket is not None:
             began = time.perf_counter()

@@ -56,7 +56,19 @@ def remove_stale_segments() -> int:
     return removed
 
 
-def _map(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
+def segment_prefix() -> str:
+    """The name prefix of this user's segments: ``<prefix><pid>-<hex>`` is what stale cleanup recognises."""
+    return _PREFIX
+
+
+def check_segment_path(path: str) -> None:
+    """ProtocolError unless ``path`` names a refitkit segment in the shared-memory directory."""
+    if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith("refitkit-"):
+        raise ProtocolError(f"shm handle names {path!r}, not a refitkit segment in {SHM_DIR}")
+
+
+def map_segment(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
+    """Map a segment of ``nbytes`` (made with mode 0600 when ``create``; its size is checked otherwise)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
@@ -99,7 +111,7 @@ class ShmBucket(_Mapped):
 
     def __init__(self, nbytes: int, *, session: str) -> None:
         self.path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{session}")
-        super().__init__(_map(self.path, nbytes, create=True))
+        super().__init__(map_segment(self.path, nbytes, create=True))
         self.nbytes = nbytes
 
     def handle(self) -> dict[str, Any]:
@@ -111,10 +123,8 @@ class ShmBucket(_Mapped):
         self._unlink()
 
     def mark_packed(self) -> None:
-        """Packing copies into host memory are synchronous; nothing to note."""
-
-    def wait_packed(self) -> None:
-        """Nothing to wait for (see ``mark_packed``)."""
+        """Packing copies into host memory are synchronous: the bytes are complete already (no event)."""
+        return None
 
     def free(self) -> None:
         """Unmap and unlink; idempotent."""
@@ -164,9 +174,8 @@ class ShmMapping(_Mapped):
             path, nbytes = str(handle["path"]), int(handle["nbytes"])
         except (KeyError, TypeError, ValueError):
             raise ProtocolError(f"bad shm handle {handle!r}") from None
-        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith("refitkit-"):
-            raise ProtocolError(f"shm handle names {path!r}, not a refitkit segment in {SHM_DIR}")
-        super().__init__(_map(path, nbytes, create=False))
+        check_segment_path(path)
+        super().__init__(map_segment(path, nbytes, create=False))
         self.device = device
         self._staging: torch.Tensor | None = None
         self._staging_lent: weakref.finalize | None = None
