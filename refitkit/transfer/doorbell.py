@@ -1,82 +1,137 @@
-"""Progress counters in shared memory: how bucket hand-offs avoid a socket round trip.
+"""Bucket hand-offs through process-shared semaphores, posted by the GPU stream itself.
 
 Each bucket needs two hand-offs: the sender says "its bytes are complete" and the receiver says
 "I am done reading it". Over ZMQ each one costs a wake-up of the peer's I/O thread and then of
 its user thread: 0.2-0.35 ms per message was measured inside a sync on the H200 machine (a
-microVM), i.e. most of the gap between a 2 GiB-bucket sync and its copy time. Here each
-hand-off is one 8-byte store into a 4 KiB segment that the waiter watches:
+microVM), most of the gap between a 2 GiB-bucket sync and its copy time. Worse, the side that
+announces must first notice that its own copies finished, which a Python thread only does when
+it looks (and not while it is inside the caller's loader).
 
-- word ``PACKED``: buckets whose bytes are complete (the sender stores ``seq + 1`` once the
-  copies into bucket ``seq`` finished; bucket frames travel over ZMQ ahead of that, so their
-  metadata is parsed while the copies run);
-- word ``CONSUMED``: buckets the receiver is done with (it stores ``seq + 1`` once its reads
-  of bucket ``seq`` finished, so the sender may overwrite that half).
+Here each hand-off is a POSIX semaphore in a 4 KiB shared-memory segment (``sem_init`` with
+``pshared=1``):
+
+- ``PACKED`` is posted once per bucket whose bytes are complete;
+- ``CONSUMED`` is posted once per bucket the receiver finished reading.
+
+On CUDA the post is queued on the stream that did the copies (``cuLaunchHostFunc`` with
+``sem_post`` itself as the host function, so no Python and no GIL are involved): it happens the
+moment the GPU gets there, whatever the process's Python thread is doing. CPU copies are
+synchronous, so the CPU side posts directly. ``sem_post`` / ``sem_wait`` are full memory
+barriers, so the bytes written before a post are visible after the matching wait on any
+architecture.
+
+What can go wrong is bounded. A peer that dies simply stops posting: waits use
+``sem_timedwait`` in short slices against the caller's deadline, and look at the socket in
+between for error and abort frames. A process never waits on anything its peer owns except
+these counters: no CUDA object crosses the process boundary, so a killed peer cannot leave one of
+our streams waiting forever. A host function posts into our own mapping, which is unmapped only
+after the stream that holds the host function was synchronized.
 
 Only counters cross this segment: no pointers, no objects, nothing executable. Frames that
 carry meaning (setup, bucket metadata, the final ACK, errors, aborts) stay on the socket.
-
-Ordering: the writer stores the counter after the data it announces is complete (a CPU copy
-returned, or a CUDA event completed), and the reader reads the data only after it saw the
-counter. That relies on x86-64's total store order for the counter and the bytes written
-before it (Python has no portable fence); the segment is refused on other architectures,
-where the sender falls back to the socket for both hand-offs (``available()``).
-
-Waiting: callers spin on ``read`` for a short budget and then block on their socket with a
-1 ms poll between reads (``wait_slice_ms``), always against a deadline, so a dead peer still
-ends in ``TransferTimeout``; the timed poll is only how long one look waits, never what
-orders anything.
+Without the C library's semaphores (``available()`` is False) the sender asks for ``packed`` /
+``done`` frames instead.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import functools
 import mmap
 import os
-import platform
+import time
 from typing import Any
 
-from refitkit.errors import ProtocolError
+from refitkit.errors import ProtocolError, TransferError
 from refitkit.transfer import shm
 
 MAGIC = 0x52454649544B4954  # "REFITKIT"
-PACKED = 1
-CONSUMED = 2
+PACKED = 0
+CONSUMED = 1
 CONTROL_BYTES = 4096
-SPIN_S = 0.002  # spin this long before a waiter starts blocking on its socket between looks
-WAIT_SLICE_MS = 1  # one blocking look at the socket while waiting for a counter
+_SEM_OFFSETS = (64, 128)  # sem_t is 32 bytes on x86-64 and 32 on aarch64 glibc; each gets a cache line
+SPIN_S = 0.002  # spin this long before a waiter sleeps in sem_timedwait slices
+WAIT_SLICE_S = 0.001  # one sleeping look; the socket is looked at between slices
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+        for fn in ("sem_init", "sem_destroy", "sem_post", "sem_trywait", "sem_timedwait"):
+            getattr(lib, fn).restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    lib.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+    lib.sem_destroy.argtypes = [ctypes.c_void_p]
+    lib.sem_post.argtypes = [ctypes.c_void_p]
+    lib.sem_trywait.argtypes = [ctypes.c_void_p]
+    lib.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    return lib
 
 
 def available() -> bool:
-    """Whether counters in shared memory are safely ordered on this machine (x86-64 only)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(shm.SHM_DIR)
+    """Whether process-shared semaphores (glibc's sem_* on Linux) can carry the hand-offs here."""
+    return _libc() is not None and os.path.isdir(shm.SHM_DIR)
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_host_func() -> tuple[Any, int]:
+    """cuLaunchHostFunc from the CUDA driver, and sem_post's address as the host function."""
+    from refitkit.transfer.cuda_ipc import _driver
+
+    driver = _driver()
+    fn = driver.cuLaunchHostFunc
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    libc = _libc()
+    assert libc is not None
+    return fn, ctypes.cast(libc.sem_post, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
 class Doorbell:
-    """The two progress counters of one session, in a small shared-memory segment."""
+    """The two hand-off semaphores of one session, in a small shared-memory segment."""
 
     def __init__(self, path: str, mapping: mmap.mmap, *, owner: bool) -> None:
         self.path = path
         self._mmap: mmap.mmap | None = mapping
-        self._words: memoryview | None = memoryview(mapping).cast("Q")
+        self._anchor: Any = ctypes.c_char.from_buffer(mapping)  # pins the mapping while semaphores are in use
+        base = ctypes.addressof(self._anchor)
+        self._sems = tuple(base + offset for offset in _SEM_OFFSETS)
         self._owner = owner
+        self._libc = _libc()
 
     @classmethod
-    def create(cls, session: str) -> "Doorbell":
+    def create(cls, session: str) -> Doorbell:
         """The sender's segment for ``session`` (named so a dead sender's leftover is cleaned like a bucket's)."""
         path = os.path.join(shm.SHM_DIR, f"{shm.segment_prefix()}{os.getpid()}-{session}c")
         bell = cls(path, shm.map_segment(path, CONTROL_BYTES, create=True), owner=True)
-        assert bell._words is not None
-        bell._words[0] = MAGIC
+        assert bell._libc is not None and bell._mmap is not None
+        for sem in bell._sems:
+            if bell._libc.sem_init(sem, 1, 0) != 0:
+                bell.close()
+                raise TransferError(f"sem_init failed: {os.strerror(ctypes.get_errno())}")
+        bell._mmap[:8] = MAGIC.to_bytes(8, "little")
         return bell
 
     @classmethod
-    def open(cls, handle: Any) -> "Doorbell":
+    def open(cls, handle: Any) -> Doorbell:
         """The receiver's view of the sender's segment, from the ``control`` field of setup."""
         if not isinstance(handle, str):
             raise ProtocolError(f"setup: control segment {handle!r} is not a path")
         shm.check_segment_path(handle)
+        if _libc() is None:
+            raise TransferError("the sender uses shared semaphores, which this process's C library lacks")
         bell = cls(handle, shm.map_segment(handle, CONTROL_BYTES, create=False), owner=False)
-        assert bell._words is not None
-        if bell._words[0] != MAGIC:
+        assert bell._mmap is not None
+        if int.from_bytes(bell._mmap[:8], "little") != MAGIC:
             bell.close()
             raise ProtocolError(f"setup: {handle} is not a refitkit control segment")
         return bell
@@ -84,28 +139,56 @@ class Doorbell:
     def handle(self) -> str:
         return self.path
 
-    def read(self, word: int) -> int:
-        assert self._words is not None, "doorbell used after close()"
-        return self._words[word]
+    # -- posting ----------------------------------------------------------------------------------
 
-    def write(self, word: int, value: int) -> None:
-        assert self._words is not None, "doorbell used after close()"
-        self._words[word] = value
+    def post(self, which: int) -> None:
+        """Announce one more bucket now (the data it stands for is complete)."""
+        assert self._libc is not None
+        if self._libc.sem_post(self._sems[which]) != 0:
+            raise TransferError(f"sem_post failed: {os.strerror(ctypes.get_errno())}")
+
+    def post_after(self, which: int, stream: Any) -> None:
+        """Announce one more bucket when ``stream`` (a torch.cuda.Stream) reaches this point."""
+        import torch
+
+        launch, sem_post = _launch_host_func()
+        with torch.cuda.device(stream.device):  # the driver call uses the thread's current context
+            result = launch(stream.cuda_stream, sem_post, self._sems[which])
+        if result != 0:
+            raise TransferError(f"cuLaunchHostFunc failed: CUDA error {result}")
+
+    # -- waiting ----------------------------------------------------------------------------------
+
+    def take(self, which: int, timeout_s: float = 0.0) -> bool:
+        """Consume one announcement: at once when ``timeout_s`` is 0, else waiting up to ``timeout_s``."""
+        assert self._libc is not None
+        sem = self._sems[which]
+        if timeout_s <= 0.0:
+            return self._libc.sem_trywait(sem) == 0
+        deadline = time.time() + timeout_s  # sem_timedwait takes CLOCK_REALTIME
+        spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
+        while self._libc.sem_timedwait(sem, ctypes.byref(spec)) != 0:
+            err = ctypes.get_errno()
+            if err == errno.ETIMEDOUT:
+                return False
+            if err != errno.EINTR:
+                raise TransferError(f"sem_timedwait failed: {os.strerror(err)}")
+        return True
+
+    # -- lifetime ---------------------------------------------------------------------------------
 
     def unlink(self) -> None:
         """Drop the name (both sides keep their mapping); idempotent."""
-        if self._owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
     def close(self) -> None:
-        """Unmap (and, on the sender, unlink); idempotent."""
-        self.unlink()
-        words, self._words = self._words, None
-        if words is not None:
-            words.release()
+        """Unmap (and, on the sender, unlink). Callers synchronize streams with posts queued first."""
+        if self._owner:
+            self.unlink()
+        self._anchor = None
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
             mapping.close()

@@ -141,8 +141,9 @@ class _ReceiveSession:
         self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
         self.bell: doorbell.Doorbell | None = None
         self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
-        self.packed_by_frame = 0  # buckets announced by "packed" frames (no control segment)
-        self.unconsumed: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None): reads not yet announced
+        self.packed = 0  # buckets the sender announced as complete
+        self.posts_queued = False  # CONSUMED posts queued on a CUDA stream (synchronized before unmapping)
+        self.unconsumed: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
         self.half_bytes = 0
         self.seq = 0
         self.partial: dict[str, tuple[torch.Tensor, int]] = {}
@@ -233,33 +234,43 @@ class _ReceiveSession:
             self.wait_s += time.perf_counter() - began
 
     def _wait_packed(self) -> None:
-        """Wait until the sender announced this bucket's bytes as complete."""
+        """Wait until the sender announced this bucket's bytes as complete (spin, then sleep in short slices)."""
         target = self.seq + 1
-        if self._packed() >= target:
+        if self._count_packed() >= target:
             return
         began = time.perf_counter()
         spin_until, deadline = began + doorbell.SPIN_S, began + self.receiver.timeout_s
         looks = 0
         try:
-            while self._packed() < target:
+            while self._count_packed() < target:
                 self._announce_consumed()
                 looks += 1
-                os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
-                if looks % 32 == 0:
-                    now = time.perf_counter()
-                    if now >= deadline:
-                        raise timeout_error(
-                            self.phase, f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
-                            f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s,
-                        )  # fmt: skip
-                    wait_ms = 0 if now < spin_until or self.unconsumed else doorbell.WAIT_SLICE_MS
-                    if self.sock.poll(wait_ms, zmq.POLLIN):  # type: ignore[union-attr]
+                if looks % 32:
+                    os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
+                    continue
+                now = time.perf_counter()
+                if now >= deadline:
+                    raise timeout_error(
+                        self.phase, f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
+                        f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s,
+                    )  # fmt: skip
+                if now >= spin_until and not self.unconsumed:
+                    if self.bell is not None:
+                        if self.bell.take(doorbell.PACKED, doorbell.WAIT_SLICE_S):
+                            self.packed += 1
+                    elif self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
                         self._take(self._recv_now())
+                while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
+                    self._take(self._recv_now())
         finally:
             self.wait_s += time.perf_counter() - began
 
-    def _packed(self) -> int:
-        return self.bell.read(doorbell.PACKED) if self.bell is not None else self.packed_by_frame
+    def _count_packed(self) -> int:
+        """Buckets announced as complete so far (taking the doorbell's announcements)."""
+        if self.bell is not None:
+            while self.bell.take(doorbell.PACKED):
+                self.packed += 1
+        return self.packed
 
     def _take(self, frame: dict[str, Any]) -> None:
         """File a frame that arrived: an abort ends the session here, ``packed`` counts, others wait in the inbox."""
@@ -272,23 +283,20 @@ class _ReceiveSession:
             raise TransferError(f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq}: {reason}")
         if kind == "packed":
             expect(frame, "packed", session=self.session)
-            if frame.get("seq") != self.packed_by_frame:
-                raise ProtocolError(f"packed for bucket {frame.get('seq')!r}, expected bucket {self.packed_by_frame}")
-            self.packed_by_frame += 1
+            if self.bell is not None or frame.get("seq") != self.packed:
+                raise ProtocolError(f"packed frame for bucket {frame.get('seq')!r}, expected bucket {self.packed}")
+            self.packed += 1
             return
         self.inbox.append(frame)
 
     def _announce_consumed(self) -> None:
-        """Tell the sender about every bucket whose reads have finished, in order (never waits)."""
+        """Without a doorbell: a ``done`` frame for every bucket whose reads have finished, in order."""
         while self.unconsumed:
             seq, event = self.unconsumed[0]
             if event is not None and not event.query():
                 return
             self.unconsumed.popleft()
-            if self.bell is not None:
-                self.bell.write(doorbell.CONSUMED, seq + 1)
-            else:
-                self._send(encode("done", session=self.session, seq=seq))
+            self._send(encode("done", session=self.session, seq=seq))
 
     def _unpack(self, entries: list[Entry], bucket_offset: int) -> list[tuple[str, torch.Tensor]]:
         """Views of the bucket for whole tensors; split ones are copied into place (and handed out once complete)."""
@@ -353,13 +361,22 @@ class _ReceiveSession:
     def bucket_consumed(self, last: bool) -> None:
         """The caller dropped this bucket's tensors: free its half once the reads finished, or release and ACK."""
         if not last:
-            event = None
-            if self.device.type == "cuda":  # the loader's copies out of the bucket are queued on this stream
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
-            self.unconsumed.append((self.seq, event))
+            # A CUDA loader's copies out of the bucket are queued on this stream: announce when they ran.
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            if self.bell is not None:
+                if stream is not None:
+                    self.bell.post_after(doorbell.CONSUMED, stream)
+                    self.posts_queued = True
+                else:
+                    self.bell.post(doorbell.CONSUMED)
+            else:
+                event = None
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                self.unconsumed.append((self.seq, event))
+                self._announce_consumed()
             self.seq += 1
-            self._announce_consumed()
             return
         self.phase = SessionPhase.DRAINING
         try:
@@ -391,6 +408,8 @@ class _ReceiveSession:
         finally:
             bell, self.bell = self.bell, None
             if bell is not None:
+                if self.posts_queued:  # a post queued on the stream must not outlive the mapping it writes to
+                    torch.cuda.current_stream(self.device).synchronize()
                 bell.close()
 
     def fail(self, message: str) -> None:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
@@ -68,6 +69,8 @@ class BucketedWeightSender:
         self.transport = transport
         self.timeout_s = float(timeout_s)
         self.last_timings_s: dict[str, float] = {}  # per-phase seconds of the last session, for benchmarks
+        # Hellos of receivers that arrived while a session was running: served, in order, by the next sessions.
+        self._waiting_hellos: deque[tuple[bytes, dict[str, Any]]] = deque(maxlen=16)
         shm.remove_stale_segments()
         self._context: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
@@ -86,6 +89,7 @@ class BucketedWeightSender:
 
     def _reopen(self) -> None:
         """After a failed session: drop queued frames and half-open peers with a fresh socket."""
+        self._waiting_hellos.clear()  # their peers were connections of the old socket
         self.close()
         self._open()
 
@@ -179,8 +183,8 @@ class _SendSession:
         self.remote_failed = False
         self.seq = 0
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
-        self.unpacked: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None): copies not yet announced
-        self.consumed_by_frame = 0  # progress learnt from "done" frames (no doorbell on this machine)
+        self.unpacked: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.consumed = 0  # buckets the receiver is done with
         self.ack_wait_s = 0.0
         self.items = 0
         self.seen: set[str] = set()
@@ -212,7 +216,7 @@ class _SendSession:
         self._mark("stream", began)
         began = time.perf_counter()
         self.phase = SessionPhase.DRAINING
-        self._wait(lambda: self.released, f"released for bucket {self.seq - 1}")
+        self._wait(lambda: self.released, f"released for bucket {self.seq - 1}", counter=False)
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
         self.phase = SessionPhase.RELEASED
@@ -269,44 +273,44 @@ class _SendSession:
 
     def _send_bucket(self, half: int, wide: bool, entries: list[Any], last: bool) -> None:
         """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished."""
-        event = self.bucket.mark_packed() if self.bucket is not None else None
+        if entries and self.bucket is not None:  # an empty bucket has no bytes to announce
+            if self.bell is None:
+                self.unpacked.append((self.seq, self.bucket.mark_packed()))
+            elif isinstance(self.bucket, cuda_ipc.CudaIpcBucket):
+                self.bell.post_after(doorbell.PACKED, torch.cuda.current_stream(self.bucket.device))
+            else:
+                self.bell.post(doorbell.PACKED)  # copies into host memory returned complete
         self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries))
         self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
-        if entries:  # an empty bucket has no bytes to announce
-            self.unpacked.append((self.seq, event))
         self.seq += 1
         self._announce_packed()
 
     def _announce_packed(self) -> None:
-        """Tell the receiver about every bucket whose copies have finished, in order (never waits)."""
+        """Without a doorbell: a ``packed`` frame for every bucket whose copies have finished, in order."""
         while self.unpacked:
             seq, event = self.unpacked[0]
             if event is not None and not event.query():
                 return
             self.unpacked.popleft()
-            if self.bell is not None:
-                self.bell.write(doorbell.PACKED, seq + 1)
-            else:
-                self._send(encode("packed", session=self.session, seq=seq))
-
-    def _consumed(self) -> int:
-        """How many buckets the receiver is done with."""
-        return self.bell.read(doorbell.CONSUMED) if self.bell is not None else self.consumed_by_frame
+            self._send(encode("packed", session=self.session, seq=seq))
 
     def _wait_free(self, halves: int) -> None:
         """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
 
         def free() -> bool:
-            consumed = self._consumed()
-            while self.unacked and self.unacked[0][0] < consumed:
+            if self.bell is not None:
+                while self.bell.take(doorbell.CONSUMED):
+                    self.consumed += 1
+            while self.unacked and self.unacked[0][0] < self.consumed:
                 self.unacked.popleft()
             return not any(mask & halves for _, mask in self.unacked)
 
         if not free():
-            self._wait(free, f"done for bucket {self.unacked[0][0]}")
+            self._wait(free, f"done for bucket {self.unacked[0][0]}", counter=True)
 
-    def _wait(self, condition: Callable[[], bool], waiting_for: str) -> None:
-        """Until ``condition()``: announce finished buckets, read frames, spin, then block in short looks.
+    def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
+        """Until ``condition()``: spin a little, then sleep in short slices (on the CONSUMED semaphore when
+        ``counter``, else on the socket), reading frames between looks.
 
         Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once.
         """
@@ -319,15 +323,20 @@ class _SendSession:
                 if condition():
                     return
                 looks += 1
-                os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
-                if looks % 32 == 0:
-                    now = time.perf_counter()
-                    if now >= deadline:
-                        raise timeout_error(
-                            self.phase, waiting_for, f"the receiver on {self.sender.endpoint!r}", self.sender.timeout_s
-                        )
-                    spinning = now < spin_until or self.unpacked  # copies about to finish: keep looking
-                    self._read_frames(0 if spinning else doorbell.WAIT_SLICE_MS)
+                if looks % 32:
+                    os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
+                    continue
+                now = time.perf_counter()
+                if now >= deadline:
+                    raise timeout_error(self.phase, waiting_for, f"the receiver on {self.sender.endpoint!r}", self.sender.timeout_s)
+                if now < spin_until or self.unpacked:  # still spinning, or our own copies are about to finish
+                    self._read_frames(0)
+                elif counter and self.bell is not None:
+                    if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
+                        self.consumed += 1
+                    self._read_frames(0)
+                else:
+                    self._read_frames(int(doorbell.WAIT_SLICE_S * 1000))
         finally:
             self.ack_wait_s += time.perf_counter() - began
 
@@ -353,6 +362,9 @@ class _SendSession:
         return parts[0], decode(parts[1])
 
     def _await_hello(self) -> dict[str, Any]:
+        if self.sender._waiting_hellos:
+            self.peer, frame = self.sender._waiting_hellos.popleft()
+            return frame
         while True:
             peer, frame = self._recv("hello (is a receiver connected?)")
             if frame["kind"] == "hello":
@@ -361,17 +373,18 @@ class _SendSession:
             log.debug("dropped a stale %s frame before the handshake", frame["kind"])
 
     def _read_frames(self, timeout_ms: int) -> None:
-        """Handle every frame already queued (waiting up to ``timeout_ms`` for the first)."""
-        while self.sock.poll(timeout_ms, zmq.POLLIN):
+        """Handle every frame already queued (waiting up to ``timeout_ms`` for the first) up to the final ACK:
+        what follows it (the next session's hello) is left for the next session."""
+        while not self.released and self.sock.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
             peer, frame = self._recv("a frame", timeout_s=0.0)
             self._handle(peer, frame)
 
     def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
         if peer != self.peer:
-            if frame["kind"] == "hello":  # another receiver: tell it we are busy
-                self.sock.send_multipart([peer, encode("abort", session="", reason="sender busy")], flags=zmq.NOBLOCK)
-            return  # a well-formed frame from an earlier session's peer
+            if frame["kind"] == "hello":  # the next receiver (it waits, bounded by its own timeout_s)
+                self.sender._waiting_hellos.append((peer, frame))
+            return  # else a well-formed frame from an earlier session's peer
         if frame["kind"] == "error":
             message = str(frame.get("message"))
             self.remote_failed = True  # the receiver released before it reported
@@ -385,8 +398,8 @@ class _SendSession:
             if self.bucket is not None:
                 self.bucket.receiver_mapped()
             return
-        if kind == "done" and type(seq) is int and seq == self.consumed_by_frame and seq < self.seq:
-            self.consumed_by_frame = seq + 1
+        if kind == "done" and self.bell is None and type(seq) is int and seq == self.consumed and seq < self.seq:
+            self.consumed = seq + 1
             return
         if kind == "released" and seq == self.seq - 1 and not self.unpacked and self.set_up:
             self.released = True
@@ -414,6 +427,8 @@ class _SendSession:
                 peer, frame = self._recv("released after abort")
                 if peer == self.peer and frame["kind"] in ("released", "error") and frame.get("session") == self.session:
                     return
+                if peer != self.peer and frame["kind"] == "hello":
+                    self.sender._waiting_hellos.append((peer, frame))
         except TransferError as late:
             log.warning("receiver did not confirm the abort on %r: %s", self.sender.endpoint, late)
 
@@ -423,10 +438,12 @@ class _SendSession:
             self.packer.detach()  # a traceback may still reference the packer; it must not keep the bucket
         self.packer = None
         bell, self.bell = self.bell, None
-        if bell is not None:
-            bell.close()
         bucket, self.bucket = self.bucket, None
-        if bucket is not None:
-            began = time.perf_counter()
-            bucket.free()
-            self._mark("free", began)
+        try:
+            if bucket is not None:
+                began = time.perf_counter()
+                bucket.free()  # synchronizes the stream first: no queued post can outlive the doorbell's mapping
+                self._mark("free", began)
+        finally:
+            if bell is not None:
+                bell.close()

@@ -12,39 +12,48 @@ import torch
 from refitkit.errors import ProtocolError, TransferError
 from refitkit.transfer import BucketedWeightSender, doorbell, packing
 from tests.transfer.harness import roundtrip
+from tests.transfer.peers import one_shot_receiver_main
 from tests.transfer.test_roundtrip import random_tensor
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def counter_peer_main(path: str, conn) -> None:
-    """Open the sender's segment, wait (bounded) for PACKED to reach 3, answer with CONSUMED = 2."""
+    """Open the sender's segment, take three PACKED announcements (bounded), answer with two CONSUMED."""
     bell = doorbell.Doorbell.open(path)
-    deadline = time.monotonic() + 20
-    while bell.read(doorbell.PACKED) < 3:
-        if time.monotonic() > deadline:
-            conn.send("timed out")
-            return
-    bell.write(doorbell.CONSUMED, 2)
-    conn.send("ok")
+    taken = sum(bell.take(doorbell.PACKED, timeout_s=20) for _ in range(3))
+    extra = bell.take(doorbell.PACKED)  # nothing more was posted
+    for _ in range(2):
+        bell.post(doorbell.CONSUMED)
+    conn.send((taken, extra))
     bell.close()
 
 
-def test_counters_cross_processes():
+def test_semaphores_cross_processes():
     bell = doorbell.Doorbell.create(os.urandom(4).hex())
     try:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         peer = ctx.Process(target=counter_peer_main, args=(bell.path, child))
         peer.start()
-        for value in (1, 2, 3):
-            bell.write(doorbell.PACKED, value)
-        assert parent.poll(30) and parent.recv() == "ok"
+        for _ in range(3):
+            bell.post(doorbell.PACKED)
+        assert parent.poll(30) and parent.recv() == (3, False)
         peer.join(10)
-        assert bell.read(doorbell.CONSUMED) == 2
+        assert [bell.take(doorbell.CONSUMED, timeout_s=5) for _ in range(3)] == [True, True, False]
     finally:
         bell.close()
     assert not os.path.exists(bell.path)
+
+
+def test_timed_take_is_bounded():
+    bell = doorbell.Doorbell.create(os.urandom(4).hex())
+    try:
+        began = time.monotonic()
+        assert bell.take(doorbell.PACKED, timeout_s=0.2) is False
+        assert 0.15 < time.monotonic() - began < 2.0
+    finally:
+        bell.close()
 
 
 def test_open_refuses_foreign_paths_and_segments(tmp_path):
@@ -72,7 +81,7 @@ def mixed_stream(count: int = 120) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_frame_fallback_round_trips(receiver_server, endpoint, monkeypatch):
-    # Without counters (a machine that is not x86-64) the hand-offs travel as packed / done frames.
+    # Without shared semaphores the hand-offs travel as packed / done frames.
     monkeypatch.setattr(doorbell, "available", lambda: False)
     stats, result = roundtrip(receiver_server, endpoint, mixed_stream(), bucket_bytes=16 << 10)
     assert stats.buckets > 10 and result["calls"][-1][1] is True
@@ -95,3 +104,25 @@ def test_batched_and_single_copies_mix(receiver_server, endpoint, monkeypatch, b
     weights = [(name, tensor.to(case.tensor_device)) for name, tensor in mixed_stream()]
     stats, _ = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
     assert stats.tensors == 123
+
+
+def test_hello_during_a_session_is_served_next(endpoint):
+    # Two receivers ask at once: one is served now, the other's hello (read while the first session
+    # runs) waits for the next send() instead of being turned away.
+    ctx = mp.get_context("spawn")
+    peers = []
+    weights = [(f"w{i}", torch.full((2048,), float(i))) for i in range(400)]  # ~200 buckets: a long session
+    with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=20) as sender:
+        for _ in range(2):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cpu", 20, "collect", None, child))
+            process.start()
+            assert parent.poll(30) and parent.recv() == "starting"
+            peers.append((process, parent))
+        for _ in range(2):
+            assert sender.send(weights).tensors == 400
+    for process, parent in peers:
+        assert parent.poll(30)
+        result = parent.recv()
+        process.join(10)
+        assert len(result["digests"]) == 400, result
