@@ -198,6 +198,10 @@ def main() -> None:
     parser.add_argument("--loaders", default="foreach,per-tensor,none", help="what the receiver does with each bucket")
     parser.add_argument("--rounds", type=int, default=None, help="steady-state rounds (default 5; 30 with --cpu-overhead)")
     parser.add_argument("--bucket-gib", type=float, default=2.0)
+    parser.add_argument(
+        "--batch-max-mib", type=float, default=None,
+        help="sender: copy tensors below this size in one batch per bucket (default: refitkit's BATCH_MAX_BYTES)",
+    )  # fmt: skip
     parser.add_argument("--cpu-overhead", action="store_true", help="per-tensor CPU cost on each side, no GPU needed")
     parser.add_argument("--tensors", default="64,1024", help="--cpu-overhead: the two stream lengths")
     args = parser.parse_args()
@@ -205,12 +209,19 @@ def main() -> None:
         cpu_overhead([int(n) for n in args.tensors.split(",")], args.rounds or 30)
         return
     args.rounds = args.rounds or 5
+    if args.batch_max_mib is not None:
+        from refitkit.transfer import packing
+
+        packing.BATCH_MAX_BYTES = int(args.batch_max_mib * (1 << 20))
+    from refitkit.transfer.packing import BATCH_MAX_BYTES
     if not torch.cuda.is_available():
         raise SystemExit("weight_sync benchmark needs a CUDA GPU")
     targets_ms = {"0.6b": 3.0, "8b": 20.0}
     copy_gbps = d2d_copy_gbps()
-    print(f"GPU: {torch.cuda.get_device_name()}  D2D copy: {copy_gbps:.0f} GB/s  bucket: {args.bucket_gib:g} GiB")
-    print("receiver: copies every tensor into its own preallocated bf16 parameter (like load_weights)")
+    print(
+        f"GPU: {torch.cuda.get_device_name()}  D2D copy: {copy_gbps:.0f} GB/s  bucket: {args.bucket_gib:g} GiB  "
+        f"sender batches tensors < {BATCH_MAX_BYTES / 2**20:g} MiB"
+    )
     header = (
         f"{'model':>6} {'loader':>10} {'GB':>6} {'tensors':>7} {'first ms':>9} {'median ms':>10} {'min ms':>7} {'GB/s':>6} "
         f"{'ack ms':>7} {'floor ms':>8} {'floor/t':>7} {'reserved MiB':>12} {'device MiB':>10} target"
