@@ -1,11 +1,13 @@
 """The trainer side of a weight sync: stream (name, tensor) pairs through a double-buffered bucket.
 
 One ``send()`` is one session: wait for a receiver's hello, allocate the bucket buffer (two halves
-of ``bucket_bytes // 2``), let the receiver map it once (the first bucket is packed meanwhile, and
-sent once the receiver said ``ready``), stream buckets, and wait for the final ACK that the receiver
-sends only after it released every view and its mapping. The bucket is freed
-in a ``finally``, so the sender holds 0 bytes of bucket memory after every ``send()``, whether it
-succeeded or not.
+of ``bucket_bytes // 2``), let the receiver map it once (buckets are packed and their frames queued
+meanwhile), stream buckets, and wait for the final ACK that the receiver sends only after it
+released every view and its mapping. A bucket's frame leaves as soon as its copies are issued; its
+bytes are announced when the copies finished, and its half is reused once the receiver announced
+it done reading (both through ``doorbell``). The bucket is freed in a ``finally``, so the sender
+holds 0 bytes of bucket memory after every ``send()``, whether it succeeded or not. A receiver
+whose hello arrives during a session is served by the next ``send()``.
 
 Failure semantics: items are validated one by one as the stream is consumed. An invalid item (or
 an exception from the caller's iterator) aborts the session: the receiver gets an ``abort`` frame,
