@@ -42,6 +42,8 @@ import functools
 import mmap
 import os
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from refitkit.errors import ProtocolError, TransferError
@@ -54,6 +56,17 @@ CONTROL_BYTES = 4096
 _SEM_OFFSETS = (64, 128)  # sem_t is 32 bytes on x86-64 and 32 on aarch64 glibc; each gets a cache line
 SPIN_S = 0.002  # spin this long before a waiter sleeps in sem_timedwait slices
 WAIT_SLICE_S = 0.001  # one sleeping look; the socket is looked at between slices
+
+
+def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int], None]) -> None:
+    """The frame fallback: ``announce(seq)``, in order, for each pending bucket whose CUDA event (or
+    None: nothing to wait for) has completed; stops at the first that has not (never waits)."""
+    while pending:
+        seq, event = pending[0]
+        if event is not None and not event.query():
+            return
+        pending.popleft()
+        announce(seq)
 
 
 class _Timespec(ctypes.Structure):

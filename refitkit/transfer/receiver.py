@@ -291,12 +291,8 @@ class _ReceiveSession:
 
     def _announce_consumed(self) -> None:
         """Without a doorbell: a ``done`` frame for every bucket whose reads have finished, in order."""
-        while self.unconsumed:
-            seq, event = self.unconsumed[0]
-            if event is not None and not event.query():
-                return
-            self.unconsumed.popleft()
-            self._send(encode("done", session=self.session, seq=seq))
+        if self.unconsumed:
+            doorbell.announce_finished(self.unconsumed, lambda seq: self._send(encode("done", session=self.session, seq=seq)))
 
     def _unpack(self, entries: list[Entry], bucket_offset: int) -> list[tuple[str, torch.Tensor]]:
         """Views of the bucket for whole tensors; split ones are copied into place (and handed out once complete)."""

@@ -289,12 +289,8 @@ class _SendSession:
 
     def _announce_packed(self) -> None:
         """Without a doorbell: a ``packed`` frame for every bucket whose copies have finished, in order."""
-        while self.unpacked:
-            seq, event = self.unpacked[0]
-            if event is not None and not event.query():
-                return
-            self.unpacked.popleft()
-            self._send(encode("packed", session=self.session, seq=seq))
+        if self.unpacked:
+            doorbell.announce_finished(self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq)))
 
     def _wait_free(self, halves: int) -> None:
         """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
