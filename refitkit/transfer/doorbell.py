@@ -29,8 +29,9 @@ after the stream that holds the host function was synchronized.
 
 Only counters cross this segment: no pointers, no objects, nothing executable. Frames that
 carry meaning (setup, bucket metadata, the final ACK, errors, aborts) stay on the socket.
-Without the C library's semaphores (``available()`` is False) the sender asks for ``packed`` /
-``done`` frames instead.
+Without the C library's semaphores (``available()`` is False), or when the receiver does not see
+the sender's shared-memory filesystem (``shm_identity()`` differs), the hand-offs travel as
+``packed`` / ``done`` frames instead.
 """
 
 from __future__ import annotations
@@ -93,6 +94,20 @@ def _libc() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether process-shared semaphores (glibc's sem_* on Linux) can carry the hand-offs here."""
     return _libc() is not None and os.path.isdir(shm.SHM_DIR)
+
+
+def shm_identity() -> list[int] | None:
+    """Which shared-memory filesystem this process sees (device and inode of its directory).
+
+    Two processes can share a semaphore segment only if they see the same one; containers that
+    share the trainer's socket directory but not its /dev/shm (the cuda_ipc transport needs no
+    /dev/shm otherwise) get the frame fallback instead of a segment they cannot open.
+    """
+    try:
+        info = os.stat(shm.SHM_DIR)
+    except OSError:
+        return None
+    return [info.st_dev, info.st_ino]
 
 
 @functools.lru_cache(maxsize=1)

@@ -159,7 +159,7 @@ class _ReceiveSession:
     def open(self) -> None:
         self.context = zmq.Context()
         self.sock = connect_receiver(self.context, self.receiver.path)
-        hello: dict[str, Any] = {"pid": os.getpid(), "device": self.device.type}
+        hello: dict[str, Any] = {"pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity()}
         if self.device.type == "cuda":
             hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
         self.sock.send(encode("hello", **hello))

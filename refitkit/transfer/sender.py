@@ -250,7 +250,8 @@ class _SendSession:
             self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         control = None
-        if self.bucket is not None and doorbell.available():
+        shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
+        if self.bucket is not None and shared_shm and doorbell.available():
             self.bell = doorbell.Doorbell.create(self.session)
             control = self.bell.handle()
         self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control))

@@ -80,11 +80,26 @@ def mixed_stream(count: int = 120) -> list[tuple[str, torch.Tensor]]:
     return weights
 
 
-def test_frame_fallback_round_trips(receiver_server, endpoint, monkeypatch):
-    # Without shared semaphores the hand-offs travel as packed / done frames.
+def test_frame_fallback_round_trips(receiver_server, endpoint, monkeypatch, case):
+    # Without shared semaphores the hand-offs travel as packed / done frames (CUDA: after events).
     monkeypatch.setattr(doorbell, "available", lambda: False)
-    stats, result = roundtrip(receiver_server, endpoint, mixed_stream(), bucket_bytes=16 << 10)
+    weights = [(name, tensor.to(case.tensor_device)) for name, tensor in mixed_stream()]
+    stats, result = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
     assert stats.buckets > 10 and result["calls"][-1][1] is True
+
+
+def test_receiver_without_the_senders_shm_gets_frames(receiver_server, endpoint, monkeypatch, case):
+    # A receiver in another container (same socket directory, its own /dev/shm) cannot open a
+    # semaphore segment: the sender sees a different shm identity in the hello and uses frames.
+    monkeypatch.setattr(doorbell, "shm_identity", lambda: [-1, -1])
+
+    def no_segment(session):
+        raise AssertionError("a control segment was made for a receiver that cannot open it")
+
+    monkeypatch.setattr(doorbell.Doorbell, "create", staticmethod(no_segment))
+    weights = [(name, tensor.to(case.tensor_device)) for name, tensor in mixed_stream()]
+    stats, _ = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
+    assert stats.buckets > 10
 
 
 def test_frame_fallback_reports_receiver_failure(receiver_server, endpoint, monkeypatch):
