@@ -79,15 +79,17 @@ def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:
         lib = ctypes.CDLL(name, use_errno=True)
-        for fn in ("sem_init", "sem_destroy", "sem_post", "sem_trywait", "sem_timedwait"):
+        for fn in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
             getattr(lib, fn).restype = ctypes.c_int
     except (OSError, AttributeError):
         return None
     lib.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
-    lib.sem_destroy.argtypes = [ctypes.c_void_p]
     lib.sem_post.argtypes = [ctypes.c_void_p]
     lib.sem_trywait.argtypes = [ctypes.c_void_p]
     lib.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    if hasattr(lib, "sem_clockwait"):  # glibc >= 2.30: a deadline on the monotonic clock
+        lib.sem_clockwait.restype = ctypes.c_int
+        lib.sem_clockwait.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Timespec)]
     return lib
 
 
@@ -135,12 +137,13 @@ class Doorbell:
         self._sems = tuple(base + offset for offset in _SEM_OFFSETS)
         self._owner = owner
         self._libc = _libc()
+        self._post_streams: dict[int, Any] = {}  # CUDA streams with a post queued: synchronized before unmapping
 
     @classmethod
     def create(cls, session: str) -> Doorbell:
         """The sender's segment for ``session`` (named so a dead sender's leftover is cleaned like a bucket's)."""
         path = os.path.join(shm.SHM_DIR, f"{shm.segment_prefix()}{os.getpid()}-{session}c")
-        bell = cls(path, shm.map_segment(path, CONTROL_BYTES, create=True), owner=True)
+        bell = cls(path, shm.map_segment(path, CONTROL_BYTES, create=True, reserve=True), owner=True)
         assert bell._libc is not None and bell._mmap is not None
         for sem in bell._sems:
             if bell._libc.sem_init(sem, 1, 0) != 0:
@@ -180,10 +183,16 @@ class Doorbell:
         import torch
 
         launch, sem_post = _launch_host_func()
+        self._post_streams.setdefault(stream.cuda_stream, stream)
         with torch.cuda.device(stream.device):  # the driver call uses the thread's current context
             result = launch(stream.cuda_stream, sem_post, self._sems[which])
         if result != 0:
             raise TransferError(f"cuLaunchHostFunc failed: CUDA error {result}")
+
+    def synchronize_posts(self) -> None:
+        """Wait until every post queued on a CUDA stream has run."""
+        for stream in self._post_streams.values():
+            stream.synchronize()
 
     # -- waiting ----------------------------------------------------------------------------------
 
@@ -193,9 +202,14 @@ class Doorbell:
         sem = self._sems[which]
         if timeout_s <= 0.0:
             return self._libc.sem_trywait(sem) == 0
-        deadline = time.time() + timeout_s  # sem_timedwait takes CLOCK_REALTIME
+        clockwait = getattr(self._libc, "sem_clockwait", None)
+        # The monotonic clock where the C library takes it (a wall-clock step cannot stretch the wait).
+        deadline = (time.monotonic() if clockwait is not None else time.time()) + timeout_s
         spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
-        while self._libc.sem_timedwait(sem, ctypes.byref(spec)) != 0:
+        while (
+            clockwait(sem, time.CLOCK_MONOTONIC, ctypes.byref(spec)) if clockwait is not None
+            else self._libc.sem_timedwait(sem, ctypes.byref(spec))
+        ) != 0:  # fmt: skip
             err = ctypes.get_errno()
             if err == errno.ETIMEDOUT:
                 return False
@@ -213,10 +227,17 @@ class Doorbell:
             pass
 
     def close(self) -> None:
-        """Unmap (and, on the sender, unlink). Callers synchronize streams with posts queued first."""
+        """Unmap (and, on the sender, unlink) once every queued post has run.
+
+        A post that could still run would write into unmapped memory: if the streams cannot be
+        synchronized, the 4 KiB mapping is left in place (and the error raised) rather than unmapped.
+        """
         if self._owner:
             self.unlink()
+        if self._mmap is None:
+            return
+        self.synchronize_posts()
+        self._post_streams.clear()
         self._anchor = None
         mapping, self._mmap = self._mmap, None
-        if mapping is not None:
-            mapping.close()
+        mapping.close()

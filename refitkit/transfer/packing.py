@@ -16,11 +16,14 @@ overlaps, stays short.
 
 Everything here runs once per tensor on the critical path of a sync: the checks are plain type
 and attribute tests, and a tensor's destination is one view of the buffer (viewed as each dtype
-once per session). Copies of small contiguous tensors are batched: a bucket's tensors under
-``BATCH_MAX_BYTES`` go out as one ``torch._foreach_copy_`` per element width when the bucket is shipped
-(one multi-tensor kernel instead of a launch each: a launched copy costs about 10 us of CPU on
-the H200 machine, more than a small tensor's copy takes on the GPU); larger ones are copied at
-once, where one launch is cheap next to the bytes.
+once per session). Copies of small contiguous tensors into a CUDA bucket can be batched: a
+bucket's tensors under ``BATCH_MAX_BYTES`` go out as one ``torch._foreach_copy_`` per element width
+when the bucket is shipped (one multi-tensor kernel instead of a launch each: a launched copy
+costs about 10 us of CPU on the H200 machine, more than a small tensor's copy takes on the GPU);
+larger ones are copied at once, where one launch is cheap next to the bytes. Deferring a copy is
+only safe when the caller cannot change a tensor after handing it over, so the sender batches
+only streams given as a list or tuple (a generator may refill one staging buffer per item, and
+FSDP-style generators promise to hold one gathered tensor at a time).
 """
 
 from __future__ import annotations
@@ -96,10 +99,18 @@ class BucketPacker:
     """
 
     def __init__(
-        self, buffer: torch.Tensor, half_bytes: int, *, send_bucket: SendBucket, wait_free: Callable[[int], None]
+        self,
+        buffer: torch.Tensor,
+        half_bytes: int,
+        *,
+        send_bucket: SendBucket,
+        wait_free: Callable[[int], None],
+        batch: bool = False,
     ) -> None:
         self._buffer: torch.Tensor | None = buffer
-        self._device = buffer.device
+        # Batch (defer) small copies only into a CUDA bucket (on the CPU a batch is the same loop of copies)
+        # and only when the caller said its tensors stay as they are until the bucket ships.
+        self._batch_device = buffer.device if batch and buffer.is_cuda else None
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer seen as each dtype, made once
         self.half_bytes = half_bytes
         self._send_bucket = send_bucket
@@ -129,16 +140,19 @@ class BucketPacker:
             self._next_bucket(wide=nbytes > self.half_bytes)
             offset = 0
         # No local name for a destination view: a traceback would keep the bucket alive.
-        if nbytes < BATCH_MAX_BYTES and tensor.is_contiguous() and tensor.device == self._device:
+        if (
+            nbytes < BATCH_MAX_BYTES and tensor.device == self._batch_device and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg()  # lazy conj/neg views must be resolved by copy_
+        ):  # fmt: skip
             # Batched as raw integers of the same width: a floating-point copy kernel may quiet NaN
             # payloads (torch's multi-tensor copy goes through its opmath type), an integer one cannot.
             bits = _BITS_OF_WIDTH[tensor.element_size()]
-            batch = self._batches.get(bits)
-            if batch is None:
-                batch = self._batches[bits] = ([], [])
+            source = tensor.view(-1).view(bits)  # first: nothing may be half-added when this raises
             width = (self.bucket_start + offset) // bits.itemsize
-            batch[0].append(self._typed_buffer(bits)[width : width + nbytes // bits.itemsize])
-            batch[1].append(tensor.view(-1).view(bits))
+            if bits not in self._batches:
+                self._batches[bits] = ([], [])
+            self._batches[bits][0].append(self._typed_buffer(bits)[width : width + nbytes // bits.itemsize])
+            self._batches[bits][1].append(source)
         else:
             strides = tensor.stride() if tensor.is_contiguous() else contiguous_strides(tensor.shape)
             element = (self.bucket_start + offset) // tensor.element_size()

@@ -4,7 +4,8 @@ Every frame is one ZMQ message holding a msgpack map ``{"v": WIRE_VERSION, "kind
 Kinds and their fields (R = receiver, S = sender):
 
 - ``hello``    R→S  ``pid``, ``device`` ("cpu" or "cuda"), ``device_uuid`` (CUDA only), ``shm`` (which
-                    shared-memory filesystem the receiver sees, see ``doorbell.shm_identity``)
+                    shared-memory filesystem the receiver sees, see ``doorbell.shm_identity``),
+                    ``timeout_s`` (how long a hello queued during another session stays worth serving)
 - ``setup``    S→R  ``session``, ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
                     ``handle`` (the transport's raw fields: shm path, or CUDA IPC handle bytes),
                     ``control`` (path of the progress-counter segment, see ``doorbell``; None

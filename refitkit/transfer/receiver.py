@@ -142,7 +142,6 @@ class _ReceiveSession:
         self.bell: doorbell.Doorbell | None = None
         self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
         self.packed = 0  # buckets the sender announced as complete
-        self.posts_queued = False  # CONSUMED posts queued on a CUDA stream (synchronized before unmapping)
         self.unconsumed: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
         self.half_bytes = 0
         self.seq = 0
@@ -159,7 +158,10 @@ class _ReceiveSession:
     def open(self) -> None:
         self.context = zmq.Context()
         self.sock = connect_receiver(self.context, self.receiver.path)
-        hello: dict[str, Any] = {"pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity()}
+        hello: dict[str, Any] = {
+            "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
+            "timeout_s": self.receiver.timeout_s,  # how long a sender may keep this hello queued
+        }  # fmt: skip
         if self.device.type == "cuda":
             hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
         self.sock.send(encode("hello", **hello))
@@ -224,7 +226,8 @@ class _ReceiveSession:
                 if now >= deadline:
                     raise timeout_error(self.phase, waiting_for, f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s)
                 # Nothing to look at but the socket once reads are announced: block for the rest of the time.
-                wait_ms = 0 if now < spin_until or self.unconsumed else max(1, int((deadline - now) * 1000))
+                # After the spin: block until the deadline, or for one slice while reads wait to be announced.
+                wait_ms = 0 if now < spin_until else (1 if self.unconsumed else max(1, int((deadline - now) * 1000)))
                 if self.sock.poll(wait_ms, zmq.POLLIN):  # type: ignore[union-attr]
                     self._take(self._recv_now())
                 elif wait_ms == 0:
@@ -254,7 +257,7 @@ class _ReceiveSession:
                         self.phase, f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
                         f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s,
                     )  # fmt: skip
-                if now >= spin_until and not self.unconsumed:
+                if now >= spin_until:
                     if self.bell is not None:
                         if self.bell.take(doorbell.PACKED, doorbell.WAIT_SLICE_S):
                             self.packed += 1
@@ -362,7 +365,6 @@ class _ReceiveSession:
             if self.bell is not None:
                 if stream is not None:
                     self.bell.post_after(doorbell.CONSUMED, stream)
-                    self.posts_queued = True
                 else:
                     self.bell.post(doorbell.CONSUMED)
             else:
@@ -404,9 +406,7 @@ class _ReceiveSession:
         finally:
             bell, self.bell = self.bell, None
             if bell is not None:
-                if self.posts_queued:  # a post queued on the stream must not outlive the mapping it writes to
-                    torch.cuda.current_stream(self.device).synchronize()
-                bell.close()
+                bell.close()  # after the posts queued on our streams ran
 
     def fail(self, message: str) -> None:
         """Release, then tell the sender why this session failed (best effort; once per session)."""

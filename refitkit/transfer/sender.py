@@ -50,6 +50,10 @@ async def _anext_or_end(iterator: Any) -> Any:
         return _END
 
 
+class _PeerGone(TransferTimeout):
+    """The receiver's connection is gone: a send to it was refused at once (nothing timed out)."""
+
+
 class BucketedWeightSender:
     """Binds ``endpoint`` and sends weights to one ``BucketedWeightReceiver`` per ``send()``."""
 
@@ -72,7 +76,7 @@ class BucketedWeightSender:
         self.timeout_s = float(timeout_s)
         self.last_timings_s: dict[str, float] = {}  # per-phase seconds of the last session, for benchmarks
         # Hellos of receivers that arrived while a session was running: served, in order, by the next sessions.
-        self._waiting_hellos: deque[tuple[bytes, dict[str, Any]]] = deque(maxlen=16)
+        self._waiting_hellos: deque[tuple[bytes, dict[str, Any], float]] = deque(maxlen=16)  # peer, hello, arrival
         shm.remove_stale_segments()
         self._context: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
@@ -91,7 +95,15 @@ class BucketedWeightSender:
 
     def _reopen(self) -> None:
         """After a failed session: drop queued frames and half-open peers with a fresh socket."""
-        self._waiting_hellos.clear()  # their peers were connections of the old socket
+        while self._waiting_hellos:  # their connections go with the old socket: let them fail fast and retry
+            peer, _, _ = self._waiting_hellos.popleft()
+            try:
+                self._socket.send_multipart(  # type: ignore[union-attr]
+                    [peer, encode("abort", session="", reason="the sender's previous session failed; say hello again")],
+                    flags=zmq.NOBLOCK,
+                )
+            except zmq.ZMQError:
+                pass  # that receiver is gone already
         self.close()
         self._open()
 
@@ -128,7 +140,7 @@ class BucketedWeightSender:
             iterator = iter(weights)
         except TypeError:
             raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
-        return self._session(lambda: next(iterator, _END))
+        return self._session(lambda: next(iterator, _END), batch=isinstance(weights, (list, tuple)))
 
     async def asend(self, weights: Any) -> TransferStats:
         """``send()`` for event loops: the session runs in a worker thread; async items are pulled on this loop."""
@@ -148,29 +160,36 @@ class BucketedWeightSender:
             def pull() -> Any:
                 return next(sync_iterator, _END)
 
-        return await asyncio.to_thread(self._session, pull)
+        return await asyncio.to_thread(self._session, pull, isinstance(weights, (list, tuple)))
 
     # -- one session ------------------------------------------------------------------------------
 
-    def _session(self, pull: Callable[[], Any]) -> TransferStats:
+    def _session(self, pull: Callable[[], Any], batch: bool = False) -> TransferStats:
+        """One session; ``batch``: the items are a list or tuple, so small copies may be deferred to the bucket's end."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
-        run = _SendSession(self, pull)
+        run = _SendSession(self, pull, batch)
         try:
-            return run.run()
+            stats = run.run()
         except BaseException as exc:
             run.abort(exc)
             self._reopen()
+            try:
+                run.free()
+            except Exception as late:  # the session's own error is what the caller must see
+                log.error("sender on %r could not free the bucket after %r: %s", self.endpoint, exc, late)
             raise
-        finally:
-            run.free()
+        run.free()
+        return stats
 
 
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
-    def __init__(self, sender: BucketedWeightSender, pull: Callable[[], Any]) -> None:
+    def __init__(self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool = False) -> None:
         self.sender = sender
+        self.batch = batch
+        self.ship_streams: dict[int, Any] = {}  # CUDA streams the bucket's copies ran on: synchronized before freeing
         self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
         self.session = secrets.token_hex(8)
@@ -198,7 +217,15 @@ class _SendSession:
         self._mark("hello_wait", start)
         first = self._next_item()
         began = time.perf_counter()
-        self._set_up(hello, first)
+        while True:
+            try:
+                self._set_up(hello, first)
+                break
+            except _PeerGone:  # a queued hello whose receiver gave up since: free, and take the next one
+                if self.setup_sent:
+                    raise
+                self.free()
+                hello = self._await_hello()
         self._mark("setup", began)
         began = time.perf_counter()
         self.phase = SessionPhase.STREAMING
@@ -252,13 +279,18 @@ class _SendSession:
         control = None
         shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
         if self.bucket is not None and shared_shm and doorbell.available():
-            self.bell = doorbell.Doorbell.create(self.session)
-            control = self.bell.handle()
+            try:
+                self.bell = doorbell.Doorbell.create(self.session)
+                control = self.bell.handle()
+            except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
+                log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.sender.endpoint, exc)
         self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control))
         self.setup_sent = True
         # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
         if self.bucket is not None:
-            self.packer = BucketPacker(self.bucket.tensor, half, send_bucket=self._send_bucket, wait_free=self._wait_free)
+            self.packer = BucketPacker(
+                self.bucket.tensor, half, send_bucket=self._send_bucket, wait_free=self._wait_free, batch=self.batch
+            )
 
     def _choose_transport(self, hello: dict[str, Any], first: CheckedItem | None) -> str:
         if first is None:
@@ -277,10 +309,14 @@ class _SendSession:
     def _send_bucket(self, half: int, wide: bool, entries: list[Any], last: bool) -> None:
         """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished."""
         if entries and self.bucket is not None:  # an empty bucket has no bytes to announce
+            stream = None
+            if isinstance(self.bucket, cuda_ipc.CudaIpcBucket):  # the copies were issued on the current stream
+                stream = torch.cuda.current_stream(self.bucket.device)
+                self.ship_streams.setdefault(stream.cuda_stream, stream)
             if self.bell is None:
                 self.unpacked.append((self.seq, self.bucket.mark_packed()))
-            elif isinstance(self.bucket, cuda_ipc.CudaIpcBucket):
-                self.bell.post_after(doorbell.PACKED, torch.cuda.current_stream(self.bucket.device))
+            elif stream is not None:
+                self.bell.post_after(doorbell.PACKED, stream)
             else:
                 self.bell.post(doorbell.PACKED)  # copies into host memory returned complete
         self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries))
@@ -300,6 +336,8 @@ class _SendSession:
             if self.bell is not None:
                 while self.bell.take(doorbell.CONSUMED):
                     self.consumed += 1
+                if self.consumed > self.seq:
+                    raise ProtocolError(f"the receiver announced {self.consumed} buckets done; only {self.seq} were sent")
             while self.unacked and self.unacked[0][0] < self.consumed:
                 self.unacked.popleft()
             return not any(mask & halves for _, mask in self.unacked)
@@ -328,13 +366,13 @@ class _SendSession:
                 now = time.perf_counter()
                 if now >= deadline:
                     raise timeout_error(self.phase, waiting_for, f"the receiver on {self.sender.endpoint!r}", self.sender.timeout_s)
-                if now < spin_until or self.unpacked:  # still spinning, or our own copies are about to finish
+                if now < spin_until:
                     self._read_frames(0)
                 elif counter and self.bell is not None:
                     if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
                         self.consumed += 1
                     self._read_frames(0)
-                else:
+                else:  # (also while our own copies run: their packed frames wait at most one slice)
                     self._read_frames(int(doorbell.WAIT_SLICE_S * 1000))
         finally:
             self.ack_wait_s += time.perf_counter() - began
@@ -347,8 +385,9 @@ class _SendSession:
             self.sock.send_multipart([self.peer, payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._read_frames(0)  # a receiver that failed and left reported why first: raise that
-            raise TransferTimeout(
-                f"{self.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}"
+            raise _PeerGone(
+                f"{self.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
+                f"nothing left to wait for within timeout_s={self.sender.timeout_s:g}"
             ) from None
 
     def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]]:
@@ -361,8 +400,12 @@ class _SendSession:
         return parts[0], decode(parts[1])
 
     def _await_hello(self) -> dict[str, Any]:
-        if self.sender._waiting_hellos:
-            self.peer, frame = self.sender._waiting_hellos.popleft()
+        while self.sender._waiting_hellos:
+            peer, frame, arrived = self.sender._waiting_hellos.popleft()
+            patience = frame.get("timeout_s")
+            if isinstance(patience, (int, float)) and time.monotonic() - arrived > patience:
+                continue  # that receiver has given up waiting for its setup
+            self.peer = peer
             return frame
         while True:
             peer, frame = self._recv("hello (is a receiver connected?)")
@@ -382,7 +425,7 @@ class _SendSession:
     def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
         if peer != self.peer:
             if frame["kind"] == "hello":  # the next receiver (it waits, bounded by its own timeout_s)
-                self.sender._waiting_hellos.append((peer, frame))
+                self.sender._waiting_hellos.append((peer, frame, time.monotonic()))
             return  # else a well-formed frame from an earlier session's peer
         if frame["kind"] == "error":
             message = str(frame.get("message"))
@@ -423,11 +466,11 @@ class _SendSession:
         deadline = time.monotonic() + self.sender.timeout_s
         try:
             while time.monotonic() < deadline:
-                peer, frame = self._recv("released after abort")
+                peer, frame = self._recv("released after abort", timeout_s=max(0.0, deadline - time.monotonic()))
                 if peer == self.peer and frame["kind"] in ("released", "error") and frame.get("session") == self.session:
                     return
                 if peer != self.peer and frame["kind"] == "hello":
-                    self.sender._waiting_hellos.append((peer, frame))
+                    self.sender._waiting_hellos.append((peer, frame, time.monotonic()))
         except TransferError as late:
             log.warning("receiver did not confirm the abort on %r: %s", self.sender.endpoint, late)
 
@@ -439,9 +482,12 @@ class _SendSession:
         bell, self.bell = self.bell, None
         bucket, self.bucket = self.bucket, None
         try:
+            began = time.perf_counter()
+            for stream in self.ship_streams.values():  # every copy into the bucket (and every queued post) has run
+                stream.synchronize()
+            self.ship_streams.clear()
             if bucket is not None:
-                began = time.perf_counter()
-                bucket.free()  # synchronizes the stream first: no queued post can outlive the doorbell's mapping
+                bucket.free()
                 self._mark("free", began)
         finally:
             if bell is not None:

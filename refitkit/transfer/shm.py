@@ -67,12 +67,22 @@ def check_segment_path(path: str) -> None:
         raise ProtocolError(f"shm handle names {path!r}, not a refitkit segment in {SHM_DIR}")
 
 
-def map_segment(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
-    """Map a segment of ``nbytes`` (made with mode 0600 when ``create``; its size is checked otherwise)."""
+def map_segment(path: str, nbytes: int, *, create: bool, reserve: bool = False) -> mmap.mmap:
+    """Map a segment of ``nbytes`` (made with mode 0600 when ``create``; its size is checked otherwise).
+
+    ``reserve`` takes the pages now (``posix_fallocate``), so a full /dev/shm is an OSError here
+    rather than a SIGBUS at the first write.
+    """
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        if create:
+        if create and reserve:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                os.unlink(path)
+                raise
+        elif create:
             os.ftruncate(fd, nbytes)
         elif os.fstat(fd).st_size != nbytes:
             raise ProtocolError(f"shm segment {path} has {os.fstat(fd).st_size} bytes, setup said {nbytes}")

@@ -74,9 +74,7 @@ def test_receiver_sigkilled_mid_stream(receiver_server, endpoint, case):
     assert parent.poll(30) and parent.recv() == "starting"  # its hello is queued: time only the session
     try:
         # A timed-out wait, or (frames are sent ahead of the copies) a send to the vanished peer refused at once.
-        send_expecting(
-            endpoint, TransferTimeout, r"timeout_s=3|receiver on .* is gone", transport=case.transport, device=case.tensor_device
-        )
+        send_expecting(endpoint, TransferTimeout, r"timeout_s=3", transport=case.transport, device=case.tensor_device)
     finally:
         victim.join(10)
     assert victim.exitcode == -9

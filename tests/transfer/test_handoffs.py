@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
 import torch
 
 from refitkit.errors import ProtocolError, TransferError
-from refitkit.transfer import BucketedWeightSender, doorbell, packing
-from tests.transfer.harness import roundtrip
-from tests.transfer.peers import one_shot_receiver_main
+from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, doorbell, packing
+from tests.transfer.harness import Case, roundtrip
+from tests.transfer.peers import digest, one_shot_receiver_main
 from tests.transfer.test_roundtrip import random_tensor
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,8 +114,9 @@ def test_frame_fallback_reports_receiver_failure(receiver_server, endpoint, monk
 
 @pytest.mark.parametrize("batch_max_bytes", [0, 256, 1 << 30], ids=["no-batching", "some-batched", "all-batched"])
 def test_batched_and_single_copies_mix(receiver_server, endpoint, monkeypatch, batch_max_bytes, case):
-    # Small contiguous tensors are copied in one batch per bucket and dtype, the rest one by one:
-    # every split of the stream between the two paths must arrive bit-exact.
+    # Small contiguous tensors of a list are copied into a CUDA bucket in one batch per bucket and
+    # element width, the rest one by one: every split between the two paths must arrive bit-exact
+    # (on the CPU nothing is batched: every variant must still round-trip).
     monkeypatch.setattr(packing, "BATCH_MAX_BYTES", batch_max_bytes)
     weights = [(name, tensor.to(case.tensor_device)) for name, tensor in mixed_stream()]
     stats, _ = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
@@ -141,3 +143,87 @@ def test_hello_during_a_session_is_served_next(endpoint):
         result = parent.recv()
         process.join(10)
         assert len(result["digests"]) == 400, result
+
+
+def test_queued_hello_of_a_receiver_that_gave_up_is_skipped(endpoint):
+    # B says hello during A's session and gives up before it is served; the next send() must serve
+    # the live receiver C instead of failing on B's dead connection.
+    outcomes: dict[str, str] = {}
+    b_gave_up = threading.Event()
+
+    def receive(tag: str, timeout_s: float, on_bucket=lambda weights, is_last: None) -> None:
+        try:
+            BucketedWeightReceiver(endpoint, "cpu", timeout_s=timeout_s).receive(on_bucket)
+            outcomes[tag] = "ok"
+        except TransferError as exc:
+            outcomes[tag] = type(exc).__name__
+        finally:
+            if tag == "B":
+                b_gave_up.set()
+
+    def slow_loader(weights, is_last):  # A's session lasts until B has given up
+        if not b_gave_up.is_set():
+            threading.Thread(target=receive, args=("B", 0.5)).start()
+            assert b_gave_up.wait(10)
+
+    weights = [("w", torch.ones(8))]
+    with BucketedWeightSender(endpoint, bucket_bytes=1 << 20, transport="shm", timeout_s=10) as sender:
+        a = threading.Thread(target=receive, args=("A", 10, slow_loader))
+        a.start()
+        sender.send(weights)
+        a.join(10)
+        c = threading.Thread(target=receive, args=("C", 10))
+        c.start()
+        sender.send(weights)
+        c.join(10)
+    assert outcomes == {"A": "ok", "B": "TransferTimeout", "C": "ok"}
+
+
+def refilled_staging_buffer(device: str):
+    """A generator that refills one staging tensor per item (what a gather loop with a reused buffer does)."""
+    staging = torch.empty(64, device=device)
+    for index in range(200):
+        staging.fill_(float(index))
+        yield f"w{index}", staging
+
+
+def test_generator_reusing_one_buffer_arrives_intact(receiver_server, endpoint, case):
+    expected = {f"w{i}": digest(torch.full((64,), float(i))) for i in range(200)}
+    roundtrip(receiver_server, endpoint, refilled_staging_buffer(case.tensor_device), bucket_bytes=16 << 10,
+              case=case, expected=expected)  # fmt: skip
+
+
+def test_conj_and_neg_views_arrive_resolved(receiver_server, endpoint, case):
+    base = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j], dtype=torch.complex64)
+    weights = [
+        ("conj", base.conj().to(case.tensor_device)),
+        ("neg", torch._neg_view(base).to(case.tensor_device)),
+        ("plain", torch.arange(8.0).to(case.tensor_device)),
+    ]
+    expected = {"conj": digest(base.conj().resolve_conj()), "neg": digest(-base), "plain": digest(torch.arange(8.0))}
+    roundtrip(receiver_server, endpoint, weights, case=case, expected=expected)
+
+
+def test_no_semaphore_segment_falls_back_to_frames(receiver_server, endpoint, monkeypatch):
+    def full_shm(session):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(doorbell.Doorbell, "create", staticmethod(full_shm))
+    stats, _ = roundtrip(receiver_server, endpoint, mixed_stream(), bucket_bytes=16 << 10)
+    assert stats.buckets > 10
+
+
+@pytest.mark.cuda
+def test_copies_on_a_side_stream_are_complete_before_free(receiver_server, endpoint):
+    # The caller's generator keeps its own stream current across yields: the copies, the posts
+    # queued behind them and the final synchronize all follow that stream, not the default one.
+    side = torch.cuda.Stream()
+
+    def on_side_stream():
+        with torch.cuda.stream(side):
+            for index in range(100):
+                yield f"w{index}", torch.full((4096,), float(index), device="cuda")
+
+    expected = {f"w{i}": digest(torch.full((4096,), float(i))) for i in range(100)}
+    case = Case("cuda_ipc", "cuda", "cuda")
+    roundtrip(receiver_server, endpoint, on_side_stream(), bucket_bytes=64 << 10, case=case, expected=expected)
