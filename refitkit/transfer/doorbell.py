@@ -70,6 +70,26 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
         announce(seq)
 
 
+def wait_until(
+    ready: Callable[[], bool], look: Callable[[bool], None], *, timeout_s: float, timed_out: Callable[[], Exception]
+) -> None:
+    """Until ``ready()``: spin (yielding the core) for ``SPIN_S``, then call ``look(sleepy)`` every 32
+    tries, with ``sleepy`` True once the spin is over (``look`` then waits one slice on a semaphore
+    or a socket); ``timed_out()`` is raised when ``timeout_s`` has passed."""
+    began = time.perf_counter()
+    spin_until, deadline = began + SPIN_S, began + timeout_s
+    tries = 0
+    while not ready():
+        tries += 1
+        if tries % 32:
+            os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
+            continue
+        now = time.perf_counter()
+        if now >= deadline:
+            raise timed_out()
+        look(now >= spin_until)
+
+
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 

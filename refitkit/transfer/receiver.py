@@ -241,30 +241,29 @@ class _ReceiveSession:
         target = self.seq + 1
         if self._count_packed() >= target:
             return
+
+        def ready() -> bool:
+            self._announce_consumed()
+            return self._count_packed() >= target
+
+        def look(sleepy: bool) -> None:
+            if sleepy and self.bell is not None:
+                if self.bell.take(doorbell.PACKED, doorbell.WAIT_SLICE_S):
+                    self.packed += 1
+            elif sleepy and self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
+                self._take(self._recv_now())
+            while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
+                self._take(self._recv_now())
+
         began = time.perf_counter()
-        spin_until, deadline = began + doorbell.SPIN_S, began + self.receiver.timeout_s
-        looks = 0
         try:
-            while self._count_packed() < target:
-                self._announce_consumed()
-                looks += 1
-                if looks % 32:
-                    os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
-                    continue
-                now = time.perf_counter()
-                if now >= deadline:
-                    raise timeout_error(
-                        self.phase, f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
-                        f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s,
-                    )  # fmt: skip
-                if now >= spin_until:
-                    if self.bell is not None:
-                        if self.bell.take(doorbell.PACKED, doorbell.WAIT_SLICE_S):
-                            self.packed += 1
-                    elif self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
-                        self._take(self._recv_now())
-                while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
-                    self._take(self._recv_now())
+            doorbell.wait_until(
+                ready, look, timeout_s=self.receiver.timeout_s,
+                timed_out=lambda: timeout_error(
+                    self.phase, f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
+                    f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s,
+                ),
+            )  # fmt: skip
         finally:
             self.wait_s += time.perf_counter() - began
 

@@ -351,29 +351,27 @@ class _SendSession:
 
         Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once.
         """
+
+        def ready() -> bool:
+            self._announce_packed()
+            return condition()
+
+        def look(sleepy: bool) -> None:
+            if sleepy and counter and self.bell is not None:
+                if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
+                    self.consumed += 1
+                self._read_frames(0)
+            else:  # (frames, or our own copies' packed frames in the fallback: one slice at most)
+                self._read_frames(int(doorbell.WAIT_SLICE_S * 1000) if sleepy else 0)
+
         began = time.perf_counter()
-        spin_until, deadline = began + doorbell.SPIN_S, began + self.sender.timeout_s
-        looks = 0
         try:
-            while True:
-                self._announce_packed()
-                if condition():
-                    return
-                looks += 1
-                if looks % 32:
-                    os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
-                    continue
-                now = time.perf_counter()
-                if now >= deadline:
-                    raise timeout_error(self.phase, waiting_for, f"the receiver on {self.sender.endpoint!r}", self.sender.timeout_s)
-                if now < spin_until:
-                    self._read_frames(0)
-                elif counter and self.bell is not None:
-                    if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
-                        self.consumed += 1
-                    self._read_frames(0)
-                else:  # (also while our own copies run: their packed frames wait at most one slice)
-                    self._read_frames(int(doorbell.WAIT_SLICE_S * 1000))
+            doorbell.wait_until(
+                ready, look, timeout_s=self.sender.timeout_s,
+                timed_out=lambda: timeout_error(
+                    self.phase, waiting_for, f"the receiver on {self.sender.endpoint!r}", self.sender.timeout_s
+                ),
+            )  # fmt: skip
         finally:
             self.ack_wait_s += time.perf_counter() - began
 
