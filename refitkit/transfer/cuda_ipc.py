@@ -152,6 +152,7 @@ class CudaIpcBucket:
         finally:
             torch.cuda.set_device(previous)
         self._handle = bytes(handle.reserved)
+        self._streams: dict[int, torch.cuda.Stream] = {}  # every stream copies into the bucket were shipped on
         self.tensor: torch.Tensor | None
         self.tensor, self._freed = _wrap(pointer.value, nbytes, device, functools.partial(_free, device, pointer.value))
 
@@ -162,16 +163,19 @@ class CudaIpcBucket:
     def receiver_mapped(self) -> None:
         """Nothing to do: the sender keeps sole ownership of the memory."""
 
-    def mark_packed(self) -> torch.cuda.Event:
-        """An event after the copies of the bucket being shipped (later work on the stream is not waited for)."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def shipped(self) -> torch.cuda.Stream:
+        """The stream the copies of the bucket being shipped were issued on (the current one); remembered,
+        so ``free()`` waits for it even when the caller has switched streams since."""
+        stream = torch.cuda.current_stream(self.device)
+        self._streams.setdefault(stream.cuda_stream, stream)
+        return stream
 
     def free(self) -> None:
         """Wait for pending copies and return the memory to the driver; idempotent."""
         if self.tensor is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+            for stream in (*self._streams.values(), torch.cuda.current_stream(self.device)):
+                stream.synchronize()
+            self._streams.clear()
         self.tensor = None  # the finalizer frees the memory as this last view dies
         if self._freed.alive:
             raise TransferError("sender bucket: a view of the CUDA bucket is still referenced; memory not freed")

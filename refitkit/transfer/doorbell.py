@@ -49,6 +49,8 @@ from typing import Any
 
 from refitkit.errors import ProtocolError, TransferError
 from refitkit.transfer import shm
+from refitkit.transfer.phases import SessionPhase
+from refitkit.transfer.protocol import timeout_error
 
 MAGIC = 0x52454649544B4954  # "REFITKIT"
 PACKED = 0
@@ -57,6 +59,17 @@ CONTROL_BYTES = 4096
 _SEM_OFFSETS = (64, 128)  # sem_t is 32 bytes on x86-64 and 32 on aarch64 glibc; each gets a cache line
 SPIN_S = 0.002  # spin this long before a waiter sleeps in sem_timedwait slices
 WAIT_SLICE_S = 0.001  # one sleeping look; the socket is looked at between slices
+
+
+def event_after(stream: Any) -> Any:
+    """The frame fallback's marker: a CUDA event after the work queued on ``stream`` (None: CPU work, done)."""
+    if stream is None:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int], None]) -> None:
@@ -71,11 +84,13 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
 
 
 def wait_until(
-    ready: Callable[[], bool], look: Callable[[bool], None], *, timeout_s: float, timed_out: Callable[[], Exception]
-) -> None:
+    ready: Callable[[], bool], look: Callable[[bool], None], *, timeout_s: float, phase: SessionPhase,
+    waiting_for: str, peer: str,
+) -> None:  # fmt: skip
     """Until ``ready()``: spin (yielding the core) for ``SPIN_S``, then call ``look(sleepy)`` every 32
     tries, with ``sleepy`` True once the spin is over (``look`` then waits one slice on a semaphore
-    or a socket); ``timed_out()`` is raised when ``timeout_s`` has passed."""
+    or a socket); TransferTimeout (naming ``phase``, ``waiting_for``, ``peer`` and the knob) once
+    ``timeout_s`` has passed."""
     began = time.perf_counter()
     spin_until, deadline = began + SPIN_S, began + timeout_s
     tries = 0
@@ -86,7 +101,7 @@ def wait_until(
             continue
         now = time.perf_counter()
         if now >= deadline:
-            raise timed_out()
+            raise timeout_error(phase, waiting_for, peer, timeout_s)
         look(now >= spin_until)
 
 
@@ -198,6 +213,13 @@ class Doorbell:
         if self._libc.sem_post(self._sems[which]) != 0:
             raise TransferError(f"sem_post failed: {os.strerror(ctypes.get_errno())}")
 
+    def post_when_done(self, which: int, stream: Any) -> None:
+        """Announce once the work queued on ``stream`` ran; at once when ``stream`` is None (CPU work is done)."""
+        if stream is None:
+            self.post(which)
+        else:
+            self.post_after(which, stream)
+
     def post_after(self, which: int, stream: Any) -> None:
         """Announce one more bucket when ``stream`` (a torch.cuda.Stream) reaches this point."""
         import torch
@@ -241,10 +263,7 @@ class Doorbell:
 
     def unlink(self) -> None:
         """Drop the name (both sides keep their mapping); idempotent."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        shm.unlink_quietly(self.path)
 
     def close(self) -> None:
         """Unmap (and, on the sender, unlink) once every queued post has run.

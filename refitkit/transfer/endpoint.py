@@ -20,10 +20,14 @@ import re
 import socket
 import stat
 import tempfile
+import time
+from collections import deque
+from typing import Any
 
 import zmq
 
 from refitkit.errors import InvalidInput, TransferError
+from refitkit.transfer.protocol import encode
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the NUL
@@ -103,3 +107,35 @@ def connect_receiver(context: zmq.Context, path: str) -> zmq.Socket:
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.connect(f"ipc://{path}")
     return sock
+
+
+class WaitingReceivers:
+    """Hellos of receivers that arrived while a session ran: served, in order, by the next sessions.
+
+    A hello is worth serving only while its receiver still waits for the setup, i.e. within the
+    ``timeout_s`` it announced; older ones are skipped.
+    """
+
+    def __init__(self, limit: int = 16) -> None:
+        self._queue: deque[tuple[bytes, dict[str, Any], float]] = deque(maxlen=limit)  # peer, hello, arrival
+
+    def add(self, peer: bytes, hello: dict[str, Any]) -> None:
+        self._queue.append((peer, hello, time.monotonic()))
+
+    def take(self) -> tuple[bytes, dict[str, Any]] | None:
+        """The oldest hello whose receiver may still be waiting, or None."""
+        while self._queue:
+            peer, hello, arrived = self._queue.popleft()
+            patience = hello.get("timeout_s")
+            if not isinstance(patience, (int, float)) or time.monotonic() - arrived <= patience:
+                return peer, hello
+        return None
+
+    def turn_away(self, sock: zmq.Socket, reason: str) -> None:
+        """Tell every waiting receiver to give up now (best effort) and forget them."""
+        while self._queue:
+            peer, _, _ = self._queue.popleft()
+            try:
+                sock.send_multipart([peer, encode("abort", session="", reason=reason)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # that receiver is gone already

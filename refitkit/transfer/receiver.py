@@ -32,19 +32,11 @@ from refitkit.transfer.endpoint import connect_receiver, socket_path
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, Entry, align_up, contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame,
-    timeout_error,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # the sender dropped it first
 
 
 class BucketedWeightReceiver:
@@ -187,7 +179,7 @@ class _ReceiveSession:
                 self.bell = doorbell.Doorbell.open(setup.get("control"))
             for path in (self.bell.path if self.bell else None, handle.get("path") if transport == "shm" else None):
                 if path is not None:  # both sides hold mappings now: no crash can leak the names
-                    _unlink_quietly(path)
+                    shm.unlink_quietly(path)
             if self.mapping is not None:
                 buffer_bytes = self.mapping.tensor.numel()  # type: ignore[union-attr]
                 if not (0 < self.half_bytes and self.half_bytes % ALIGN_BYTES == 0 and 2 * self.half_bytes <= buffer_bytes):
@@ -218,20 +210,25 @@ class _ReceiveSession:
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
         """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
         began = time.perf_counter()
-        spin_until, deadline = began + doorbell.SPIN_S, began + self.receiver.timeout_s
-        try:
-            while not self.inbox:
-                self._announce_consumed()
-                now = time.perf_counter()
-                if now >= deadline:
-                    raise timeout_error(self.phase, waiting_for, f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s)
-                # Nothing to look at but the socket once reads are announced: block for the rest of the time.
-                # After the spin: block until the deadline, or for one slice while reads wait to be announced.
-                wait_ms = 0 if now < spin_until else (1 if self.unconsumed else max(1, int((deadline - now) * 1000)))
-                if self.sock.poll(wait_ms, zmq.POLLIN):  # type: ignore[union-attr]
+        deadline = began + self.receiver.timeout_s
+
+        def ready() -> bool:
+            self._announce_consumed()
+            if not self.inbox and self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]
+                self._take(self._recv_now())
+            return bool(self.inbox)
+
+        def look(sleepy: bool) -> None:
+            if sleepy:  # one slice while reads wait to be announced, else nothing but the socket: block on it
+                wait_s = doorbell.WAIT_SLICE_S if self.unconsumed else deadline - time.perf_counter()
+                if self.sock.poll(max(1, int(wait_s * 1000)), zmq.POLLIN):  # type: ignore[union-attr]
                     self._take(self._recv_now())
-                elif wait_ms == 0:
-                    os.sched_yield()  # see _wait_packed
+
+        try:
+            doorbell.wait_until(
+                ready, look, timeout_s=self.receiver.timeout_s, phase=self.phase, waiting_for=waiting_for,
+                peer=f"the sender on {self.receiver.endpoint!r}",
+            )  # fmt: skip
             return self.inbox.popleft()
         finally:
             self.wait_s += time.perf_counter() - began
@@ -258,11 +255,9 @@ class _ReceiveSession:
         began = time.perf_counter()
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.receiver.timeout_s,
-                timed_out=lambda: timeout_error(
-                    self.phase, f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
-                    f"the sender on {self.receiver.endpoint!r}", self.receiver.timeout_s,
-                ),
+                ready, look, timeout_s=self.receiver.timeout_s, phase=self.phase,
+                waiting_for=f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
+                peer=f"the sender on {self.receiver.endpoint!r}",
             )  # fmt: skip
         finally:
             self.wait_s += time.perf_counter() - began
@@ -362,16 +357,9 @@ class _ReceiveSession:
             # A CUDA loader's copies out of the bucket are queued on this stream: announce when they ran.
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             if self.bell is not None:
-                if stream is not None:
-                    self.bell.post_after(doorbell.CONSUMED, stream)
-                else:
-                    self.bell.post(doorbell.CONSUMED)
+                self.bell.post_when_done(doorbell.CONSUMED, stream)
             else:
-                event = None
-                if stream is not None:
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                self.unconsumed.append((self.seq, event))
+                self.unconsumed.append((self.seq, doorbell.event_after(stream)))
                 self._announce_consumed()
             self.seq += 1
             return

@@ -20,22 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
-from refitkit.transfer.endpoint import bind_sender, socket_path
+from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, socket_path
 from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item
 from refitkit.transfer.phases import SessionPhase, TransferStats
-from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
+from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +73,7 @@ class BucketedWeightSender:
         self.transport = transport
         self.timeout_s = float(timeout_s)
         self.last_timings_s: dict[str, float] = {}  # per-phase seconds of the last session, for benchmarks
-        # Hellos of receivers that arrived while a session was running: served, in order, by the next sessions.
-        self._waiting_hellos: deque[tuple[bytes, dict[str, Any], float]] = deque(maxlen=16)  # peer, hello, arrival
+        self._waiting = WaitingReceivers()  # hellos that arrived during a session, for the next ones
         shm.remove_stale_segments()
         self._context: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
@@ -95,15 +92,8 @@ class BucketedWeightSender:
 
     def _reopen(self) -> None:
         """After a failed session: drop queued frames and half-open peers with a fresh socket."""
-        while self._waiting_hellos:  # their connections go with the old socket: let them fail fast and retry
-            peer, _, _ = self._waiting_hellos.popleft()
-            try:
-                self._socket.send_multipart(  # type: ignore[union-attr]
-                    [peer, encode("abort", session="", reason="the sender's previous session failed; say hello again")],
-                    flags=zmq.NOBLOCK,
-                )
-            except zmq.ZMQError:
-                pass  # that receiver is gone already
+        # Waiting receivers' connections go with the old socket: let them fail fast and retry.
+        self._waiting.turn_away(self._socket, "the sender's previous session failed; say hello again")  # type: ignore[arg-type]
         self.close()
         self._open()
 
@@ -115,10 +105,7 @@ class BucketedWeightSender:
         if self._context is not None:
             self._context.term()  # returns once the listener is gone, so a rebind cannot race it
             self._context = None
-            try:
-                os.unlink(self.path)  # libzmq leaves the file; a closed sender should not look stale
-            except FileNotFoundError:
-                pass
+            shm.unlink_quietly(self.path)  # libzmq leaves the file; a closed sender should not look stale
 
     def __enter__(self) -> "BucketedWeightSender":
         return self
@@ -189,7 +176,6 @@ class _SendSession:
     def __init__(self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool = False) -> None:
         self.sender = sender
         self.batch = batch
-        self.ship_streams: dict[int, Any] = {}  # CUDA streams the bucket's copies ran on: synchronized before freeing
         self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
         self.session = secrets.token_hex(8)
@@ -309,16 +295,11 @@ class _SendSession:
     def _send_bucket(self, half: int, wide: bool, entries: list[Any], last: bool) -> None:
         """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished."""
         if entries and self.bucket is not None:  # an empty bucket has no bytes to announce
-            stream = None
-            if isinstance(self.bucket, cuda_ipc.CudaIpcBucket):  # the copies were issued on the current stream
-                stream = torch.cuda.current_stream(self.bucket.device)
-                self.ship_streams.setdefault(stream.cuda_stream, stream)
-            if self.bell is None:
-                self.unpacked.append((self.seq, self.bucket.mark_packed()))
-            elif stream is not None:
-                self.bell.post_after(doorbell.PACKED, stream)
+            stream = self.bucket.shipped()
+            if self.bell is not None:
+                self.bell.post_when_done(doorbell.PACKED, stream)
             else:
-                self.bell.post(doorbell.PACKED)  # copies into host memory returned complete
+                self.unpacked.append((self.seq, doorbell.event_after(stream)))
         self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries))
         self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
         self.seq += 1
@@ -367,10 +348,8 @@ class _SendSession:
         began = time.perf_counter()
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.sender.timeout_s,
-                timed_out=lambda: timeout_error(
-                    self.phase, waiting_for, f"the receiver on {self.sender.endpoint!r}", self.sender.timeout_s
-                ),
+                ready, look, timeout_s=self.sender.timeout_s, phase=self.phase, waiting_for=waiting_for,
+                peer=f"the receiver on {self.sender.endpoint!r}",
             )  # fmt: skip
         finally:
             self.ack_wait_s += time.perf_counter() - began
@@ -398,12 +377,9 @@ class _SendSession:
         return parts[0], decode(parts[1])
 
     def _await_hello(self) -> dict[str, Any]:
-        while self.sender._waiting_hellos:
-            peer, frame, arrived = self.sender._waiting_hellos.popleft()
-            patience = frame.get("timeout_s")
-            if isinstance(patience, (int, float)) and time.monotonic() - arrived > patience:
-                continue  # that receiver has given up waiting for its setup
-            self.peer = peer
+        waiting = self.sender._waiting.take()
+        if waiting is not None:
+            self.peer, frame = waiting
             return frame
         while True:
             peer, frame = self._recv("hello (is a receiver connected?)")
@@ -423,7 +399,7 @@ class _SendSession:
     def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
         if peer != self.peer:
             if frame["kind"] == "hello":  # the next receiver (it waits, bounded by its own timeout_s)
-                self.sender._waiting_hellos.append((peer, frame, time.monotonic()))
+                self.sender._waiting.add(peer, frame)
             return  # else a well-formed frame from an earlier session's peer
         if frame["kind"] == "error":
             message = str(frame.get("message"))
@@ -468,7 +444,7 @@ class _SendSession:
                 if peer == self.peer and frame["kind"] in ("released", "error") and frame.get("session") == self.session:
                     return
                 if peer != self.peer and frame["kind"] == "hello":
-                    self.sender._waiting_hellos.append((peer, frame, time.monotonic()))
+                    self.sender._waiting.add(peer, frame)
         except TransferError as late:
             log.warning("receiver did not confirm the abort on %r: %s", self.sender.endpoint, late)
 
@@ -480,12 +456,9 @@ class _SendSession:
         bell, self.bell = self.bell, None
         bucket, self.bucket = self.bucket, None
         try:
-            began = time.perf_counter()
-            for stream in self.ship_streams.values():  # every copy into the bucket (and every queued post) has run
-                stream.synchronize()
-            self.ship_streams.clear()
             if bucket is not None:
-                bucket.free()
+                began = time.perf_counter()
+                bucket.free()  # after every stream a bucket was shipped on (with the posts queued there) ran
                 self._mark("free", began)
         finally:
             if bell is not None:

@@ -46,14 +46,19 @@ def remove_stale_segments() -> int:
     for name in names:
         match = _SEGMENT.match(name)
         if match and not _pid_alive(int(match.group(1))):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed += 1
-            except FileNotFoundError:
-                pass  # another sender cleaned it first
+            unlink_quietly(os.path.join(SHM_DIR, name))  # another sender may have cleaned it first
+            removed += 1
     if removed:
         log.info("removed %d stale shared-memory segment(s) of dead senders", removed)
     return removed
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove a file that the peer (or an earlier cleanup) may have removed already."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def segment_prefix() -> str:
@@ -130,22 +135,16 @@ class ShmBucket(_Mapped):
 
     def receiver_mapped(self) -> None:
         """The receiver holds its own mapping: drop the name so no crash can leak the segment."""
-        self._unlink()
+        unlink_quietly(self.path)
 
-    def mark_packed(self) -> None:
-        """Packing copies into host memory are synchronous: the bytes are complete already (no event)."""
+    def shipped(self) -> None:
+        """Packing copies into host memory are synchronous: a shipped bucket's bytes are complete (no stream)."""
         return None
 
     def free(self) -> None:
         """Unmap and unlink; idempotent."""
-        self._unlink()
+        unlink_quietly(self.path)
         self.close(what="sender bucket")
-
-    def _unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class _DeviceStaging:
