@@ -80,16 +80,6 @@ def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool) -> Che
     return name, tensor, wire_dtype
 
 
-def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dsts[i].copy_(srcs[i]) for all i: one multi-tensor kernel on CUDA (same-shape, same-dtype pairs)."""
-    if len(dsts) == 1:
-        dsts[0].copy_(srcs[0])
-        return
-    # torch._foreach_copy_ (torch >= 2.1; private but what torch's own optimizers use): one launch per
-    # chunk of tensors on CUDA, a plain loop of copy_ on the CPU.
-    torch._foreach_copy_(dsts, srcs)
-
-
 class BucketPacker:
     """Copies tensors into the bucket buffer, bucket after bucket.
 
@@ -168,7 +158,9 @@ class BucketPacker:
     def _copy_batches(self) -> None:
         """Issue the current bucket's batched copies (before it is shipped)."""
         for dsts, srcs in self._batches.values():
-            copy_many(dsts, srcs)
+            # torch._foreach_copy_ (torch >= 2.1; private, but what torch's own optimizers use): one
+            # multi-tensor kernel per chunk of same-shape, same-dtype pairs.
+            torch._foreach_copy_(dsts, srcs)
         self._batches.clear()
 
     def _pack_split(self, name: str, tensor: torch.Tensor, wire_dtype: str, nbytes: int) -> None:
