@@ -1,7 +1,8 @@
 """The trainer side of a weight sync: stream (name, tensor) pairs through a double-buffered bucket.
 
 One ``send()`` is one session: wait for a receiver's hello, allocate the bucket buffer (two halves
-of ``bucket_bytes // 2``), let the receiver map it once (buckets are packed and their frames queued
+of ``bucket_bytes // 2``; a list or tuple that needs less gets less, since allocating and freeing
+cost per byte), let the receiver map it once (buckets are packed and their frames queued
 meanwhile), stream buckets, and wait for the final ACK that the receiver sends only after it
 released every view and its mapping. A bucket's frame leaves as soon as its copies are issued; its
 bytes are announced when the copies finished, and its half is reused once the receiver announced
@@ -38,6 +39,8 @@ from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "cuda_ipc", "shm")
+# Halves of a buffer sized to a list are whole MiB (cuda_ipc allocates whole 2 MiB pages anyway).
+HALF_GRAIN_BYTES = 1 << 20
 _END = object()
 
 
@@ -127,7 +130,7 @@ class BucketedWeightSender:
             iterator = iter(weights)
         except TypeError:
             raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
-        return self._session(lambda: next(iterator, _END), batch=isinstance(weights, (list, tuple)))
+        return self._session(lambda: next(iterator, _END), weights if isinstance(weights, (list, tuple)) else None)
 
     async def asend(self, weights: Any) -> TransferStats:
         """``send()`` for event loops: the session runs in a worker thread; async items are pulled on this loop."""
@@ -147,15 +150,16 @@ class BucketedWeightSender:
             def pull() -> Any:
                 return next(sync_iterator, _END)
 
-        return await asyncio.to_thread(self._session, pull, isinstance(weights, (list, tuple)))
+        return await asyncio.to_thread(self._session, pull, weights if isinstance(weights, (list, tuple)) else None)
 
     # -- one session ------------------------------------------------------------------------------
 
-    def _session(self, pull: Callable[[], Any], batch: bool = False) -> TransferStats:
-        """One session; ``batch``: the items are a list or tuple, so small copies may be deferred to the bucket's end."""
+    def _session(self, pull: Callable[[], Any], listed: list | tuple | None = None) -> TransferStats:
+        """One session; ``listed``: the items, when the caller gave a list or tuple (its tensors stay as
+        they are during the session, so small copies may be deferred, and its size is known up front)."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
-        run = _SendSession(self, pull, batch)
+        run = _SendSession(self, pull, listed is not None, _payload_bound(listed))
         try:
             stats = run.run()
         except BaseException as exc:
@@ -170,12 +174,26 @@ class BucketedWeightSender:
         return stats
 
 
+def _payload_bound(listed: list | tuple | None) -> int | None:
+    """At most how many bucket bytes a list of (name, tensor) needs (each tensor padded to ALIGN_BYTES),
+    or None when unknown (a generator, or an item that is not a pair with a tensor: checked later)."""
+    if listed is None:
+        return None
+    try:
+        return sum(item[1].nbytes for item in listed) + len(listed) * ALIGN_BYTES
+    except Exception:
+        return None
+
+
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
-    def __init__(self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool = False) -> None:
+    def __init__(
+        self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool = False, payload: int | None = None
+    ) -> None:
         self.sender = sender
         self.batch = batch
+        self.payload = payload  # an upper bound of the bytes to send, when known
         self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
         self.session = secrets.token_hex(8)
@@ -256,6 +274,8 @@ class _SendSession:
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.sender.half_bytes
+        if self.payload is not None:  # no bigger than the stream: allocating and freeing cost per byte
+            half = min(half, -(-self.payload // (2 * HALF_GRAIN_BYTES)) * HALF_GRAIN_BYTES)
         if transport == "shm":
             self.bucket = shm.ShmBucket(2 * half, session=self.session)
         elif transport == "cuda_ipc":

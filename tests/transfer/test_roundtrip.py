@@ -51,8 +51,9 @@ def test_exact_bucket_boundary(receiver_server, endpoint, case):
 
 def test_alignment_pushes_to_next_bucket(receiver_server, endpoint):
     # 4000 + 8 bytes would fit, but the second tensor starts at the next 256-byte boundary: a new bucket.
+    # (A generator: a list would get a buffer sized to it, with other boundaries.)
     weights = [("a", random_tensor((4000,), torch.uint8)), ("b", random_tensor((8,), torch.uint8))]
-    _, result = roundtrip(receiver_server, endpoint, weights, bucket_bytes=2 * HALF)
+    _, result = roundtrip(receiver_server, endpoint, weights, bucket_bytes=2 * HALF, generator=True)
     assert result["calls"] == [(1, False), (1, True)]
     assert 4000 + 8 <= HALF < ((4000 + ALIGN_BYTES - 1) // ALIGN_BYTES) * ALIGN_BYTES + 8
 
