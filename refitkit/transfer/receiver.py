@@ -365,19 +365,18 @@ class _ReceiveSession:
             return
         self.phase = SessionPhase.DRAINING
         try:
-            self._release()
+            self._release(final=True)
         except TransferError as exc:
             self.fail(str(exc))
             raise
-        # Release strictly before the final ACK: an ACK first lets the sender free memory still mapped here.
-        log.debug("bucket memory released", extra={"refit_event": "receiver_released"})
-        log.debug("sending the final ACK", extra={"refit_event": "final_ack_sending"})
         self._send(encode("released", session=self.session, seq=self.seq))
         self.phase = SessionPhase.RELEASED
 
     # -- release, failure, frames -----------------------------------------------------------------
 
-    def _release(self) -> None:
+    def _release(self, final: bool = False) -> None:
+        """Drop views and the mapping; ``final`` (the last bucket was consumed): then also ring the
+        doorbell once more, the final ACK's early twin (the ``released`` frame follows)."""
         if self.released:
             return
         self.released = True
@@ -385,13 +384,21 @@ class _ReceiveSession:
         self.assembled.clear()
         self.unconsumed.clear()
         mapping, self.mapping = self.mapping, None
+        bell, self.bell = self.bell, None
         try:
             if mapping is not None:
                 mapping.release()  # finishes this stream's reads first
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            if final:
+                # Release strictly before the final ACK: an ACK first lets the sender free memory still mapped here.
+                log.debug("bucket memory released", extra={"refit_event": "receiver_released"})
+                log.debug("sending the final ACK", extra={"refit_event": "final_ack_sending"})
+                if bell is not None:
+                    # Its early twin on the doorbell, one CONSUMED more than the buckets before the last
+                    # (a semaphore wakes the sender 0.1-0.45 ms sooner than the frame, which follows).
+                    bell.post(doorbell.CONSUMED)
         finally:
-            bell, self.bell = self.bell, None
             if bell is not None:
                 bell.close()  # after the posts queued on our streams ran
 

@@ -249,7 +249,7 @@ class _SendSession:
         self._mark("stream", began)
         began = time.perf_counter()
         self.phase = SessionPhase.DRAINING
-        self._wait(lambda: self.released, f"released for bucket {self.seq - 1}", counter=False)
+        self._wait(self._released, f"released for bucket {self.seq - 1}", counter=self.bell is not None)
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
         self.phase = SessionPhase.RELEASED
@@ -330,15 +330,28 @@ class _SendSession:
         if self.unpacked:
             doorbell.announce_finished(self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq)))
 
+    def _take_consumed(self) -> None:
+        """Count the receiver's CONSUMED announcements (one per bucket; after the last, one for its release)."""
+        assert self.bell is not None
+        while self.bell.take(doorbell.CONSUMED):
+            self.consumed += 1
+        if self.consumed > self.seq:
+            raise ProtocolError(f"the receiver announced {self.consumed} buckets done; only {self.seq} were sent")
+
+    def _released(self) -> bool:
+        """The final ACK: the ``released`` frame, or (sooner) the doorbell's count reaching every bucket sent,
+        which the receiver posts for the last bucket only after it released its mapping."""
+        if not self.released and self.bell is not None:
+            self._take_consumed()
+            self.released = self.consumed == self.seq
+        return self.released
+
     def _wait_free(self, halves: int) -> None:
         """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
 
         def free() -> bool:
             if self.bell is not None:
-                while self.bell.take(doorbell.CONSUMED):
-                    self.consumed += 1
-                if self.consumed > self.seq:
-                    raise ProtocolError(f"the receiver announced {self.consumed} buckets done; only {self.seq} were sent")
+                self._take_consumed()
             while self.unacked and self.unacked[0][0] < self.consumed:
                 self.unacked.popleft()
             return not any(mask & halves for _, mask in self.unacked)

@@ -68,6 +68,20 @@ def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: A
             for name, tensor in weights:
                 torch.empty_like(tensor).copy_(tensor)
 
+    if mode == "slow_release":  # unmapping takes ``arg`` s: an ACK sent before it is seen with the bucket mapped
+        from refitkit.transfer import shm
+
+        release = shm.ShmMapping.release
+
+        def slow_release(self: Any) -> None:
+            time.sleep(arg)
+            release(self)
+
+        shm.ShmMapping.release = slow_release  # type: ignore[method-assign]
+        try:
+            return _run_session(endpoint, device, timeout_s, "collect", None)
+        finally:
+            shm.ShmMapping.release = release  # type: ignore[method-assign]
     if mode == "iter":
         for name, tensor in receiver.iter_weights():
             got[name] = digest(tensor)

@@ -38,7 +38,9 @@ def test_release_happens_before_the_final_ack(receiver_server, endpoint, case):
         weights = [(f"w{i}", torch.full((3000,), float(i))) for i in range(8)]  # several buckets, one split tensor
         weights.append(("big", torch.arange(20000, dtype=torch.float32)))
         with BucketedWeightSender(endpoint, bucket_bytes=32 << 10, timeout_s=10) as sender:
-            receiver_server.start_session(endpoint, timeout_s=10)
+            # The receiver's unmapping takes 0.3 s here: an ACK (frame or doorbell) that left before it
+            # would reach the sender while the receiver still maps the bucket.
+            receiver_server.start_session(endpoint, timeout_s=10, mode="slow_release", arg=0.3)
             sender.send(weights)
     finally:
         logger.removeHandler(handler)
@@ -48,4 +50,5 @@ def test_release_happens_before_the_final_ack(receiver_server, endpoint, case):
     receiver_events = dict(result["events"])
     [(ack_received_at, receiver_segments_at_ack)] = handler.seen
     assert receiver_events["receiver_released"] < receiver_events["final_ack_sending"] < ack_received_at
+    assert result["seconds"] > 0.3
     assert receiver_segments_at_ack == []  # when the sender hears the ACK, nothing of the bucket is mapped there
