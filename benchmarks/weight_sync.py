@@ -8,12 +8,12 @@ process on the same GPU. What it does with each bucket is the ``--loaders`` choi
 - ``per-tensor``: ``param.copy_(tensor)`` per tensor, as vLLM's default ``load_weights`` does;
 - ``none``: reads nothing: the transfer alone (the sender's copies and the hand-offs).
 
-Prints ms per sync (steady state = median after a warm-up round), GB/s, bucket memory retained
-after send() returns, this GPU's D2D copy rate measured in the same run, and the floor that rate
-sets (one copy per byte for the transfer, two with a loader that copies); after the last round a
-copying receiver's parameters are checked against the sender's weights (a checksum per tensor).
+Prints ms per sync (steady state = median after ``--warmup`` rounds; the first is shown apart),
+GB/s, bucket memory retained after send() returns, this GPU's D2D copy rate measured in the same
+run, and the floor that rate sets (one copy per byte for the transfer, two with a loader that
+copies); after the last round a copying receiver's parameters are checked against the sender's weights (a checksum per tensor).
 
-    python benchmarks/weight_sync.py [--models 0.6b,8b] [--loaders foreach,per-tensor,none] [--rounds 5] [--bucket-gib 2]
+    python benchmarks/weight_sync.py [--models 0.6b,8b] [--loaders foreach,per-tensor,none] [--rounds 5] [--warmup 2] [--bucket-gib 2]
 
 ``--cpu-overhead`` (no GPU needed) measures what the transfer itself costs per tensor on each
 side: tiny tensors through the shm transport, so copies are negligible, at two stream lengths;
@@ -87,7 +87,7 @@ def receiver_main(endpoint: str, shapes: list, sessions: int, loader: str, conn)
     conn.send(checksums([(name, params[name]) for name, _ in shapes]))
 
 
-def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str) -> dict:
+def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str, warmup: int = 2) -> dict:
     from refitkit.transfer import BucketedWeightSender
 
     shapes = weight_shapes(MODELS[model])
@@ -96,14 +96,14 @@ def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str) -> dict
     endpoint = f"bench-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    peer = ctx.Process(target=receiver_main, args=(endpoint, shapes, rounds + 1, loader, child))
+    peer = ctx.Process(target=receiver_main, args=(endpoint, shapes, rounds + warmup, loader, child))
     peer.start()
     assert parent.poll(300) and parent.recv() == "ready"
     torch.cuda.synchronize()
     reserved_before, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
     times_ms, retained_reserved, retained_device, ack_ms, timings = [], [], [], [], []
     with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120) as sender:
-        for _ in range(rounds + 1):
+        for _ in range(rounds + warmup):
             began = time.perf_counter()
             stats = sender.send(weights)
             times_ms.append((time.perf_counter() - began) * 1e3)
@@ -117,13 +117,13 @@ def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str) -> dict
     received = parent.recv()
     intact = loader == "none" or received == checksums(weights)  # a loader that reads nothing has nothing to check
     peer.join(60)
-    steady = times_ms[1:]
+    steady = times_ms[warmup:]
     return {
         "model": model, "bytes": total, "tensors": len(weights), "first_ms": times_ms[0], "intact": intact,
         "median_ms": statistics.median(steady), "min_ms": min(steady),
-        "gbps": total / (statistics.median(steady) / 1e3) / 1e9, "ack_wait_ms": statistics.median(ack_ms[1:]),
+        "gbps": total / (statistics.median(steady) / 1e3) / 1e9, "ack_wait_ms": statistics.median(ack_ms[warmup:]),
         "retained_reserved_mib": max(retained_reserved) / 2**20, "retained_device_mib": max(retained_device) / 2**20,
-        "phase_ms": {k: statistics.median(t[k] for t in timings[1:]) * 1e3 for k in timings[-1]},
+        "phase_ms": {k: statistics.median(t[k] for t in timings[warmup:]) * 1e3 for k in timings[-1]},
     }  # fmt: skip
 
 
@@ -197,6 +197,10 @@ def main() -> None:
     parser.add_argument("--models", default="0.6b,8b")
     parser.add_argument("--loaders", default="foreach,per-tensor,none", help="what the receiver does with each bucket")
     parser.add_argument("--rounds", type=int, default=None, help="steady-state rounds (default 5; 30 with --cpu-overhead)")
+    parser.add_argument(
+        "--warmup", type=int, default=2,
+        help="rounds before the steady state (the second round is still slower: first uses of the receiver's paths)",
+    )  # fmt: skip
     parser.add_argument("--bucket-gib", type=float, default=2.0)
     parser.add_argument(
         "--batch-max-mib", type=float, default=None,
@@ -229,7 +233,7 @@ def main() -> None:
     print(header)
     for model in args.models.split(","):
         for loader in args.loaders.split(","):
-            r = bench_model(model, args.rounds, int(args.bucket_gib * (1 << 30)), loader)
+            r = bench_model(model, args.rounds, int(args.bucket_gib * (1 << 30)), loader, max(1, args.warmup))
             # Floor: every byte is copied once into the bucket (the sender), and once more out of it by a
             # loader that copies; at this GPU's D2D rate measured above.
             copies = 1 if loader == "none" else 2
