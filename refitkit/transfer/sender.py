@@ -32,7 +32,7 @@ import zmq
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, socket_path
-from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item
+from refitkit.transfer.packing import BOTH_HALVES, BUCKET_MAX_TENSORS, BucketPacker, CheckedItem, check_item
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame
 
@@ -159,7 +159,7 @@ class BucketedWeightSender:
         they are during the session, so small copies may be deferred, and its size is known up front)."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
-        run = _SendSession(self, pull, listed is not None, _payload_bound(listed))
+        run = _SendSession(self, pull, listed is not None, _half_needed(listed))
         try:
             stats = run.run()
         except BaseException as exc:
@@ -174,26 +174,34 @@ class BucketedWeightSender:
         return stats
 
 
-def _payload_bound(listed: list | tuple | None) -> int | None:
-    """At most how many bucket bytes a list of (name, tensor) needs (each tensor padded to ALIGN_BYTES),
-    or None when unknown (a generator, or an item that is not a pair with a tensor: checked later)."""
-    if listed is None:
+def _half_needed(listed: list | tuple | None) -> int | None:
+    """The bytes a half must hold for a list of (name, tensor): None when unknown (a generator, or an item
+    that is not a pair with a tensor: checked later).
+
+    Each tensor is padded to ALIGN_BYTES at most. A half holds the largest tensor (nothing is split or
+    goes wide that would not have with the whole bucket) and a fair share of the stream: half of it,
+    or less when BUCKET_MAX_TENSORS makes more buckets anyway (Qwen3-0.6B: 310 tensors, at least 5
+    buckets, so a half of its largest tensor's 297 MiB instead of 568 MiB).
+    """
+    if listed is None or not listed:
         return None
     try:
-        return sum(item[1].nbytes for item in listed) + len(listed) * ALIGN_BYTES
+        sizes = [item[1].nbytes for item in listed]
     except Exception:
         return None
+    buckets = max(2, -(-len(sizes) // BUCKET_MAX_TENSORS))
+    return max(max(sizes) + ALIGN_BYTES, -(-(sum(sizes) + len(sizes) * ALIGN_BYTES) // buckets))
 
 
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
     def __init__(
-        self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool = False, payload: int | None = None
+        self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool = False, half_needed: int | None = None
     ) -> None:
         self.sender = sender
         self.batch = batch
-        self.payload = payload  # an upper bound of the bytes to send, when known
+        self.half_needed = half_needed  # for a list: the most a half must hold
         self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
         self.session = secrets.token_hex(8)
@@ -274,8 +282,8 @@ class _SendSession:
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.sender.half_bytes
-        if self.payload is not None:  # no bigger than the stream: allocating and freeing cost per byte
-            half = min(half, -(-self.payload // (2 * HALF_GRAIN_BYTES)) * HALF_GRAIN_BYTES)
+        if self.half_needed is not None:  # no bigger than the stream needs: allocating and freeing cost per byte
+            half = min(half, -(-self.half_needed // HALF_GRAIN_BYTES) * HALF_GRAIN_BYTES)
         if transport == "shm":
             self.bucket = shm.ShmBucket(2 * half, session=self.session)
         elif transport == "cuda_ipc":
