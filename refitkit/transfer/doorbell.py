@@ -11,7 +11,10 @@ Here each hand-off is a POSIX semaphore in a 4 KiB shared-memory segment (``sem_
 ``pshared=1``):
 
 - ``PACKED`` is posted once per bucket whose bytes are complete;
-- ``CONSUMED`` is posted once per bucket the receiver finished reading.
+- ``CONSUMED`` is posted once per bucket the receiver finished reading, except the last; for that
+  one it is posted once the receiver released every view and its mapping (the final ACK, which
+  the ``released`` frame repeats): the sender may free the buffer when the count reaches the
+  number of buckets it sent.
 
 On CUDA the post is queued on the stream that did the copies (``cuLaunchHostFunc`` with
 ``sem_post`` itself as the host function, so no Python and no GIL are involved): it happens the

@@ -24,7 +24,9 @@ Kinds and their fields (R = receiver, S = sender):
 - ``done``     R→S  ``session``, ``seq``: bucket ``seq`` consumed, its half (or both) may be reused
                     (only without a control segment; with one, the ``CONSUMED`` counter says it)
 - ``released`` R→S  ``session``, ``seq``: final ACK, sent only after every view and the
-                    mapping were released
+                    mapping were released (with a control segment, the receiver first posts one
+                    ``CONSUMED`` more than the buckets before the last, after the same release:
+                    the count reaching the number of buckets sent is the same ACK, seen sooner)
 - ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released)
 - ``abort``    S→R  ``session``, ``reason``: the sender gave up; the receiver releases and
                     answers ``released``
