@@ -173,8 +173,9 @@ class BucketPacker:
         self._run_elements = 0
 
     def _pack_split(self, name: str, tensor: torch.Tensor, wire_dtype: str, nbytes: int) -> None:
-        # One contiguous byte view of the source (a temporary copy only if the tensor is strided).
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        # One contiguous byte view of the source (a temporary copy only if the tensor is strided, or a
+        # lazy conj/neg view, whose bytes must be resolved before they can be seen as bytes).
+        flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
         start = 0
         while start < nbytes:
             offset = align_up(self.used)

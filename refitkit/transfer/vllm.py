@@ -116,7 +116,9 @@ def push_weights(
     if not timeout_s > 0:
         raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
     try:
-        weights = iter(weights)  # before the rpc starts: a worker waiting for a session that never comes
+        # Checked before the rpc starts (a worker waiting for a session that never comes); a list or
+        # tuple goes to the sender as is (a buffer sized to it, small tensors copied in runs).
+        weights = weights if isinstance(weights, (list, tuple)) else iter(weights)
     except TypeError:
         raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir

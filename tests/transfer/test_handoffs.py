@@ -12,6 +12,7 @@ import torch
 
 from refitkit.errors import ProtocolError, TransferError
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, doorbell, packing, shm
+from refitkit.transfer.protocol import SUPPORTED_DTYPES
 from tests.transfer.harness import Case, roundtrip
 from tests.transfer.peers import digest, one_shot_receiver_main
 from tests.transfer.test_roundtrip import random_tensor
@@ -126,7 +127,7 @@ def test_batched_and_single_copies_mix(receiver_server, endpoint, monkeypatch, b
 def run_stream(device: str) -> list[tuple[str, torch.Tensor]]:
     """Runs of ALIGN_BYTES-multiple tensors of one dtype, broken by every kind of tensor that ends a run."""
     weights = []
-    for block, dtype in enumerate([torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.complex64, torch.bool]):
+    for block, dtype in enumerate(sorted(SUPPORTED_DTYPES.values(), key=str)):  # every dtype a run can hold
         per_row = 256 // dtype.itemsize
         weights += [(f"b{block}.w{i}", random_tensor((i % 3 + 1, per_row), dtype, device, seed=10 * block + i)) for i in range(7)]
     weights.insert(3, ("zero", random_tensor((0, 5), torch.bfloat16, device)))  # zero bytes: the run goes on
@@ -155,12 +156,12 @@ def test_runs_of_small_tensors_round_trip(receiver_server, endpoint, monkeypatch
     assert [name for name, tensor in weights if tensor.is_conj() or tensor.is_neg()] == ["conj", "neg"]
     expected = {name: digest(tensor.resolve_conj().resolve_neg()) for name, tensor in weights}
     stats, _ = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case, expected=expected)
-    batched = 41 - 3  # all but strided, conj and neg; "big" (12000 bytes) is below BATCH_MAX_BYTES
+    batched = len(weights) - 3  # all but strided, conj and neg; "big" (12000 bytes) is below BATCH_MAX_BYTES
     if (case.transport == "shm") == (case.tensor_device == "cpu"):  # tensors on the buffer's device
         assert sum(runs) == batched and max(runs) >= 5, runs
     else:  # CUDA tensors into a host shm buffer: one copy each
         assert runs == []
-    assert stats.tensors == len(weights) == 41
+    assert stats.tensors == len(weights) == 7 * len(SUPPORTED_DTYPES) + 6
 
 
 def test_list_smaller_than_the_bucket_gets_a_buffer_of_its_size(receiver_server, endpoint, monkeypatch):
@@ -256,15 +257,21 @@ def test_generator_reusing_one_buffer_arrives_intact(receiver_server, endpoint, 
               case=case, expected=expected)  # fmt: skip
 
 
-def test_conj_and_neg_views_arrive_resolved(receiver_server, endpoint, case):
-    base = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j], dtype=torch.complex64)
+@pytest.mark.parametrize("generator", [False, True], ids=["list", "generator"])
+def test_conj_and_neg_views_arrive_resolved(receiver_server, endpoint, case, generator):
+    # Lazy conj/neg views (made on the device: .to() would resolve them), small ones and ones larger
+    # than the whole bucket (split into byte ranges), arrive as their values, not their raw bytes.
+    gen = torch.Generator().manual_seed(5)
+    small = torch.randn(3, dtype=torch.complex64, generator=gen).to(case.tensor_device)
+    big = torch.randn(3000, dtype=torch.complex64, generator=gen).to(case.tensor_device)  # 24000 B > 16 KiB
     weights = [
-        ("conj", base.conj().to(case.tensor_device)),
-        ("neg", torch._neg_view(base).to(case.tensor_device)),
+        ("conj", small.conj()), ("neg", torch._neg_view(small)),
+        ("big_conj", big.conj()), ("big_neg", torch._neg_view(big)),
         ("plain", torch.arange(8.0).to(case.tensor_device)),
-    ]
-    expected = {"conj": digest(base.conj().resolve_conj()), "neg": digest(-base), "plain": digest(torch.arange(8.0))}
-    roundtrip(receiver_server, endpoint, weights, case=case, expected=expected)
+    ]  # fmt: skip
+    assert [tensor.is_conj() or tensor.is_neg() for _, tensor in weights] == [True] * 4 + [False]
+    expected = {name: digest(tensor.resolve_conj().resolve_neg()) for name, tensor in weights}
+    roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case, expected=expected, generator=generator)
 
 
 def test_no_semaphore_segment_falls_back_to_frames(receiver_server, endpoint, monkeypatch):
