@@ -33,15 +33,13 @@ import zmq
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, socket_path
-from refitkit.transfer.packing import BOTH_HALVES, BUCKET_MAX_TENSORS, BucketPacker, CheckedItem, check_item
+from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item, half_bytes_for
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame
 
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "cuda_ipc", "shm")
-# Halves of a buffer sized to a list are whole MiB (cuda_ipc allocates whole 2 MiB pages anyway).
-HALF_GRAIN_BYTES = 1 << 20
 _END = object()
 
 
@@ -160,7 +158,7 @@ class BucketedWeightSender:
         they are during the session, so small copies may be deferred, and its size is known up front)."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
-        run = _SendSession(self, pull, listed is not None, _half_needed(listed))
+        run = _SendSession(self, pull, listed is not None, half_bytes_for(listed, self.half_bytes))
         try:
             stats = run.run()
         except BaseException as exc:
@@ -175,35 +173,15 @@ class BucketedWeightSender:
         return stats
 
 
-def _half_needed(listed: list | tuple | None) -> int | None:
-    """The bytes a half must hold for a list of (name, tensor): None when unknown (a generator, or an item
-    that is not a pair with a tensor: checked later).
-
-    Each tensor is padded to ALIGN_BYTES at most. A half holds the largest tensor (nothing is split or
-    goes wide that would not have with the whole bucket) and a fair share of the stream: half of it,
-    or less when BUCKET_MAX_TENSORS makes more buckets anyway (Qwen3-0.6B: 310 tensors, at least 5
-    buckets, so halves of its largest tensor's 297 MiB instead of 568 MiB: half the memory, and the
-    same speed on the H200, where freeing either took 0.65-0.7 ms inside a session).
-    """
-    if listed is None or not listed:
-        return None
-    try:
-        sizes = [item[1].nbytes for item in listed]
-    except Exception:
-        return None
-    buckets = max(2, -(-len(sizes) // BUCKET_MAX_TENSORS))
-    return max(max(sizes) + ALIGN_BYTES, -(-(sum(sizes) + len(sizes) * ALIGN_BYTES) // buckets))
-
-
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
     def __init__(
-        self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool = False, half_needed: int | None = None
+        self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool, half_bytes: int
     ) -> None:
         self.sender = sender
         self.batch = batch
-        self.half_needed = half_needed  # for a list: the most a half must hold
+        self.half_bytes = half_bytes
         self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
         self.session = secrets.token_hex(8)
@@ -283,9 +261,7 @@ class _SendSession:
 
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
-        half = self.sender.half_bytes
-        if self.half_needed is not None:  # no bigger than the stream needs
-            half = min(half, -(-self.half_needed // HALF_GRAIN_BYTES) * HALF_GRAIN_BYTES)
+        half = self.half_bytes
         if transport == "shm":
             self.bucket = shm.ShmBucket(2 * half, session=self.session)
         elif transport == "cuda_ipc":
