@@ -31,7 +31,8 @@ our streams waiting forever. A host function posts into our own mapping, which i
 after the stream that holds the host function was synchronized.
 
 Only counters cross this segment: no pointers, no objects, nothing executable. Frames that
-carry meaning (setup, bucket metadata, the final ACK, errors, aborts) stay on the socket.
+carry meaning (setup, bucket metadata, errors, aborts, and the final ACK, whose count here is
+only its early twin) stay on the socket.
 Without the C library's semaphores (``available()`` is False), or when the receiver does not see
 the sender's shared-memory filesystem (``shm_identity()`` differs), the hand-offs travel as
 ``packed`` / ``done`` frames instead.
