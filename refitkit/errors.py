@@ -33,3 +33,14 @@ class BarrierTimeout(RefitError, TimeoutError):
 
 class LeakDetected(RefitError):
     """A watchdog saw memory grow across cycles, or an audit found retained memory."""
+
+
+class RankFailure(RefitError):
+    """A refit phase failed on another trainer rank; every rank raises after a bounded exchange.
+
+    ``failures`` maps each failed rank to ``"<error type>: <message>"``.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures

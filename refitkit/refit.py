@@ -1,15 +1,33 @@
-"""The refit cycle for one trainer rank: sync weights, offload, flush, barrier; later reload."""
+"""The refit cycle for one trainer rank: sync weights, offload, flush, barrier; later reload.
+
+Failures cross ranks, bounded. Each phase's outcome is exchanged between the trainer ranks on a
+dedicated gloo group (``refitkit.ranks.RankGroup``) before the next phase starts, so a phase that
+fails on one rank never leaves another rank inside a collective:
+
+- ``sync_weights``: the sending rank that loses its receiver keeps iterating ``named_weights()``
+  (the gathers every rank takes part in) without sending, then all ranks exchange the outcome. On
+  failure nothing was offloaded: the state stays ON_DEVICE on every rank.
+- ``offload`` + ``flush_device``, then the barrier, which is the same exchange: a rank whose
+  offload failed makes every rank raise instead of waiting out ``barrier_timeout_s``.
+- ``resume``: the reload, then an exchange, so no rank starts the next step's collectives while
+  another one could not get its state back.
+
+The rank that failed re-raises its own error; every other rank raises ``RankFailure`` naming it.
+A rank that never arrives makes the others raise ``BarrierTimeout`` after ``barrier_timeout_s``;
+the trainer's own process groups are never used for any of this.
+"""
 
 from __future__ import annotations
 
-import datetime
+import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
-
-from refitkit.errors import BarrierTimeout
+from refitkit.errors import InvalidInput
 from refitkit.offload import flush_device
+from refitkit.ranks import RankGroup, abounded_barrier, bounded_barrier
 from refitkit.report import PhaseRecord, RefitReport
 
 if TYPE_CHECKING:
@@ -19,30 +37,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def bounded_barrier(group: Any = None, *, timeout_s: float, phase: str = "refit") -> float:
-    """Barrier over ``group`` that gives up after ``timeout_s`` with ``BarrierTimeout``; returns seconds waited.
+class _Weights:
+    """The adapter's weight stream as a plain iterator, counting what was pulled.
 
-    A no-op without an initialised process group (single-process runs).
+    Plain on purpose: whatever the sender does with the iterator it was handed (close it, drop
+    it), the adapter's generator stays open, so a failed send can still be drained: every rank
+    must take part in every gather.
     """
-    import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0.0
-    start = time.perf_counter()
-    work = dist.barrier(group=group, async_op=True)
-    try:
-        completed = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # gloo and NCCL report a timed-out wait as RuntimeError
-        raise BarrierTimeout(
-            f"barrier after {phase} timed out after {timeout_s:.1f} s on rank {dist.get_rank()}: "
-            f"some rank did not arrive (raise barrier_timeout_s if it is only slow): {exc}"
-        ) from exc
-    if completed is False:
-        raise BarrierTimeout(
-            f"barrier after {phase} did not complete within {timeout_s:.1f} s on rank {dist.get_rank()}; "
-            "raise barrier_timeout_s if a rank is only slow"
-        )
-    return time.perf_counter() - start
+    def __init__(self, weights: Iterator[tuple[str, Any]]) -> None:
+        self._weights = weights
+        self.pulled = 0
+
+    def __iter__(self) -> "_Weights":
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        item = next(self._weights)
+        self.pulled += 1
+        return item
+
+    def drain(self) -> int:
+        """Iterate what is left without using it; returns how many weights that was."""
+        left = 0
+        for _ in self._weights:
+            left += 1
+        return left
 
 
 class RefitCycle:
@@ -50,8 +70,12 @@ class RefitCycle:
 
     ``refit(step)``: stream ``adapter.named_weights()`` through ``sender`` (ranks without a sender
     still iterate, since gathering full weights is a collective), offload the adapter, flush the
-    device, and line up all ranks. ``resume(step)``: reload the adapter. Each returns a
-    ``RefitReport``. It calls ``adapter.offload()`` / ``reload()``, never the ambiguous ``to()``.
+    device, and line up all ranks. ``resume(step)``: reload the adapter and line up again. Each
+    returns a ``RefitReport``; ``arefit`` / ``aresume`` are the same for event loops. It calls
+    ``adapter.offload()`` / ``reload()``, never the ambiguous ``to()``.
+
+    Making a cycle is collective when ``torch.distributed`` is initialised: every rank of ``group``
+    (default: all ranks) makes one, in the same order, which creates the cycle's gloo group.
     """
 
     def __init__(
@@ -63,43 +87,69 @@ class RefitCycle:
         barrier_timeout_s: float = 300.0,
         on_phase: Callable[[str], None] | None = None,
     ) -> None:
+        from refitkit.engines.base import EngineAdapter
+
+        if not isinstance(adapter, EngineAdapter):
+            raise InvalidInput(f"RefitCycle: adapter must be an EngineAdapter (e.g. FSDPAdapter), got a {type(adapter).__name__}")
+        if sender is not None and not callable(getattr(sender, "send", None)):
+            raise InvalidInput(f"RefitCycle: sender must have a send(weights) method, got a {type(sender).__name__}")
         self.adapter = adapter
         self.sender = sender
         self.group = group
-        self.barrier_timeout_s = barrier_timeout_s
+        self.ranks = RankGroup(group, timeout_s=barrier_timeout_s)
+        self.barrier_timeout_s = self.ranks.timeout_s
         self.on_phase = on_phase  # e.g. RSSWatchdog.mark, to sample at every phase boundary
 
-    def _rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
     def refit(self, step: int) -> RefitReport:
-        """Sync weights, offload everything, flush the device, barrier."""
+        """Sync weights, offload everything, flush the device, barrier; raises on every rank if any failed."""
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
+        failures: list[BaseException] = []
         records.append(self._timed("sync_weights", origin, self._sync_weights))
-        records.append(self._timed("offload", origin, lambda: self.adapter.offload().total.bytes))
-        records.append(self._timed("flush_device", origin, flush_device))
-        records.append(self._timed("barrier", origin, lambda: self._barrier("offload")))
-        return RefitReport(step=step, rank=self._rank(), phases=tuple(records))
+        records.append(self._timed("offload", origin, lambda: _attempt(lambda: self.adapter.offload().total.bytes, failures)))
+        records.append(self._timed("flush_device", origin, lambda: _attempt(flush_device, failures)))
+        records.append(self._timed("barrier", origin, lambda: self._settle("offload", failures)))
+        return RefitReport(step=step, rank=self.ranks.rank, phases=tuple(records))
 
     def resume(self, step: int) -> RefitReport:
-        """Bring the training state back to the device."""
+        """Bring the training state back to the device, then line up; raises on every rank if any failed."""
         origin = time.perf_counter()
-        record = self._timed("reload", origin, lambda: self.adapter.reload().total.bytes)
-        return RefitReport(step=step, rank=self._rank(), phases=(record,))
+        failures: list[BaseException] = []
+        reload_record = self._timed("reload", origin, lambda: _attempt(lambda: self.adapter.reload().total.bytes, failures))
+        barrier_record = self._timed("barrier", origin, lambda: self._settle("reload", failures))
+        return RefitReport(step=step, rank=self.ranks.rank, phases=(reload_record, barrier_record))
+
+    async def arefit(self, step: int) -> RefitReport:
+        """``refit()`` for event loops: the cycle (copies and collectives) runs in a worker thread."""
+        return await asyncio.to_thread(self.refit, step)
+
+    async def aresume(self, step: int) -> RefitReport:
+        """``resume()`` for event loops: the cycle runs in a worker thread."""
+        return await asyncio.to_thread(self.resume, step)
+
+    # -- phases -----------------------------------------------------------------------------------
 
     def _sync_weights(self) -> int:
-        weights = self.adapter.named_weights()
+        failures: list[BaseException] = []
+        weights = _Weights(iter(self.adapter.named_weights()))
         if self.sender is None:
-            for _ in weights:  # take part in the gathers; another rank sends
-                pass
-            return 0
-        return self.sender.send(weights).bytes
+            _attempt(weights.drain, failures)  # take part in the gathers; another rank sends
+            moved = 0
+        else:
+            moved = _attempt(lambda: self.sender.send(weights).bytes, failures)  # type: ignore[union-attr]
+            if failures:
+                # The other ranks are inside the gathers: finish them without sending, then tell them.
+                left = _attempt(weights.drain, failures)
+                logger.warning(
+                    "rank %d: weight sync failed after %d weights (%s); iterated the %d left so every rank "
+                    "finishes its gathers", self.ranks.rank, weights.pulled, failures[0], left,
+                )  # fmt: skip
+        self._settle("sync_weights", failures)
+        return moved
 
-    def _barrier(self, phase: str) -> None:
-        bounded_barrier(self.group, timeout_s=self.barrier_timeout_s, phase=phase)
+    def _settle(self, phase: str, failures: list[BaseException]) -> None:
+        """Exchange this rank's outcome of ``phase``; raise on every rank if any rank failed."""
+        self.ranks.settle(phase, failures[0] if failures else None)
 
     def _timed(self, name: str, origin: float, fn: Callable[[], int | None]) -> PhaseRecord:
         start = time.perf_counter()
@@ -111,4 +161,13 @@ class RefitCycle:
         return PhaseRecord(name=name, start_s=start - origin, seconds=end - start, bytes=moved)
 
 
-__all__ = ["RefitCycle", "bounded_barrier"]
+def _attempt(fn: Callable[[], int | None], failures: list[BaseException]) -> int:
+    """``fn()``'s bytes; an exception is recorded in ``failures`` (to be exchanged with the other ranks), not raised."""
+    try:
+        return fn() or 0
+    except Exception as exc:
+        failures.append(exc)
+        return 0
+
+
+__all__ = ["RefitCycle", "abounded_barrier", "bounded_barrier"]

@@ -52,3 +52,157 @@ def refit_two_ranks(rank: int, world_size: int) -> dict:
         if rank == 0 else None,
         "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
     }
+
+
+# --- failures across ranks (items 3 and 4 of the fail-safe issue) ---------------------------------
+
+
+def _world_all_reduce(value: float) -> float:
+    """A collective on the trainer's own (default) group: it must still work after our failures."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value])
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
+def sender_loses_its_receiver(rank: int, world_size: int, timeout_s: float, barrier_timeout_s: float) -> dict:
+    """FSDP2 over gloo: rank 0 streams to an endpoint no receiver ever connects to; rank 1 joins the gathers.
+
+    Every rank must end in a refitkit error within the bounds, with nothing offloaded, and the FSDP
+    group must still train afterwards.
+    """
+    import time
+
+    model, optimizer = build(world_size, fsdp=True, mixed_precision=False)
+    train_step(model, optimizer, rank, 0)
+    adapter = FSDPAdapter(model, optimizer)
+    sender = None
+    if rank == 0:
+        sender = BucketedWeightSender(f"lost-{uuid.uuid4().hex[:8]}", transport="shm", timeout_s=timeout_s)
+    cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
+    start = time.monotonic()
+    try:
+        cycle.refit(step=1)
+        outcome: dict = {"error_type": None}
+    except Exception as exc:
+        outcome = {"error_type": type(exc).__name__, "error": str(exc), "failures": getattr(exc, "failures", None)}
+    outcome["seconds"] = time.monotonic() - start
+    if sender is not None:
+        sender.close()
+    outcome["on_device"] = adapter.state is DeviceState.ON_DEVICE
+    outcome["loss_after"] = train_step(model, optimizer, rank, 1)  # FSDP collectives still work
+    outcome["all_reduce"] = _world_all_reduce(rank + 1.0)
+    return outcome
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(64, dtype=torch.float32).reshape(8, 8))
+
+
+def rank_misses_the_barrier(rank: int, world_size: int, barrier_timeout_s: float, late_s: float) -> dict:
+    """Rank 1 makes its cycle but never calls refit() (it sleeps, then uses the default group);
+    rank 0 must get BarrierTimeout within the bound and keep a usable default group."""
+    import time
+
+    model = _Plain()
+    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cycle = RefitCycle(adapter, None, barrier_timeout_s=barrier_timeout_s)
+    if rank == 1:
+        time.sleep(late_s)
+        return {"all_reduce": _world_all_reduce(rank + 1.0)}
+    start = time.monotonic()
+    try:
+        cycle.refit(step=1)
+        outcome: dict = {"error_type": None}
+    except Exception as exc:
+        outcome = {"error_type": type(exc).__name__, "error": str(exc)}
+    outcome["seconds"] = time.monotonic() - start
+    outcome["all_reduce"] = _world_all_reduce(rank + 1.0)
+    try:  # the cycle's own group is spent after a timeout, and says so at once
+        cycle.refit(step=2)
+    except Exception as exc:
+        outcome["second_error"] = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+def late_rank(rank: int, world_size: int, late_s: float) -> dict:
+    """Rank 1 starts its refit ``late_s`` later; rank 0's refit() must return only after rank 1 offloaded."""
+    import time
+
+    model = _Plain()
+    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    offloaded_at: list[float] = []
+    cycle = RefitCycle(
+        adapter, None, barrier_timeout_s=60.0,
+        on_phase=lambda phase: offloaded_at.append(time.time()) if phase == "flush_device" else None,
+    )  # fmt: skip
+    if rank == 1:
+        time.sleep(late_s)
+    report = cycle.refit(step=1)
+    returned_at = time.time()
+    cycle.resume(step=1)
+    return {"offloaded_at": offloaded_at[0], "returned_at": returned_at, "refit_s": report.seconds}
+
+
+def offload_fails_on_one_rank(rank: int, world_size: int, barrier_timeout_s: float) -> dict:
+    """Rank 1's offload is refused (a param on the meta device); every rank raises at once."""
+    import time
+
+    model = _Plain()
+    if rank == 1:
+        model.weight = torch.nn.Parameter(torch.empty(8, 8, device="meta"))  # offload refuses it, moving nothing
+    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cycle = RefitCycle(adapter, None, barrier_timeout_s=barrier_timeout_s)
+    start = time.monotonic()
+    try:
+        cycle.refit(step=1)
+        outcome: dict = {"error_type": None}
+    except Exception as exc:
+        outcome = {"error_type": type(exc).__name__, "error": str(exc), "failures": getattr(exc, "failures", None)}
+    outcome["seconds"] = time.monotonic() - start
+    outcome["state"] = adapter.state.name
+    # recover: whoever offloaded reloads, then a second cycle on a fresh group works everywhere
+    try:
+        cycle.resume(step=1)
+        outcome["resumed"] = True
+    except Exception as exc:
+        outcome["resumed"] = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+def async_refit(rank: int, world_size: int) -> dict:
+    """arefit/aresume and abounded_barrier leave the event loop free while the collectives wait."""
+    import asyncio
+    import time
+
+    from refitkit.refit import abounded_barrier
+
+    model = _Plain()
+    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    cycle = RefitCycle(adapter, None, barrier_timeout_s=60.0)
+
+    async def main() -> dict:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        tick_task = asyncio.create_task(ticker())
+        if rank == 1:
+            await asyncio.sleep(1.0)  # rank 0 waits in the collectives meanwhile: its loop must keep ticking
+        report = await cycle.arefit(1)
+        state = adapter.state.name
+        await cycle.aresume(1)
+        waited = await abounded_barrier(timeout_s=30.0, phase="async")
+        done.set()
+        await tick_task
+        return {"ticks": ticks, "state": state, "phases": [p.name for p in report.phases], "waited": waited}
+
+    return asyncio.run(main())
