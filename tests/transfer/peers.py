@@ -249,9 +249,11 @@ class ReceiverServer:
         self._session_id = 0
         self.process = ctx.Process(target=_server_main, args=(child,), daemon=True)
         self.process.start()
-        if not self._conn.poll(120):
-            self.close()
-            raise RuntimeError("receiver server did not start within 120 s")
+        deadline = time.monotonic() + 120
+        while not self._conn.poll(0.5):
+            if not self.process.is_alive() or time.monotonic() > deadline:  # a child that died says so now
+                self.close()
+                raise RuntimeError(f"receiver server did not start (exit code {self.process.exitcode}) within 120 s")
         self.info: dict[str, Any] = self._conn.recv()
         if self.info["alloc_conf"] != os.environ.get(ALLOC_CONF):
             self.close()
