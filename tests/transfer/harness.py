@@ -54,7 +54,7 @@ def assert_device_memory_back(baseline_free: int, after: str, *, settle_s: float
     while missing >= PAGE_BYTES and time.monotonic() < deadline:
         time.sleep(0.05)  # polling the driver's teardown of a dead process, not waiting on our own code
         missing = baseline_free - device_free_bytes()
-    assert missing < PAGE_BYTES, f"{after}: {missing / MIB:.1f} MiB of device memory not given back (baseline taken in this test)"
+    assert missing < PAGE_BYTES, f"{after}: {missing / MIB:.1f} MiB of device memory not given back (baseline of this test)"
 
 
 def own_segment_files() -> list[str]:

@@ -262,7 +262,9 @@ class ReceiverServer:
                 f"{os.environ.get(ALLOC_CONF)!r}: both processes of a transfer test must use the same allocator"
             )
 
-    def start_session(self, endpoint: str, *, device: str = "cpu", timeout_s: float = 10.0, mode: str = "collect", arg: Any = None) -> None:
+    def start_session(
+        self, endpoint: str, *, device: str = "cpu", timeout_s: float = 10.0, mode: str = "collect", arg: Any = None
+    ) -> None:
         self._session_id += 1
         self._conn.send((self._session_id, (endpoint, device, timeout_s, mode, arg)))
 

@@ -26,6 +26,7 @@ from tests.transfer.peers import IpcCloseProbe, mapped_segments
 pytestmark = pytest.mark.timeout(60)
 
 SHM_CASES = [CASES[0], CASES[2]]  # shm-cpu, shm-cuda
+SHM_CPU = Case("shm", "cpu", "cpu")
 CUDA_IPC = Case("cuda_ipc", "cuda", "cuda")
 RELEASE_DELAY_S = 0.3  # the peer's release takes this long: ample for an early ACK to overtake it
 LATE_RELEASE_S = 1.0  # the rule-breaking peer releases this long after its ACK went out
@@ -88,6 +89,14 @@ def sync_with_watched_ack(server, endpoint: str, case: Case, handler: _AtFinalAc
     return result
 
 
+def slow(probe: IpcCloseProbe | None = None) -> dict[str, Any]:
+    return {"delay_s": RELEASE_DELAY_S, "probe": probe.path if probe else None}
+
+
+def late(probe: IpcCloseProbe | None = None) -> dict[str, Any]:
+    return {"delay_s": LATE_RELEASE_S, "probe": probe.path if probe else None}
+
+
 def ipc_close_probe(tmp_path) -> IpcCloseProbe:
     probe = IpcCloseProbe(str(tmp_path / "ipc-closes"))
     probe.reset()
@@ -105,7 +114,7 @@ def wait_for_the_close(probe: IpcCloseProbe) -> None:
 @pytest.mark.parametrize("case", SHM_CASES)
 def test_shm_bucket_is_unmapped_before_the_final_ack(receiver_server, endpoint, case):
     handler = _AtFinalAck(bucket_segments)
-    result = sync_with_watched_ack(receiver_server, endpoint, case, handler, "slow_release", {"delay_s": RELEASE_DELAY_S, "probe": None})
+    result = sync_with_watched_ack(receiver_server, endpoint, case, handler, "slow_release", slow())
     assert result["seconds"] > RELEASE_DELAY_S  # the slow release did run in this session
     assert handler.seen == [[]]  # when the sender hears the ACK, nothing of the bucket is mapped there
     assert result["segments_after"] == []
@@ -115,7 +124,7 @@ def test_shm_bucket_is_unmapped_before_the_final_ack(receiver_server, endpoint, 
 def test_cuda_ipc_mapping_is_closed_before_the_final_ack(receiver_server, endpoint, tmp_path):
     probe = ipc_close_probe(tmp_path)
     handler = _AtFinalAck(lambda pid: probe.read())
-    sync_with_watched_ack(receiver_server, endpoint, CUDA_IPC, handler, "slow_release", {"delay_s": RELEASE_DELAY_S, "probe": probe.path})
+    sync_with_watched_ack(receiver_server, endpoint, CUDA_IPC, handler, "slow_release", slow(probe))
     # When the sender hears the ACK, the receiver's one mapping of the bucket is closed (CUDA_SUCCESS)...
     assert handler.seen == [(1, 0)]
     assert probe.read() == (1, 0)  # ...and nothing was mapped or closed afterwards
@@ -124,7 +133,7 @@ def test_cuda_ipc_mapping_is_closed_before_the_final_ack(receiver_server, endpoi
 def test_the_shm_observer_catches_an_ack_sent_before_the_unmapping(receiver_server, endpoint):
     """The observer above can fail: a peer that ACKs first is seen with its bucket segment still mapped."""
     handler = _AtFinalAck(bucket_segments)
-    result = sync_with_watched_ack(receiver_server, endpoint, CASES[0].values[0], handler, "release_after_ack", {"delay_s": LATE_RELEASE_S, "probe": None})
+    result = sync_with_watched_ack(receiver_server, endpoint, SHM_CPU, handler, "release_after_ack", late())
     [segments_at_ack] = handler.seen
     assert len(segments_at_ack) == 1 and segments_at_ack[0].startswith("/dev/shm/refitkit-")
     assert result["segments_after"] == []  # it did unmap, late
@@ -135,6 +144,6 @@ def test_the_cuda_ipc_observer_catches_an_ack_sent_before_the_close(receiver_ser
     """The observer above can fail: a peer that ACKs first is seen with its mapping still open."""
     probe = ipc_close_probe(tmp_path)
     handler = _AtFinalAck(lambda pid: probe.read(), then=lambda: wait_for_the_close(probe))
-    sync_with_watched_ack(receiver_server, endpoint, CUDA_IPC, handler, "release_after_ack", {"delay_s": LATE_RELEASE_S, "probe": probe.path})
+    sync_with_watched_ack(receiver_server, endpoint, CUDA_IPC, handler, "release_after_ack", late(probe))
     assert handler.seen == [(0, -1)]  # not closed, not even tried, when the ACK arrived
     assert probe.read() == (1, 0)  # closed once, late
