@@ -7,6 +7,7 @@ import tempfile
 import uuid
 
 import pytest
+import torch
 
 # Set before any receiver process is spawned, so children inherit it.
 os.environ.setdefault("REFITKIT_SOCKET_DIR", tempfile.mkdtemp(prefix="rk-sock-"))
@@ -25,6 +26,21 @@ def receiver_server():
     server = ReceiverServer()
     yield server
     server.close()
+
+
+@pytest.fixture(autouse=True)
+def _device_cache_emptied():
+    """Each test starts and ends with nothing cached by torch on the GPU, so no test (here or in another
+    package run in the same process) measures device memory that an earlier test left behind."""
+    _empty_device_cache()
+    yield
+    _empty_device_cache()
+
+
+def _empty_device_cache() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(params=CASES)

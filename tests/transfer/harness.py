@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,31 @@ CASES = [
     pytest.param(Case("cuda_ipc", "cuda", "cuda"), id="cuda_ipc", marks=pytest.mark.cuda),
     pytest.param(Case("shm", "cuda", "cuda"), id="shm-cuda", marks=pytest.mark.cuda),
 ]
+
+
+MIB = 1 << 20
+# Device memory comes and goes in whole 2 MiB pages (a cuda_ipc bucket is rounded up to them; torch's
+# segments are multiples of them): any leaked bucket or block is at least one page, and a change of
+# less than a page is not an allocation. Hence "back to baseline" means: less than one page missing.
+PAGE_BYTES = 2 * MIB
+
+
+def device_free_bytes() -> int:
+    """The GPU's free memory as the driver counts it: unlike ``memory_reserved()`` it sees a bucket from
+    ``cuMemAlloc`` (outside torch's allocator) and every process on the device (the receiver's too)."""
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def assert_device_memory_back(baseline_free: int, after: str, *, settle_s: float = 0.0) -> None:
+    """The device's free memory is back to ``baseline_free`` (less than a page missing). ``settle_s``: how long
+    the driver may take to tear down a killed process's context (only then does its memory come back)."""
+    deadline = time.monotonic() + settle_s
+    missing = baseline_free - device_free_bytes()
+    while missing >= PAGE_BYTES and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the driver's teardown of a dead process, not waiting on our own code
+        missing = baseline_free - device_free_bytes()
+    assert missing < PAGE_BYTES, f"{after}: {missing / MIB:.1f} MiB of device memory not given back (baseline of this test)"
 
 
 def own_segment_files() -> list[str]:

@@ -2,7 +2,8 @@
 
 ``ReceiverServer`` is one long-lived spawned receiver process that runs a session per command
 (so round-trip tests do not pay a torch import each); the ``*_main`` functions are one-shot
-peers for the fault matrix (self-SIGKILL, a killed sender).
+peers for the fault matrix (self-SIGKILL, a killed sender). Spawned peers inherit this process's
+environment, ``PYTORCH_CUDA_ALLOC_CONF`` included: ``ReceiverServer`` checks that it arrived.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 Digest = tuple[str, tuple[int, ...], str]
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def digest(tensor: torch.Tensor) -> Digest:
@@ -33,6 +37,106 @@ def mapped_segments(pid: int | str = "self") -> list[str]:
                 for line in maps if "/dev/shm/refitkit-" in line]  # fmt: skip
 
 
+def cuda_allocator_expandable() -> bool | None:
+    """Whether torch's CUDA allocator in this process makes expandable segments (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    alive = torch.empty(1, device="cuda")  # a segment to look at
+    expandable = any(segment.get("is_expandable", False) for segment in torch.cuda.memory_snapshot())
+    del alive
+    return expandable
+
+
+class IpcCloseProbe:
+    """A 16-byte file both processes read: how many ``cuIpcCloseMemHandle`` calls of the receiver returned
+    CUDA_SUCCESS, and the last call's result. The sender-side test reads it when the final ACK arrives."""
+
+    _FORMAT = "<qq"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def reset(self) -> None:
+        self._write(0, -1)
+
+    def read(self) -> tuple[int, int]:
+        """(successful closes, last result; -1 before any call)."""
+        with open(self.path, "rb") as file:
+            return struct.unpack(self._FORMAT, file.read(struct.calcsize(self._FORMAT)))
+
+    def closed(self, result: int) -> None:
+        closes, _ = self.read()
+        self._write(closes + (result == 0), result)
+
+    def _write(self, closes: int, result: int) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.pwrite(fd, struct.pack(self._FORMAT, closes, result), 0)
+        finally:
+            os.close(fd)
+
+
+class _HeldRelease:
+    """Interposes on how the receiver lets go of the bucket: the shm unmapping (``ShmMapping.release``) and,
+    given a probe, the CUDA IPC close (the driver's ``cuIpcCloseMemHandle`` as ``cuda_ipc`` calls it; each
+    real close is counted in the probe).
+
+    ``ack_first=False``: the release takes ``delay_s`` more, in its place; an ACK sent before it would
+    reach the sender while the bucket is still mapped. ``ack_first=True``: a receiver that breaks the rule:
+    the release reports success at once and really happens ``delay_s`` after the session returned (after its
+    ACK), so the tests can show that their observers catch it."""
+
+    def __init__(self, *, delay_s: float, ack_first: bool, probe: IpcCloseProbe | None) -> None:
+        self.delay_s, self.ack_first, self.probe = delay_s, ack_first, probe
+        self.pending: list[Callable[[], Any]] = []
+        self._restore: list[Callable[[], None]] = []
+
+    def __enter__(self) -> "_HeldRelease":
+        from refitkit.transfer import shm
+
+        release = shm.ShmMapping.release
+        shm.ShmMapping.release = lambda mapping: self._hold(lambda: release(mapping))  # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(shm.ShmMapping, "release", release))
+        if self.probe is not None:
+            from refitkit.transfer import cuda_ipc
+
+            lib = cuda_ipc._driver()
+            close, probe = lib.cuIpcCloseMemHandle, self.probe
+
+            def held_close(pointer: int) -> int:
+                device = torch.cuda.current_device()
+
+                def really_close() -> int:
+                    with torch.cuda.device(device):
+                        result = close(pointer)
+                    probe.closed(result)
+                    return result
+
+                return self._hold(really_close)
+
+            lib.cuIpcCloseMemHandle = held_close
+            self._restore.append(lambda: setattr(lib, "cuIpcCloseMemHandle", close))
+        return self
+
+    def _hold(self, release: Callable[[], Any]) -> Any:
+        if self.ack_first:
+            self.pending.append(release)
+            return 0  # CUDA_SUCCESS, as far as the library can tell
+        time.sleep(self.delay_s)
+        return release()
+
+    def session_returned(self) -> None:
+        """The session is over (its final ACK is out): now really release what was held."""
+        if self.pending:
+            time.sleep(self.delay_s)  # long enough for the sender to look while the bucket is still mapped here
+        while self.pending:
+            self.pending.pop(0)()
+
+    def __exit__(self, *exc_info: object) -> None:
+        while self._restore:
+            self._restore.pop()()
+
+
 class _EventLog(logging.Handler):
     """Records refitkit transfer events with a system-wide monotonic timestamp."""
 
@@ -46,8 +150,20 @@ class _EventLog(logging.Handler):
             self.events.append((event, time.monotonic()))
 
 
-def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: Any) -> dict[str, Any]:
+def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: Any, notes: dict[str, Any]) -> dict[str, Any]:
+    """One receiving session; ``notes`` gets what the test wants even when the session fails:
+    ``device_free_in_on_bucket`` (a CUDA receiver: the device's free bytes in the first on_bucket call)."""
     from refitkit.transfer import BucketedWeightReceiver
+
+    if mode in ("slow_release", "release_after_ack"):  # arg: {"delay_s": float, "probe": path of an IpcCloseProbe or None}
+        probe = IpcCloseProbe(arg["probe"]) if arg.get("probe") else None
+        with _HeldRelease(delay_s=arg["delay_s"], ack_first=mode == "release_after_ack", probe=probe) as held:
+            try:
+                result = _run_session(endpoint, device, timeout_s, "collect", None, notes)
+            finally:
+                held.session_returned()
+        result["segments_after"] = mapped_segments()  # after what was held was released
+        return result
 
     receiver = BucketedWeightReceiver(endpoint, device, timeout_s=timeout_s)
     got: dict[str, Digest] = {}
@@ -55,6 +171,8 @@ def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: A
     kept: list[torch.Tensor] = []
 
     def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+        if device.startswith("cuda") and not calls:  # the bucket (or its staging copy) is on the device now
+            notes["device_free_in_on_bucket"] = torch.cuda.mem_get_info(torch.device(device))[0]
         calls.append((len(weights), is_last))
         if mode == "raise" and len(calls) == arg:
             raise RuntimeError(f"loader exploded at bucket {arg}")
@@ -68,20 +186,6 @@ def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: A
             for name, tensor in weights:
                 torch.empty_like(tensor).copy_(tensor)
 
-    if mode == "slow_release":  # unmapping takes ``arg`` s: an ACK sent before it is seen with the bucket mapped
-        from refitkit.transfer import shm
-
-        release = shm.ShmMapping.release
-
-        def slow_release(self: Any) -> None:
-            time.sleep(arg)
-            release(self)
-
-        shm.ShmMapping.release = slow_release  # type: ignore[method-assign]
-        try:
-            return _run_session(endpoint, device, timeout_s, "collect", None)
-        finally:
-            shm.ShmMapping.release = release  # type: ignore[method-assign]
     if mode == "iter":
         for name, tensor in receiver.iter_weights():
             got[name] = digest(tensor)
@@ -92,7 +196,13 @@ def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: A
         weights.close()
         stats = None
     else:
-        stats = receiver.receive(on_bucket)
+        try:
+            stats = receiver.receive(on_bucket)
+        finally:
+            if kept:  # the loader drops what it wrongly kept; the staging block those views held past the
+                kept.clear()  # release's empty_cache went back to this process's cache: give it back too
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
     return {"digests": got, "calls": calls, "stats": stats, "segments_after": mapped_segments()}
 
 
@@ -106,7 +216,7 @@ def _server_main(conn: Any) -> None:
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")  # CUDA context up front, so a session's hello is not delayed by it
 
-    conn.send("ready")
+    conn.send({"pid": os.getpid(), "alloc_conf": os.environ.get(ALLOC_CONF), "expandable": cuda_allocator_expandable()})
     while True:
         command = conn.recv()
         if command is None:
@@ -114,12 +224,14 @@ def _server_main(conn: Any) -> None:
         events.events.clear()
         started = time.monotonic()
         session_id, command = command
+        notes: dict[str, Any] = {}
         try:
-            result = {"ok": True, **_run_session(*command)}
+            result = {"ok": True, **_run_session(*command, notes)}
         except BaseException as exc:  # every failure goes back to the test as data
             result = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
         if not result["ok"]:  # measured once the exception (and views its frames kept) is gone
             result["segments_after"] = mapped_segments()
+        result.update(notes)
         result["seconds"] = time.monotonic() - started
         result["events"] = list(events.events)
         result["session_id"] = session_id
@@ -127,7 +239,9 @@ def _server_main(conn: Any) -> None:
 
 
 class ReceiverServer:
-    """A spawned receiver process; ``start_session`` returns at once, ``result`` waits for the outcome."""
+    """A spawned receiver process; ``start_session`` returns at once, ``result`` waits for the outcome.
+
+    ``info``: its pid, its ``PYTORCH_CUDA_ALLOC_CONF`` and whether its CUDA allocator makes expandable segments."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
@@ -135,10 +249,22 @@ class ReceiverServer:
         self._session_id = 0
         self.process = ctx.Process(target=_server_main, args=(child,), daemon=True)
         self.process.start()
-        if not self._conn.poll(120) or self._conn.recv() != "ready":
-            raise RuntimeError("receiver server did not start")
+        deadline = time.monotonic() + 120
+        while not self._conn.poll(0.5):
+            if not self.process.is_alive() or time.monotonic() > deadline:  # a child that died says so now
+                self.close()
+                raise RuntimeError(f"receiver server did not start (exit code {self.process.exitcode}) within 120 s")
+        self.info: dict[str, Any] = self._conn.recv()
+        if self.info["alloc_conf"] != os.environ.get(ALLOC_CONF):
+            self.close()
+            raise RuntimeError(
+                f"receiver server runs with {ALLOC_CONF}={self.info['alloc_conf']!r}, this process with "
+                f"{os.environ.get(ALLOC_CONF)!r}: both processes of a transfer test must use the same allocator"
+            )
 
-    def start_session(self, endpoint: str, *, device: str = "cpu", timeout_s: float = 10.0, mode: str = "collect", arg: Any = None) -> None:
+    def start_session(
+        self, endpoint: str, *, device: str = "cpu", timeout_s: float = 10.0, mode: str = "collect", arg: Any = None
+    ) -> None:
         self._session_id += 1
         self._conn.send((self._session_id, (endpoint, device, timeout_s, mode, arg)))
 
@@ -166,7 +292,7 @@ def one_shot_receiver_main(endpoint: str, device: str, timeout_s: float, mode: s
     if device.startswith("cuda"):
         torch.zeros(1, device=device)  # CUDA context up front: the test times the session, not CUDA's start
     conn.send("starting")
-    conn.send(_run_session(endpoint, device, timeout_s, mode, arg))
+    conn.send(_run_session(endpoint, device, timeout_s, mode, arg, {}))
 
 
 def killed_sender_main(endpoint: str, bucket_bytes: int, kill_at_item: int, conn: Any) -> None:

@@ -1,6 +1,9 @@
-"""GPU only (marker ``cuda``): the 2 GiB bucket is gone from the sender after send() returns,
-also when the receiver was SIGKILLed while it had the bucket mapped.
+"""GPU only (marker ``cuda``): the 2 GiB bucket is given back to the device when send() returns, also when
+the receiver was SIGKILLed while it had the bucket mapped; both processes run one CUDA allocator setting.
 
+The measure is the device's free memory (``harness.device_free_bytes``): the bucket comes from
+``cuMemAlloc``, which ``memory_reserved()`` cannot see. Each test runs its path once before it takes its
+baseline (lazily loaded kernels, IPC state of both processes), so nothing depends on earlier tests.
 The cuda_ipc round trips and fault cases run from test_roundtrip / test_fault_matrix (their
 ``cuda_ipc`` and ``shm-cuda`` parameters).
 """
@@ -8,61 +11,84 @@ The cuda_ipc round trips and fault cases run from test_roundtrip / test_fault_ma
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from refitkit.errors import TransferTimeout
 from refitkit.transfer import BucketedWeightSender
-from tests.transfer.harness import Case, roundtrip
-from tests.transfer.peers import one_shot_receiver_main
+from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, roundtrip
+from tests.transfer.peers import ALLOC_CONF, cuda_allocator_expandable, digest, one_shot_receiver_main
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(180)]
 
 GIB = 1 << 30
-SLACK_BYTES = 64 << 20  # device free memory moves by a few MiB with nothing of ours allocated
+CUDA_IPC = Case("cuda_ipc", "cuda", "cuda")
 
 
 def weights_3gib() -> list[tuple[str, torch.Tensor]]:
     return [(f"layers.{i}.w", torch.full((128 << 20,), float(i), dtype=torch.bfloat16, device="cuda")) for i in range(12)]
 
 
-def device_free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
+def sampling_free_memory(weights: list[tuple[str, torch.Tensor]], at_index: int, samples: list[int]) -> Iterator[Any]:
+    """The weights as a generator that takes the device's free memory when item ``at_index`` is pulled
+    (mid-stream: the bucket is allocated and buckets are in flight)."""
+    for index, item in enumerate(weights):
+        if index == at_index:
+            samples.append(device_free_bytes())
+        yield item
 
 
-def test_two_gib_bucket_leaves_nothing_reserved(receiver_server, endpoint):
-    case = Case("cuda_ipc", "cuda", "cuda")
-    roundtrip(receiver_server, endpoint + "w", [("warm", torch.ones(8, device="cuda"))], case=case)  # receiver CUDA up
+def test_two_gib_bucket_is_given_back_to_the_device(receiver_server, endpoint):
     weights = weights_3gib()
+    expected = {name: digest(tensor) for name, tensor in weights}
+    # The same stream once, so the baseline below already counts what a first session sets up for good.
+    roundtrip(receiver_server, endpoint, weights, bucket_bytes=2 * GIB, case=CUDA_IPC, timeout_s=60, expected=expected,
+              generator=True)  # fmt: skip
     reserved_before, free_before = torch.cuda.memory_reserved(), device_free_bytes()
-    stats, _ = roundtrip(receiver_server, endpoint, weights, bucket_bytes=2 * GIB, case=case, timeout_s=60)
-    assert torch.cuda.memory_reserved() == reserved_before  # right after send() returned
-    assert device_free_bytes() >= free_before - SLACK_BYTES  # the driver got the 2 GiB back too
+    during: list[int] = []
+    stats, _ = roundtrip(
+        receiver_server, endpoint, sampling_free_memory(weights, 6, during), bucket_bytes=2 * GIB, case=CUDA_IPC,
+        timeout_s=60, expected=expected,
+    )  # fmt: skip
+    assert free_before - during[0] >= 2 * GIB  # the gauge sees the bucket while it is in use
+    assert torch.cuda.memory_reserved() == reserved_before  # torch never held it (no limbo, no cache)
+    assert_device_memory_back(free_before, "right after send() returned")
     assert stats.buckets >= 3
 
 
 def test_sigkilled_receiver_does_not_strand_the_bucket(receiver_server, endpoint):
     weights = weights_3gib()
-    reserved_before, free_before = torch.cuda.memory_reserved(), device_free_bytes()
+    roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=CUDA_IPC, timeout_s=60)
+    reserved_before, free_before = torch.cuda.memory_reserved(), device_free_bytes()  # before the victim exists
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cuda", 5.0, "kill", 2, child))
     victim.start()
-    assert parent.poll(60) and parent.recv() == "starting"
-    with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=5.0) as sender:
-        began = time.monotonic()
-        with pytest.raises(TransferTimeout):
-            sender.send(weights)
-        assert time.monotonic() - began < 5.0 + 1.0 + 2.0  # + the victim's CUDA start before its hello
-        assert torch.cuda.memory_reserved() == reserved_before  # nothing parked in a limbo
-    victim.join(30)
+    try:
+        assert parent.poll(60) and parent.recv() == "starting"
+        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=5.0) as sender:
+            began = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                sender.send(weights)
+            assert time.monotonic() - began < 5.0 + 1.0 + 2.0  # + the victim's CUDA start before its hello
+            assert torch.cuda.memory_reserved() == reserved_before  # nothing parked in a limbo
+    finally:
+        victim.join(30)
     assert victim.exitcode == -9
-    # The dead receiver's context is torn down by the driver; our bucket was freed by us already.
-    deadline = time.monotonic() + 10
-    while device_free_bytes() < free_before - SLACK_BYTES and time.monotonic() < deadline:
-        time.sleep(0.1)  # waiting on the driver's teardown of the killed process, not on our code
-    assert device_free_bytes() >= free_before - SLACK_BYTES
-    roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=Case("cuda_ipc", "cuda", "cuda"))
+    # Our bucket is freed already; the dead receiver's context goes when the driver has torn it down.
+    assert_device_memory_back(free_before, "after the receiver was SIGKILLed with the bucket mapped", settle_s=10.0)
+    roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=CUDA_IPC)
+
+
+def test_receivers_run_with_the_senders_allocator_setting(receiver_server):
+    """Run the transfer suite with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: it must hold in both processes."""
+    conf = os.environ.get(ALLOC_CONF)
+    wanted = "expandable_segments:true" in (conf or "").replace(" ", "").lower()
+    assert receiver_server.info["alloc_conf"] == conf
+    assert cuda_allocator_expandable() is wanted
+    assert receiver_server.info["expandable"] is wanted

@@ -1,5 +1,11 @@
 """Fault matrix: every failure ends in the right exception within timeout_s + 1 s, memory is released
-on both sides, and a fresh session on the same endpoint then succeeds."""
+on both sides, and a fresh session on the same endpoint then succeeds.
+
+With CUDA tensors (the ``cuda_ipc`` and ``shm-cuda`` cases, GPU only) "released" is measured on the
+device: its free memory, taken in the test after one good session on the same path, drops by at least a
+page while the receiver holds the bucket (the sender's driver-allocated bucket, or the receiver's staging
+copy) and is back to that baseline after the failure.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from refitkit.errors import ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
-from tests.transfer.harness import CASES, own_segment_files, roundtrip
+from tests.transfer.harness import PAGE_BYTES, assert_device_memory_back, device_free_bytes, own_segment_files, roundtrip
 from tests.transfer.peers import killed_sender_main, mapped_segments, one_shot_receiver_main
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,38 +41,61 @@ def fresh_session_works(server, endpoint, case=None):
     roundtrip(server, endpoint, stream(3, case.tensor_device if case else "cpu"), bucket_bytes=BUCKET, **kwargs)
 
 
-def send_expecting(endpoint, error, match, *, weights=None, transport="shm", device="cpu"):
+def prepared(server, endpoint: str, case) -> tuple[list, int | None]:
+    """The case's weights and, with CUDA tensors, the device's free memory once both processes have run
+    this path once (kernels load lazily and IPC sets up on first use: not a leak of the failure's)."""
+    weights = stream(device=case.tensor_device)
+    if case.tensor_device != "cuda":
+        return weights, None
+    fresh_session_works(server, endpoint, case)
+    return weights, device_free_bytes()
+
+
+def device_memory_given_back(result: dict, baseline_free: int | None, case) -> None:
+    """The bucket was on the device while the receiver held it, and nothing of it is left after the failure."""
+    if baseline_free is None:
+        return
+    assert baseline_free - result["device_free_in_on_bucket"] >= PAGE_BYTES, "the bucket never showed on the device"
+    assert_device_memory_back(baseline_free, f"{case}: after the failed session")
+
+
+def send_expecting(endpoint, error, match, *, weights=None, transport="shm"):
     """Run send() and check it fails with ``error`` within timeout + 1 s, holding no bucket memory."""
     with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, transport=transport, timeout_s=TIMEOUT_S) as sender:
         began = time.monotonic()
         with pytest.raises(error, match=match) as raised:
-            sender.send(weights if weights is not None else stream(device=device))
+            sender.send(weights if weights is not None else stream())
         assert time.monotonic() - began < TIMEOUT_S + 1.0
         assert own_segment_files() == [] and mapped_segments() == []
     return raised.value
 
 
 def test_receiver_raises_in_on_bucket(receiver_server, endpoint, case):
+    weights, baseline_free = prepared(receiver_server, endpoint, case)
     receiver_server.start_session(endpoint, device=case.receiver_device, timeout_s=TIMEOUT_S, mode="raise", arg=2)
-    error = send_expecting(endpoint, TransferError, "loader exploded at bucket 2", transport=case.transport, device=case.tensor_device)
+    error = send_expecting(endpoint, TransferError, "loader exploded at bucket 2", transport=case.transport, weights=weights)
     assert type(error) is TransferError and "loader exploded at bucket 2" in error.remote_message
     result = receiver_server.result()
     assert not result["ok"] and result["type"] == "TransferError" and result["segments_after"] == []
+    device_memory_given_back(result, baseline_free, case)
     fresh_session_works(receiver_server, endpoint, case)
 
 
 def test_receiver_raises_in_cleanup(receiver_server, endpoint, case):
     # The loader keeps a view past its call: release must refuse (not unmap under it) and report.
+    weights, baseline_free = prepared(receiver_server, endpoint, case)
     receiver_server.start_session(endpoint, device=case.receiver_device, timeout_s=TIMEOUT_S, mode="keep_view")
-    error = send_expecting(endpoint, TransferError, "still referenced", transport=case.transport, device=case.tensor_device)
+    error = send_expecting(endpoint, TransferError, "still referenced", transport=case.transport, weights=weights)
     assert "valid only until the next one" in error.remote_message
     result = receiver_server.result()
     assert not result["ok"] and "still referenced" in result["message"]
     assert result["segments_after"] == []  # the kept views died with the session: the mapping went with them
+    device_memory_given_back(result, baseline_free, case)
     fresh_session_works(receiver_server, endpoint, case)
 
 
 def test_receiver_sigkilled_mid_stream(receiver_server, endpoint, case):
+    weights, baseline_free = prepared(receiver_server, endpoint, case)  # before the victim's CUDA context exists
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, case.receiver_device, TIMEOUT_S, "kill", 2, child))
@@ -74,10 +103,12 @@ def test_receiver_sigkilled_mid_stream(receiver_server, endpoint, case):
     assert parent.poll(30) and parent.recv() == "starting"  # its hello is queued: time only the session
     try:
         # A timed-out wait, or (frames are sent ahead of the copies) a send to the vanished peer refused at once.
-        send_expecting(endpoint, TransferTimeout, r"timeout_s=3", transport=case.transport, device=case.tensor_device)
+        send_expecting(endpoint, TransferTimeout, r"timeout_s=3", transport=case.transport, weights=weights)
     finally:
         victim.join(10)
     assert victim.exitcode == -9
+    if baseline_free is not None:  # our bucket is freed; the victim's memory once the driver tore its context down
+        assert_device_memory_back(baseline_free, f"{case}: after the receiver was SIGKILLed mid-stream", settle_s=10.0)
     fresh_session_works(receiver_server, endpoint, case)
 
 
@@ -208,6 +239,3 @@ def test_iter_weights_closed_early(receiver_server, endpoint):
     assert receiver_server.result()["segments_after"] == []
     fresh_session_works(receiver_server, endpoint)
 
-
-def test_fault_cases_cover_cuda():
-    assert any("cuda" in str(param.values[0]) for param in CASES)
