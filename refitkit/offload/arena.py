@@ -63,11 +63,30 @@ def _allocate_chunk(nbytes: int, pinned: bool) -> torch.Tensor:
         chunk.zero_()
         status = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), nbytes, 0)
         if int(status) != 0:
+            _clear_cuda_last_error()
             raise RefitError(
                 f"cudaHostRegister of {nbytes} host bytes failed with CUDA error {int(status)}; "
                 "check the locked-memory limit (ulimit -l) or pass HostArena(pin_memory=False)"
             )
     return chunk
+
+
+def _clear_cuda_last_error() -> None:
+    """Reset the runtime's per-thread last error after a refused cudaHostRegister.
+
+    Otherwise torch's next kernel-launch check reads it and fails an unrelated op. torch's
+    ``cudart()`` bindings have no ``cudaGetLastError``, so it is called in the libcudart this
+    process loaded (best effort: with a statically linked runtime there is none to find).
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError as error:
+        logger.debug("HostArena: could not reset the CUDA last error: %s", error)
 
 
 def _release_chunks(chunks: list[torch.Tensor], pinned: bool) -> None:

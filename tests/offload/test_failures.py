@@ -7,43 +7,14 @@ raises the limit again (the "memory was freed" of a real run) and retries the sa
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import resource
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import pytest
 import torch
+
+from tests.offload.child import address_space_headroom, run_in_child
 
 pytestmark = pytest.mark.timeout(120)
 
 MIB = 1 << 20
-
-
-def run_in_child(fn: Callable[..., Any], *args: Any, timeout_s: float = 90.0) -> Any:
-    """``fn(*args)`` in a fresh spawned process (its own address-space limit); bounded by ``timeout_s``."""
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply_async(fn, args).get(timeout_s)
-
-
-def _address_space_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
-
-
-@contextmanager
-def address_space_headroom(headroom_bytes: int) -> Iterator[None]:
-    """Allow this process only ``headroom_bytes`` more address space inside the block."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_address_space_bytes() + headroom_bytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def _child_setup() -> None:
@@ -152,6 +123,7 @@ def adapter_reload_retry() -> dict:
     from torch import nn
 
     from refitkit.engines.fsdp import FSDPAdapter
+    from refitkit.offload import HostArena
 
     _child_setup()
     torch.manual_seed(0)
@@ -161,7 +133,7 @@ def adapter_reload_retry() -> dict:
     optimizer.step()
     expected = {name: p.detach().clone() for name, p in model.named_parameters()}
     expected_state = [s["exp_avg"].clone() for s in optimizer.state.values()]
-    adapter = FSDPAdapter(model, optimizer)
+    adapter = FSDPAdapter(model, optimizer, arena=HostArena(pin_memory=False))
     adapter.offload()
     with address_space_headroom(40 * MIB):
         try:
