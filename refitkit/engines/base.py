@@ -11,10 +11,12 @@ from __future__ import annotations
 import abc
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from refitkit.errors import InvalidInput
 from refitkit.offload import (
@@ -101,11 +103,19 @@ class EngineAdapter(abc.ABC):
         keep_grads: bool = False,
         zero_grads: bool = False,
     ) -> None:
+        name = type(self).__name__
+        if arena is not None and not isinstance(arena, HostArena):
+            raise InvalidInput(f"{name}: arena= must be a refitkit.offload.HostArena or None, got {type(arena).__name__}")
+        for knob, value in (("keep_grads", keep_grads), ("zero_grads", zero_grads)):
+            if not isinstance(value, bool):
+                raise InvalidInput(f"{name}: {knob}= must be a bool, got {value!r}")
         self.arena = arena if arena is not None else HostArena()
         self.keep_grads = keep_grads
         self.zero_grads = zero_grads
         self._states: dict[str, DeviceState] = {part: DeviceState.ON_DEVICE for part in PARTS}
         self._grads_kept = False
+        # per part, name -> the storage offloaded under it: a tensor replaced while offloaded is caught
+        self._offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]] = {}
 
     # --- what an engine supplies -------------------------------------------------------------
 
@@ -206,8 +216,10 @@ class EngineAdapter(abc.ABC):
         total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
         if "grad" in wanted and not keep:
             self._drop_grads()
+        named_by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
         for part in wanted:
             self._states[part] = DeviceState.OFFLOADED
+            self._offloaded[part] = self._held_storages(named_by_part[part])
         if "grad" in wanted:
             self._grads_kept = keep
         logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
@@ -224,11 +236,18 @@ class EngineAdapter(abc.ABC):
         model_named = self._model_tensors() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
         grad_named = self._grads_to_restore(zero) if "grad" in wanted else []
+        if "model" in wanted:
+            self._check_not_replaced("model", model_named)
+        if "optimizer" in wanted:
+            self._check_not_replaced("optimizer", optimizer_named)
+        if "grad" in wanted and self._offloaded.get("grad"):
+            self._check_not_replaced("grad", self._grads_to_keep())
         total = reload_tensors(model_named + optimizer_named + grad_named, self.arena)
         if "grad" in wanted:
             self._after_grad_reload(zero)
         for part in wanted:
             self._states[part] = DeviceState.ON_DEVICE
+            self._offloaded.pop(part, None)
         logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
         return self._split(total, model_named, optimizer_named, grad_named)
 
@@ -251,6 +270,41 @@ class EngineAdapter(abc.ABC):
                 f"their device across offload; reload with to({str(home)!r}) or reload()"
             )
         return self.reload(model=model, optimizer=optimizer, grad=grad)
+
+    def _held_storages(self, named: NamedTensors) -> dict[str, tuple[int, StorageWeakRef]]:
+        """name -> storage for every tensor whose bytes the arena now holds (O(1) each)."""
+        held: dict[str, tuple[int, StorageWeakRef]] = {}
+        for name, tensor in named:
+            storage = local_tensor(tensor).untyped_storage()
+            slot = self.arena.slot_of(storage)
+            if slot is not None and slot.holds_data:
+                held[name] = (storage._cdata, StorageWeakRef(storage))
+        return held
+
+    def _check_not_replaced(self, part: str, named: NamedTensors) -> None:
+        """Refuse a reload when a name now points at another tensor than the one offloaded under it.
+
+        Restoring the new tensor's neighbours would leave the old one (still referenced, e.g. by the
+        optimizer) at 0 bytes and its bytes stranded in the arena, so nothing is restored.
+        """
+        offloaded = self._offloaded.get(part)
+        if not offloaded:
+            return
+        current = {name: tensor for name, tensor in named}
+        replaced: list[str] = []
+        for name, (key, ref) in offloaded.items():
+            if ref.expired():
+                continue  # nothing references the old storage any more: no bytes left to lose
+            tensor = current.get(name)
+            if tensor is None or local_tensor(tensor).untyped_storage()._cdata != key:
+                replaced.append(name)
+        if replaced:
+            more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
+            raise InvalidInput(
+                f"{type(self).__name__}.reload(): {replaced[0]!r}{more} was replaced or removed while offloaded "
+                f"(e.g. `module.weight = nn.Parameter(...)` or a new optimizer state tensor); its offloaded bytes "
+                "are still in the arena and nothing was restored: put the original tensor back and call reload() again"
+            )
 
     def _pending(self, asked: dict[str, bool], from_state: DeviceState) -> list[str]:
         for part, flag in asked.items():
@@ -305,3 +359,70 @@ def _index(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.current_device()
     return 0
+
+
+# --- constructor arguments every adapter shares ----------------------------------------------
+
+
+def as_modules(value: object, *, owner: str, what: str = "model") -> list[nn.Module]:
+    """One module or a non-empty list of them, or an InvalidInput that says what was passed instead."""
+    if isinstance(value, nn.Module):
+        return [value]
+    if isinstance(value, torch.optim.Optimizer):
+        raise InvalidInput(
+            f"{owner}: {what} is a {type(value).__name__} optimizer, not an nn.Module; the model comes first: "
+            f"{owner}({what}, optimizer)"
+        )
+    parts = _as_list(value, owner=owner, what=what, expected="an nn.Module or a list of nn.Modules")
+    if not parts:
+        raise InvalidInput(f"{owner}: {what} is an empty list; pass a module or a non-empty list of model parts")
+    for index, part in enumerate(parts):
+        if not isinstance(part, nn.Module):
+            hint = "; the optimizers go in the second argument" if isinstance(part, torch.optim.Optimizer) else ""
+            raise InvalidInput(f"{owner}: {what} part {index} is a {type(part).__name__}, not an nn.Module{hint}")
+    return parts
+
+
+def as_optimizers(value: object, *, owner: str, what: str = "optimizer") -> list[torch.optim.Optimizer]:
+    """None, one optimizer or a list of them, or an InvalidInput that says what was passed instead."""
+    if value is None:
+        return []
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, nn.Module):
+        raise InvalidInput(
+            f"{owner}: {what} is a {type(value).__name__} module, not a torch.optim.Optimizer; the model comes "
+            f"first: {owner}(model, {what})"
+        )
+    optimizers = _as_list(value, owner=owner, what=what, expected="a torch.optim.Optimizer, a list of them, or None")
+    for index, item in enumerate(optimizers):
+        if not isinstance(item, torch.optim.Optimizer):
+            raise InvalidInput(f"{owner}: {what} {index} is a {type(item).__name__}, not a torch.optim.Optimizer")
+    return optimizers
+
+
+def check_optimizers_own_params(
+    params: Iterable[torch.Tensor], optimizers: list[torch.optim.Optimizer], *, owner: str
+) -> None:
+    """Every optimized param must be one of ``params`` (the model's), or its state would move without it.
+
+    Catches an optimizer built on another model, or on the module before it was sharded (FSDP2
+    and friends register new parameter objects).
+    """
+    owned = {id(param) for param in params}
+    for opt_index, optimizer in enumerate(optimizers):
+        for group_index, group in enumerate(optimizer.param_groups):
+            for param_index, param in enumerate(group["params"]):
+                if id(param) not in owned:
+                    raise InvalidInput(
+                        f"{owner}: optimizer {opt_index} param_groups[{group_index}].params[{param_index}] (shape "
+                        f"{tuple(param.shape)}) is not a parameter of the model passed; build the optimizer on "
+                        "this model's parameters (after sharding it), and pass the model first"
+                    )
+
+
+def _as_list(value: object, *, owner: str, what: str, expected: str) -> list:
+    # a str or a dict iterates, but as characters or keys: never what the caller meant
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidInput(f"{owner}: {what} must be {expected}, got a {type(value).__name__}")
+    return list(value)

@@ -63,11 +63,30 @@ def _allocate_chunk(nbytes: int, pinned: bool) -> torch.Tensor:
         chunk.zero_()
         status = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), nbytes, 0)
         if int(status) != 0:
+            _clear_cuda_last_error()
             raise RefitError(
                 f"cudaHostRegister of {nbytes} host bytes failed with CUDA error {int(status)}; "
                 "check the locked-memory limit (ulimit -l) or pass HostArena(pin_memory=False)"
             )
     return chunk
+
+
+def _clear_cuda_last_error() -> None:
+    """Reset the runtime's per-thread last error after a refused cudaHostRegister.
+
+    Otherwise torch's next kernel-launch check reads it and fails an unrelated op. torch's
+    ``cudart()`` bindings have no ``cudaGetLastError``, so it is called in the libcudart this
+    process loaded (best effort: with a statically linked runtime there is none to find).
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError as error:
+        logger.debug("HostArena: could not reset the CUDA last error: %s", error)
 
 
 def _release_chunks(chunks: list[torch.Tensor], pinned: bool) -> None:
@@ -123,6 +142,9 @@ class HostArena:
         """Give every storage without a slot one, sized to its current bytes; returns bytes allocated.
 
         Call ahead of the first offload to take the allocation and pinning off the critical path.
+        All or nothing: if the host allocation (or its pinning) fails, the arena is left exactly
+        as it was (no slot registered, no dead slot handed out), so a retry cannot give two
+        storages the same host bytes.
         """
         missing: list[torch.UntypedStorage] = []
         seen: set[int] = set()
@@ -132,30 +154,64 @@ class HostArena:
                 continue
             seen.add(key)
             missing.append(storage)
-        missing = [s for s in missing if not self._reuse_dead_slot(s)]
-        if not missing:
-            return 0
-        chunk_index = len(self._chunks)
-        offset = 0
+            self._rekey_dead(key)
+        reused = self._plan_dead_slot_reuse(missing)
+        fresh = [storage for storage in missing if storage._cdata not in reused]
+        offsets: list[int] = []
+        total = 0
+        for storage in fresh:
+            offsets.append(total)
+            total += _align(storage.nbytes())
+        # allocate before touching any bookkeeping: a failure here must leave nothing behind
+        chunk = self._allocate(total, len(fresh)) if fresh else None
         for storage in missing:
-            capacity = storage.nbytes()
-            self._slots[storage._cdata] = Slot(chunk_index, offset, capacity, StorageWeakRef(storage))
-            offset += _align(capacity)
-        self._chunks.append(_allocate_chunk(offset, self.pinned))
-        logger.debug("HostArena: allocated %d bytes for %d new storages", offset, len(missing))
-        return offset
+            slot_key = reused.get(storage._cdata)
+            if slot_key is not None:
+                self._hand_over(slot_key, storage)
+        if chunk is not None:
+            chunk_index = len(self._chunks)
+            self._chunks.append(chunk)
+            for storage, offset in zip(fresh, offsets):
+                self._slots[storage._cdata] = Slot(chunk_index, offset, storage.nbytes(), StorageWeakRef(storage))
+            logger.debug("HostArena: allocated %d bytes for %d new storages", total, len(fresh))
+        return total
 
-    def _reuse_dead_slot(self, storage: torch.UntypedStorage) -> bool:
-        """Hand a dead storage's slot to ``storage`` when it fits, so churn does not grow the arena."""
-        need = storage.nbytes()
-        for key, slot in list(self._slots.items()):
-            if slot.expired() and slot.capacity_bytes >= need:
-                del self._slots[key]
-                slot.storage_ref = StorageWeakRef(storage)
-                slot.holds_data, slot.nbytes = False, 0
-                self._slots[storage._cdata] = slot
-                return True
-        return False
+    def _allocate(self, nbytes: int, storages: int) -> torch.Tensor:
+        try:
+            return _allocate_chunk(nbytes, self.pinned)
+        except RefitError:
+            raise
+        except Exception as error:  # the host allocator's out-of-memory is a bare RuntimeError
+            raise RefitError(
+                f"HostArena: allocating {nbytes} host bytes for {storages} storages failed ({error}); nothing "
+                "was reserved and nothing moved: free host memory (or raise the process's memory limit) and retry"
+            ) from error
+
+    def _plan_dead_slot_reuse(self, storages: list[torch.UntypedStorage]) -> dict[int, int]:
+        """Which dead slot (by key) each storage can take over, so churn does not grow the arena."""
+        free = [(key, slot.capacity_bytes) for key, slot in self._slots.items() if slot.expired()]
+        plan: dict[int, int] = {}
+        for storage in storages:
+            need = storage.nbytes()
+            for index, (key, capacity) in enumerate(free):
+                if capacity >= need:
+                    plan[storage._cdata] = key
+                    del free[index]
+                    break
+        return plan
+
+    def _rekey_dead(self, key: int) -> None:
+        """Move a dead storage's slot off ``key`` (a new storage may reuse the old one's address)."""
+        slot = self._slots.get(key)
+        if slot is not None and slot.expired():
+            del self._slots[key]
+            self._slots[-id(slot)] = slot
+
+    def _hand_over(self, slot_key: int, storage: torch.UntypedStorage) -> None:
+        slot = self._slots.pop(slot_key)
+        slot.storage_ref = StorageWeakRef(storage)
+        slot.holds_data, slot.nbytes = False, 0
+        self._slots[storage._cdata] = slot
 
     def remember_dropped(self, storage: torch.UntypedStorage) -> None:
         """Note the size of a storage freed without a copy, so it can be regrown later."""

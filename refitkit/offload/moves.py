@@ -10,7 +10,7 @@ from typing import Union
 
 import torch
 
-from refitkit.errors import InvalidInput
+from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
 from refitkit.offload.device import local_tensor, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
@@ -192,18 +192,42 @@ def reload_tensors(
         pending.append((group, slot))
     if not pending:
         return EMPTY_MOVE
-    _common_device([g for g, _ in pending], "reload_tensors")
+    device = _common_device([g for g, _ in pending], "reload_tensors")
     start = time.perf_counter()
-    for group, slot in pending:
-        group.storage.resize_(slot.nbytes)
-        storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, slot.nbytes), non_blocking=non_blocking)
-    synchronize(pending[0][0].storage.device)
+    restoring: _StorageGroup | None = None
+    try:
+        for group, slot in pending:
+            restoring = group
+            group.storage.resize_(slot.nbytes)
+            storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, slot.nbytes), non_blocking=non_blocking)
+        restoring = None
+        synchronize(device)
+    except BaseException as error:
+        _roll_back(pending, device)
+        if not isinstance(error, Exception):
+            raise
+        what = f"restoring {restoring.first_name!r}" if restoring is not None else "waiting for the copies"
+        raise RefitError(
+            f"reload_tensors failed while {what} on {device} ({type(error).__name__}: {error}); every storage of "
+            "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
+            "inference engine's KV cache) and call reload again"
+        ) from error
     moved = 0
     for _, slot in pending:
         slot.holds_data = False
         moved += slot.nbytes
     _forget_views(arena, {group.storage._cdata for group, _ in pending})
     return MoveStats(bytes=moved, storages=len(pending), seconds=time.perf_counter() - start)
+
+
+def _roll_back(pending: list[tuple[_StorageGroup, Slot]], device: torch.device) -> None:
+    """Free what a failed reload regrew, so the same call can be retried (the slots still hold the bytes)."""
+    try:
+        synchronize(device)  # queued copies may still write into the storages about to be freed
+    finally:
+        for group, _ in pending:
+            if group.storage.nbytes() != 0:
+                group.storage.resize_(0)
 
 
 def drop_tensors(tensors: TensorSet, arena: HostArena) -> int:

@@ -25,6 +25,33 @@ def reshard_all(module: nn.Module) -> None:
             submodule.reshard()
 
 
+def sharded_params(module: nn.Module) -> list[torch.Tensor] | None:
+    """The sharded params FSDP2 keeps for every ``fully_shard``-ed module under ``module`` (torch 2.13.0).
+
+    While a module is unsharded its ``named_parameters()`` show the unsharded params, but the
+    optimizer holds the sharded ones (``FSDPParam.sharded_param``). Reads the private
+    ``FSDPState._fsdp_param_groups`` (or ``_fsdp_param_group`` on older torch); None when
+    those internals are not there, so callers skip what they cannot check.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[torch.Tensor] = []
+    for submodule in module.modules():
+        if not isinstance(submodule, FSDPModule):
+            continue
+        state = submodule._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            params = getattr(group, "fsdp_params", None)
+            if params is None:
+                return None
+            found.extend(param.sharded_param for param in params)
+    return found
+
+
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (sharded or replicated over a device mesh)."""
     from torch.distributed.tensor import DTensor

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from refitkit.engines.base import DeviceState, EngineAdapter, NamedTensors
-from refitkit.engines.fsdp._torch_fsdp2 import full_tensor, is_dtensor, reshard_all, state_dict_entries
-from refitkit.errors import InvalidInput, RefitError
+from refitkit.engines.base import (
+    DeviceState,
+    EngineAdapter,
+    NamedTensors,
+    as_modules,
+    as_optimizers,
+    check_optimizers_own_params,
+)
+from refitkit.engines.fsdp._torch_fsdp2 import (
+    full_tensor,
+    is_dtensor,
+    reshard_all,
+    sharded_params,
+    state_dict_entries,
+)
+from refitkit.errors import RefitError
 from refitkit.offload import HostArena, optimizer_state_tensors
+
+logger = logging.getLogger(__name__)
 
 # wrapper modules that add a path component the checkpoint / inference side does not have
 _WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
@@ -39,9 +56,12 @@ class FSDPAdapter(EngineAdapter):
         keep_grads: bool = False,
         zero_grads: bool = False,
     ) -> None:
+        owner = type(self).__name__
+        self.model_parts: list[nn.Module] = as_modules(model, owner=owner)
+        self.optimizers: list[torch.optim.Optimizer] = as_optimizers(optimizer, owner=owner)
+        if self.optimizers:
+            _check_ownership(self.model_parts, self.optimizers, owner)
         super().__init__(arena=arena, keep_grads=keep_grads, zero_grads=zero_grads)
-        self.model_parts: list[nn.Module] = _as_modules(model)
-        self.optimizers: list[torch.optim.Optimizer] = _as_optimizers(optimizer)
 
     # --- enumeration -----------------------------------------------------------------------
 
@@ -103,23 +123,11 @@ class FSDPAdapter(EngineAdapter):
                 yield clean_fqn(name), (full_tensor(tensor) if is_dtensor(tensor) else tensor.detach())
 
 
-def _as_modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
-    parts = [model] if isinstance(model, nn.Module) else list(model)
-    if not parts:
-        raise InvalidInput("FSDPAdapter: model is an empty list; pass a module or a non-empty list of model parts")
-    for index, part in enumerate(parts):
-        if not isinstance(part, nn.Module):
-            raise InvalidInput(f"FSDPAdapter: model part {index} is a {type(part).__name__}, not an nn.Module")
-    return parts
-
-
-def _as_optimizers(
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
-) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    for index, item in enumerate(optimizers):
-        if not isinstance(item, torch.optim.Optimizer):
-            raise InvalidInput(f"FSDPAdapter: optimizer {index} is a {type(item).__name__}, not a torch.optim.Optimizer")
-    return optimizers
+def _check_ownership(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], owner: str) -> None:
+    # an unsharded FSDP2 module shows its unsharded params; the optimizer holds the sharded ones
+    sharded = [sharded_params(part) for part in parts]
+    if any(found is None for found in sharded):
+        logger.debug("%s: FSDP2 internals not found; optimizer ownership not checked", owner)
+        return
+    params = itertools.chain((p for part in parts for p in part.parameters()), *sharded)
+    check_optimizers_own_params(params, optimizers, owner=owner)
