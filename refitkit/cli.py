@@ -68,11 +68,17 @@ def _finite_float(*, allow_zero: bool) -> Callable[[str], float]:
 
 def _check_output_path(parser: argparse.ArgumentParser, option: str, path: str) -> None:
     """Fail before the run, not after it: the file's folder must exist and be writable."""
-    folder = Path(path).expanduser().resolve().parent
-    if not folder.is_dir():
-        parser.error(f"{option} {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        parser.error(f"{option} {path}: folder {folder} is not writable")
+    try:
+        target = Path(path).expanduser().resolve()
+        if target.is_dir():
+            parser.error(f"{option} {path}: is a folder; give a file name")
+        folder = target.parent
+        if not folder.is_dir():
+            parser.error(f"{option} {path}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"{option} {path}: folder {folder} is not writable")
+    except (OSError, RuntimeError) as error:  # a name too long, a symlink loop
+        parser.error(f"{option} {path}: not a usable path ({error.__class__.__name__}: {error.strerror if isinstance(error, OSError) else error})")
 
 
 def _check_cuda_device(parser: argparse.ArgumentParser, text: str) -> None:
