@@ -111,7 +111,8 @@ def _sync(device: torch.device) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layers", type=int, default=Qwen3Shape.num_layers)
+    parser.add_argument("--layers", type=int, default=Qwen3Shape.num_layers, help="decoder layers (Qwen3-0.6B: 28)")
+    parser.add_argument("--vocab-size", type=int, default=Qwen3Shape.vocab_size, help="embedding rows (Qwen3-0.6B: 151936)")
     parser.add_argument("--rounds", type=int, default=5, help="steady offload/reload rounds after the first")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     args = parser.parse_args()
@@ -126,7 +127,7 @@ def main() -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
         try:
-            model, optimizer = build(Qwen3Shape(num_layers=args.layers), device)
+            model, optimizer = build(Qwen3Shape(num_layers=args.layers, vocab_size=args.vocab_size), device)
             adapter = FSDPAdapter(model, optimizer)
             first_offload = adapter.offload()
             first_reload = adapter.reload()
@@ -145,6 +146,7 @@ def main() -> None:
     row = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": args.layers,
+        "vocab_size": args.vocab_size,
         "state_bytes": nbytes,
         "storages": first_offload.total.storages,
         "pinned": adapter.arena.pinned,

@@ -1,18 +1,101 @@
-"""`refitkit demo | bench | audit`: the terminal front end (the only module that prints)."""
+"""`refitkit demo | bench | audit`: the terminal front end (the only module that prints).
+
+Bad options end in one argparse-style line (``refitkit audit: error: ...``) and exit status 2;
+a refitkit error while a command runs ends in one such line and status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+
+from refitkit.errors import RefitError
 
 if TYPE_CHECKING:
     from refitkit.audit import AuditRun
 
 MIB = 1 << 20
+GIB = 1 << 30
+AUDIT_BYTES_PER_PARAM = 40  # param, grad, two AdamW states and their arena copies, with margin
+AUDIT_BASE_BYTES = 512 * MIB
 
+
+Run = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+
+
+def _version() -> str:
+    """The installed distribution's version; the package's own when run from an uninstalled checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("refitkit")
+    except PackageNotFoundError:
+        from refitkit import __version__
+
+        return __version__
+
+
+def _int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{why}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite_float(*, allow_zero: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if allow_zero else '>'} 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _check_output_path(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+    """Fail before the run, not after it: the file's folder must exist and be writable."""
+    try:
+        target = Path(path).expanduser().resolve()
+        if target.is_dir():
+            parser.error(f"{option} {path}: is a folder; give a file name")
+        folder = target.parent
+        if not folder.is_dir():
+            parser.error(f"{option} {path}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"{option} {path}: folder {folder} is not writable")
+    except (OSError, RuntimeError) as error:  # a name too long, a symlink loop
+        parser.error(f"{option} {path}: not a usable path ({error.__class__.__name__}: {error.strerror if isinstance(error, OSError) else error})")
+
+
+def _check_cuda_device(parser: argparse.ArgumentParser, text: str) -> None:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device {text!r}: not a device (expected cpu, cuda or cuda:N)")
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        parser.error(f"--device {text}: the demo runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        parser.error(f"--device {text}: CUDA is not available here (torch {torch.__version__}); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        parser.error(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
@@ -33,8 +116,12 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     Console().print(table)
 
 
-def demo(args: argparse.Namespace) -> int:
+
+
+def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The refit cycle end to end: train, stream weights to a spawned peer, offload, barrier, reload."""
+    if args.device is not None:
+        _check_cuda_device(parser, args.device)
     from refitkit.demo import run_demo
 
     result = run_demo(rounds=args.rounds, device=args.device)
@@ -63,18 +150,46 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Run every script in benchmarks/ (source checkout); each prints its figures and same-run limits."""
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
-    scripts = sorted(p for p in root.glob("*.py") if not p.name.startswith(("_", "limits")))
-    if not scripts:
-        print("no benchmarks/ folder next to the package: run from a source checkout")
+def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run benchmarks/ (source checkout), each sized to this machine's memory or skipped with the reason."""
+    root = Path(__file__).resolve().parent.parent
+    folder = root / "benchmarks"
+    if not (folder / "_sizing.py").is_file():
+        print(f"{parser.prog}: error: no benchmarks/ folder next to the package ({root}): run from a source checkout", file=sys.stderr)
         return 1
-    status = 0
-    for script in scripts:
-        print(f"== {script.name}")
-        status |= subprocess.run([sys.executable, str(script)], check=False).returncode
-    return status
+    sys.path.insert(0, str(root))  # benchmarks/ belongs to the source checkout, not to the installed library
+    from benchmarks._sizing import PLANNERS, available_host_bytes, plan_benchmarks, probe_machine
+
+    names = sorted({name.removesuffix(".py") for chosen in args.only or [] for name in chosen.split(",") if name})
+    unknown = [name for name in names if name not in PLANNERS]
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: no such benchmark (choose from {', '.join(sorted(PLANNERS))})")
+    host_bytes = None if args.host_memory_gib is None else int(args.host_memory_gib * GIB)
+    gpu_bytes = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
+    machine = probe_machine(host_bytes=host_bytes, gpu_bytes=gpu_bytes)
+    available = available_host_bytes()
+    print(f"budget: {machine.host_bytes / GIB:.1f} GiB host ({available / GIB:.1f} GiB available), "
+          f"{machine.gpu_bytes / GIB:.1f} GiB GPU" + ("" if machine.has_gpu else " (no GPU: GPU benchmarks skipped)"))  # fmt: skip
+    if machine.host_bytes > available:
+        print(f"note: --host-memory-gib {args.host_memory_gib:g} is more than the host has available now")
+    unplanned = sorted(p.name for p in folder.glob("*.py") if not p.name.startswith(("_", "limits")) and p.stem not in PLANNERS)
+    plans = plan_benchmarks(machine, names or None)
+    failed: list[str] = []
+    for plan in plans:
+        if not plan.runs:
+            print(f"== {plan.script}: skipped ({plan.skip})")
+            continue
+        print(f"== {' '.join((plan.script, *plan.args))}  [{plan.note}]", flush=True)
+        if args.dry_run:
+            continue
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH")))))
+        if subprocess.run([sys.executable, str(folder / plan.script), *plan.args], env=env, check=False).returncode:
+            failed.append(plan.script)
+    for name in [] if names else unplanned:
+        print(f"== {name}: skipped (no size plan in benchmarks/_sizing.py: run it by hand)")
+    if failed:
+        print(f"{parser.prog}: error: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _audit_rows(run: "AuditRun") -> list[tuple[str, str, str]]:
@@ -123,21 +238,34 @@ def _print_audit_table(run: "AuditRun", rows: list[tuple[str, str, str]]) -> Non
     Console(file=sys.stdout, width=160).print(table)
 
 
-def audit(argv: list[str] | None = None) -> int:
-    """Entry point of ``refitkit audit``; returns 0 when every watcher is clean, 1 on a leak."""
-    parser = argparse.ArgumentParser(prog="refitkit audit", description="run offload/reload cycles on a demo model under all four watchers; print a verdict table")
-    parser.add_argument("--cycles", type=int, default=30, help="watched offload/reload cycles (default 30)")
-    parser.add_argument("--width", type=int, default=512, help="demo model width (4 square layers)")
-    parser.add_argument("--window", type=int, default=20, help="RSS trend window in cycles")
-    parser.add_argument("--warmup", type=int, default=5, help="cycles before the RSS trend is judged")
-    parser.add_argument("--threshold-mib-per-cycle", type=float, default=1.0, help="RSS growth that counts as a leak")
-    parser.add_argument("--plant", choices=("none", "cycle", "bytes"), default="none",
-                        help="plant a 1 MiB/cycle leak to see what a finding looks like")  # fmt: skip
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of host RSS and GPU memory per phase")
-    parser.add_argument("--memory-history", metavar="PATH", help="(CUDA) record allocator history for the last cycle and dump it here")
-    args = parser.parse_args(argv)
-    if args.cycles < 1:
-        parser.error("--cycles must be >= 1")
+
+
+def _check_audit_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """What argparse's types cannot see: the machine (memory, CUDA, matplotlib) and the output folders."""
+    import psutil
+    import torch
+
+    params = 4 * (args.width * args.width + args.width)
+    need = AUDIT_BASE_BYTES + AUDIT_BYTES_PER_PARAM * params
+    available = psutil.virtual_memory().available
+    if need > available:
+        parser.error(f"--width {args.width}: the demo model needs ~{need / GIB:.1f} GiB, "
+                     f"{available / GIB:.1f} GiB is available; use a smaller --width")  # fmt: skip
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install refitkit[plot]")
+        _check_output_path(parser, "--plot", args.plot)
+    if args.memory_history:
+        if not torch.cuda.is_available():
+            parser.error("--memory-history records the CUDA allocator: no CUDA device here")
+        _check_output_path(parser, "--memory-history", args.memory_history)
+
+
+def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``refitkit audit``: 0 when every watcher is clean, 1 on a leak."""
+    _check_audit_options(args, parser)
     from refitkit.audit import plot_audit, run_audit
 
     run = run_audit(
@@ -147,24 +275,77 @@ def audit(argv: list[str] | None = None) -> int:
     rows = _audit_rows(run)
     _print_audit_table(run, rows)
     if args.plot:
-        plot_audit(run, args.plot)
+        try:
+            plot_audit(run, args.plot)
+        except OSError as error:
+            raise RefitError(f"cannot write the plot to {args.plot}: {error}") from error
         print(f"plot written to {args.plot}")
     return 1 if any(verdict == "LEAK" for _, verdict, _ in rows) else 0
 
 
+def _add_audit_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cycles", type=_int_at_least(1), default=30, help="watched offload/reload cycles (default 30)")
+    parser.add_argument("--width", type=_int_at_least(1), default=512, help="demo model width: 4 square layers (default 512)")
+    parser.add_argument("--window", type=_int_at_least(3, " (a trend needs 3 cycles)"), default=20,
+                        help="RSS trend window in cycles, >= 3 (default 20)")  # fmt: skip
+    parser.add_argument("--warmup", type=_int_at_least(0), default=5, help="cycles before the RSS trend is judged (default 5)")
+    parser.add_argument("--threshold-mib-per-cycle", type=_finite_float(allow_zero=False), default=1.0,
+                        help="RSS growth that counts as a leak, MiB per cycle (default 1.0)")  # fmt: skip
+    parser.add_argument("--plant", choices=("none", "cycle", "bytes"), default="none",
+                        help="plant a 1 MiB/cycle leak to see what a finding looks like (default none)")  # fmt: skip
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of host RSS and GPU memory per phase (needs matplotlib)")
+    parser.add_argument("--memory-history", metavar="PATH", help="(CUDA) record allocator history for the last cycle and dump it here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: ``refitkit [--version] {demo,bench,audit} ...``."""
+    parser = argparse.ArgumentParser(prog="refitkit", description="colocated RL refit: weights to the inference engine, "
+                                     "trainer state to pinned host memory")  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"refitkit {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,audit}")
+
+    demo_parser = commands.add_parser("demo", help="the refit cycle end to end on a small model",
+                                      description="train, stream weights to a spawned peer, offload, line up, reload")  # fmt: skip
+    demo_parser.add_argument("--rounds", type=_int_at_least(1), default=3, help="train/refit/resume rounds (default 3)")
+    demo_parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    demo_parser.set_defaults(run=demo, parser=demo_parser)
+
+    bench_parser = commands.add_parser("bench", help="run benchmarks/, sized to this machine",
+                                       description="run each script in benchmarks/ (source checkout) at the largest size "
+                                       "this machine's memory allows, or skip it with the reason")  # fmt: skip
+    bench_parser.add_argument("--only", action="append", metavar="NAME[,NAME]", help="run only these benchmarks (e.g. fsdp_offload)")
+    bench_parser.add_argument("--host-memory-gib", type=_finite_float(allow_zero=False), default=None,
+                              help="host memory the benchmarks may use (default: 80%% of what psutil reports available)")  # fmt: skip
+    bench_parser.add_argument("--gpu-memory-gib", type=_finite_float(allow_zero=True), default=None,
+                              help="GPU memory they may use; 0 skips GPU benchmarks (default: 90%% of GPU 0's free memory)")  # fmt: skip
+    bench_parser.add_argument("--dry-run", action="store_true", help="print the plan (sizes and skips) without running anything")
+    bench_parser.set_defaults(run=bench, parser=bench_parser)
+
+    audit_parser = commands.add_parser("audit", help="watchdog verdicts over N offload/reload cycles",
+                                       description="run offload/reload cycles on a demo model under all four watchers; "
+                                       "print a verdict table")  # fmt: skip
+    _add_audit_options(audit_parser)
+    audit_parser.set_defaults(run=run_audit_command, parser=audit_parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["audit"]:
-        return audit(argv[1:])
-    parser = argparse.ArgumentParser(prog="refitkit", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="the refit cycle end to end on a small model")
-    demo_parser.add_argument("--rounds", type=int, default=3)
-    demo_parser.add_argument("--device", default=None)
-    commands.add_parser("bench", help="run benchmarks/ (GPU figures against same-run limits)")
-    commands.add_parser("audit", help="watchdog verdicts over N cycles (see `refitkit audit --help`)")
-    args = parser.parse_args(argv)
-    return {"demo": demo, "bench": bench}[args.command](args)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    run: Run = args.run
+    try:
+        return run(args, args.parser)
+    except RefitError as error:
+        message = " ".join(str(error).split())  # one line, whatever the library's message looks like
+        print(f"{args.parser.prog}: error: {type(error).__name__}: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{args.parser.prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def audit(argv: list[str] | None = None) -> int:
+    """``refitkit audit`` with its own arguments (what ``main(["audit", *argv])`` does)."""
+    return main(["audit", *(argv or [])])
 
 
 if __name__ == "__main__":

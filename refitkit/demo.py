@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from refitkit.engines.fsdp import FSDPAdapter
+from refitkit.errors import TransferError, TransferTimeout
 from refitkit.refit import RefitCycle
 from refitkit.report import RefitReport
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
@@ -88,11 +89,11 @@ class DemoResult:
 def _from_peer(conn, what: str) -> bytes:
     """One message from the peer, bounded by PEER_TIMEOUT_S; a dead peer is an error, not a hang."""
     if not conn.poll(PEER_TIMEOUT_S):
-        raise TimeoutError(f"demo peer: no {what} within {PEER_TIMEOUT_S} s")
+        raise TransferTimeout(f"demo peer: no {what} within PEER_TIMEOUT_S={PEER_TIMEOUT_S} s")
     try:
         return conn.recv_bytes()
     except EOFError:
-        raise RuntimeError(f"demo peer exited before sending its {what}") from None
+        raise TransferError(f"demo peer exited before sending its {what}") from None
 
 
 def run_demo(*, rounds: int = 3, device: str | None = None, bucket_bytes: int = 4 << 20) -> DemoResult:
@@ -114,7 +115,7 @@ def run_demo(*, rounds: int = 3, device: str | None = None, bucket_bytes: int = 
         child.close()  # only the peer holds its end now, so its death reads as EOF here
         try:
             if _from_peer(parent, "start") != b"ready":
-                raise RuntimeError("demo peer sent an unexpected greeting")
+                raise TransferError("demo peer sent an unexpected greeting")
             cycle = RefitCycle(adapter, sender, barrier_timeout_s=60.0, on_phase=watchdog.mark)
             with monitor:
                 for step in range(rounds):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import LeakDetected
+from refitkit.errors import LeakDetected, RefitError
 from refitkit.watchdog._referrers import referrer_chain, type_name
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class CycleAudit(contextlib.ContextDecorator):
 
     def __enter__(self) -> CycleAudit:
         if self._saved is not None:
-            raise RuntimeError("CycleAudit is not re-entrant; use a fresh CycleAudit for a nested block")
+            raise RefitError("CycleAudit is not re-entrant; use a fresh CycleAudit for a nested block")
         self.report = None
         self._saved = _SavedGcState(gc.isenabled(), gc.get_threshold(), gc.get_debug(), list(gc.garbage))
         gc.garbage.clear()
@@ -102,7 +102,9 @@ class CycleAudit(contextlib.ContextDecorator):
 
     def __exit__(self, *exc: object) -> None:
         saved, self._saved = self._saved, None
-        assert saved is not None
+        if saved is None:
+            # nothing was frozen or disabled: collecting now would run a full GC outside audit mode
+            raise RefitError("CycleAudit.__exit__ without __enter__: use it as `with CycleAudit() as audit:`")
         try:
             added_by_block = list(gc.garbage)
             gc.garbage.clear()
@@ -184,7 +186,8 @@ def assert_no_cycles(what: str = "block", *, max_objects: int = 0) -> Iterator[C
     audit = CycleAudit()
     with audit:
         yield audit
-    assert audit.report is not None
+    if audit.report is None:  # __exit__ always sets it unless it raised, which would not reach here
+        raise RefitError(f"assert_no_cycles({what!r}): the audit produced no report")
     if audit.report.cyclic_objects > max_objects:
         raise LeakDetected(f"{what} created cyclic garbage (max_objects={max_objects}): {audit.report.summary()}")
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +43,27 @@ def test_bad_cycles_is_a_usage_error():
     with pytest.raises(SystemExit) as exited:
         main(["--cycles", "0"])
     assert exited.value.code == 2
+
+
+def test_cycle_audit_exit_without_enter_is_a_refit_error_even_under_python_O():
+    """Under -O an assert vanished: the bare __exit__ then ran two full collections and died on None."""
+    code = (
+        "import gc\n"
+        "from refitkit.errors import RefitError\n"
+        "from refitkit.watchdog import CycleAudit\n"
+        "gc.disable()\n"
+        "before = sum(s['collections'] for s in gc.get_stats())\n"
+        "try:\n"
+        "    CycleAudit().__exit__(None, None, None)\n"
+        "except RefitError as error:\n"
+        "    print('RefitError:', error)\n"
+        "print('collections', sum(s['collections'] for s in gc.get_stats()) - before)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH")))))
+    done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "RefitError: CycleAudit.__exit__ without __enter__: use it as `with CycleAudit() as audit:`",
+        "collections 0",
+    ]
