@@ -121,7 +121,9 @@ def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool 
     if device.type == "meta":
         raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
     for group in groups:
-        if not group.storage.resizable():
+        # A CPU storage in shared memory (share_memory_()) claims to be resizable, but growing it back
+        # after resize_(0) crashes the process (segfault, torch 2.13): refuse it like any fixed buffer.
+        if not group.storage.resizable() or (group.storage.device.type == "cpu" and group.storage.is_shared()):
             raise InvalidInput(
                 f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
                 "buffer) and cannot be freed in place"

@@ -279,3 +279,14 @@ def test_pinning_without_cuda_is_a_clear_error():
         pytest.skip("CUDA present")
     with pytest.raises(InvalidInput, match="pin_memory=True.*needs CUDA"):
         HostArena(pin_memory=True)
+
+
+def test_a_tensor_in_shared_memory_is_refused_before_anything_moves():
+    # share_memory_() storages report resizable(), but growing one back after resize_(0) segfaulted on reload
+    arena = HostArena()
+    shared = torch.arange(64, dtype=torch.float32).share_memory_()
+    before = shared.clone()
+    with pytest.raises(InvalidInput, match=r"'tensors\[0\]' lives in a non-resizable storage"):
+        offload_tensors([shared], arena)
+    assert shared.untyped_storage().nbytes() == 64 * 4 and torch.equal(shared, before)
+    assert arena.nbytes == 0
