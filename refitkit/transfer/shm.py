@@ -54,8 +54,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAMED_SEGMENTS_ENV = "REFITKIT_NAMED_SEGMENTS"
-_PREFIX = f"refitkit-{os.getuid()}-"
-_SEGMENT = re.compile(rf"^{re.escape(_PREFIX)}\d+-[0-9a-f]+$")
+_NAME = re.compile(r"^refitkit-(\d+)-\d+-[0-9a-f]+$")  # refitkit-<uid>-<pid>-<session>
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _KNOBS = "pass a smaller bucket_bytes, give the container more shared memory (docker --shm-size), or use transport='cuda_ipc'"
 
@@ -72,8 +71,13 @@ def pid_namespace() -> list[int] | None:
 
 
 def segment_prefix() -> str:
-    """The name prefix of this user's named segments."""
-    return _PREFIX
+    """The name prefix of this uid's segments (read at each call: a process may drop privileges after import)."""
+    return f"refitkit-{os.getuid()}-"
+
+
+def _ours(name: str) -> bool:
+    match = _NAME.match(name)
+    return match is not None and int(match.group(1)) == os.getuid()
 
 
 def unlink_quietly(path: str | None) -> None:
@@ -88,7 +92,7 @@ def unlink_quietly(path: str | None) -> None:
 
 def check_segment_path(path: str) -> None:
     """ProtocolError unless ``path`` names one of this uid's segments in the shared-memory directory."""
-    if os.path.dirname(path) != SHM_DIR or not _SEGMENT.match(os.path.basename(path)):
+    if os.path.dirname(path) != SHM_DIR or not _ours(os.path.basename(path)):
         raise ProtocolError(f"shm handle names {path!r}, not a refitkit segment of uid {os.getuid()} in {SHM_DIR}")
 
 
@@ -103,7 +107,7 @@ def remove_stale_segments() -> int:
         return 0
     removed = 0
     for name in names:
-        if _SEGMENT.match(name) and _remove_if_orphaned(os.path.join(SHM_DIR, name)):
+        if _ours(name) and _remove_if_orphaned(os.path.join(SHM_DIR, name)):
             removed += 1
     if removed:
         log.info("removed %d stale shared-memory segment(s) of dead senders", removed)
@@ -149,7 +153,7 @@ class Segment:
         """``name`` ends the segment's name (``<prefix><pid>-<name>``); ``peer_pidns`` is the receiver's
         ``pid_namespace()`` from its hello (a memfd only when it equals ours)."""
         self.nbytes = nbytes
-        self.name = f"{_PREFIX}{os.getpid()}-{name}"
+        self.name = f"{segment_prefix()}{os.getpid()}-{name}"
         own = pid_namespace()
         self.memfd = own is not None and peer_pidns == own
         self._pidns = own
@@ -271,7 +275,7 @@ def _open_memfd(handle: dict[str, Any], *, what: str) -> int:
     if (
         not isinstance(source, dict) or type(source.get("pid")) is not int or type(source.get("fd")) is not int
         or source["pid"] <= 0 or source["fd"] < 0 or not isinstance(name, str)
-        or not name.startswith(f"{_PREFIX}{source['pid']}-")
+        or not name.startswith(f"{segment_prefix()}{source['pid']}-")
     ):  # fmt: skip
         raise ProtocolError(f"setup: bad {what} handle {handle!r}")
     if source.get("pidns") != pid_namespace():

@@ -170,9 +170,10 @@ def test_sweep_skips_and_logs_a_file_of_another_uid(caplog):
 
 
 _NEW_SENDER = """
-    import os, sys
+    import logging, os, sys
+    logging.basicConfig(level=logging.WARNING)
     from refitkit.transfer import BucketedWeightSender  # imported as root: the interpreter may be root's only
-    os.setgid({uid}); os.setuid({uid})
+    os.setgid({uid}); os.setuid({uid})  # a sender that drops privileges after import sweeps as that uid
     BucketedWeightSender("ep", timeout_s=1).close()
     print("sender made")
 """
@@ -190,6 +191,7 @@ def test_a_new_sender_starts_despite_another_uids_file_with_its_prefix():
     try:
         run = run_script(_NEW_SENDER.format(uid=NOBODY), env={"REFITKIT_SOCKET_DIR": sockets}, timeout_s=60)
         assert run.returncode == 0 and "sender made" in run.stdout, run.stderr[-2000:]
+        assert f"stale sweep skips {planted}: not a regular file of uid {NOBODY} (uid 0" in run.stderr
         assert os.path.exists(planted)
     finally:
         os.unlink(planted)
@@ -204,7 +206,7 @@ _SCRIBBLE = """
     where = handle.get("path") or "/proc/{pid}/fd/{fd}".format(**handle["memfd"])
     fd = os.open(where, os.O_RDWR)
     results = []
-    for size in (0, 2 * handle["nbytes"]):  # shrink (SIGBUS for whoever touches the lost pages), then grow
+    for size in (2 * handle["nbytes"], 0):  # grow, then shrink: SIGBUS for whoever touches the lost pages
         try:
             os.ftruncate(fd, size)
             results.append("truncated")
