@@ -272,3 +272,37 @@ def test_a_truncated_named_segment_is_refused_before_it_is_mapped():
     finally:
         segment.unlink()
         segment.mapping.close()
+
+
+# -- both kinds of segment carry a session ------------------------------------------------------
+
+
+def test_named_segments_round_trip_when_the_receiver_asks_for_them(endpoint, monkeypatch):
+    # REFITKIT_NAMED_SEGMENTS=1 in the receiver's environment: its hello offers no PID namespace,
+    # so bucket and doorbell are named files in /dev/shm, unlinked once mapped.
+    import multiprocessing as mp
+
+    import torch
+
+    from refitkit.transfer import BucketedWeightSender
+    from tests.transfer.peers import digest, one_shot_receiver_main
+
+    monkeypatch.setenv(shm.NAMED_SEGMENTS_ENV, "1")
+    assert shm.pid_namespace() is None
+    named = shm.Segment(4096, name="abc")
+    assert named.path is not None and named.handle() == {"path": named.path, "nbytes": 4096}
+    named.unlink()
+    named.mapping.close()
+    weights = [(f"w{i}", torch.randn(3000 + i, generator=torch.Generator().manual_seed(i))) for i in range(20)]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    receiver = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cpu", 20, "collect", None, child))
+    receiver.start()  # inherits the environment variable
+    with BucketedWeightSender(endpoint, bucket_bytes=64 << 10, transport="shm", timeout_s=20) as sender:
+        stats = sender.send(item for item in weights)
+    assert parent.poll(60) and parent.recv() == "starting"
+    assert parent.poll(60)
+    result = parent.recv()
+    receiver.join(30)
+    assert result["digests"] == {name: digest(tensor) for name, tensor in weights} and stats.buckets > 3
+    assert result["segments_after"] == [] and own_names() == []
