@@ -177,37 +177,44 @@ class Doorbell:
         self._owner = owner
         self._libc = _libc()
         self._post_streams: dict[int, Any] = {}  # CUDA streams with a post queued: synchronized before unmapping
+        self._segment: shm.Segment | None = None  # the sender's: it holds the name (or memfd) until unlink()
 
     @classmethod
-    def create(cls, session: str) -> Doorbell:
-        """The sender's segment for ``session`` (named so a dead sender's leftover is cleaned like a bucket's)."""
-        path = os.path.join(shm.SHM_DIR, f"{shm.segment_prefix()}{os.getpid()}-{session}c")
-        bell = cls(path, shm.map_segment(path, CONTROL_BYTES, create=True, reserve=True), owner=True)
-        assert bell._libc is not None and bell._mmap is not None
+    def create(cls, session: str, *, peer_pidns: Any = None) -> Doorbell:
+        """The sender's segment for ``session``: a sealed memfd when the receiver's hello gave our PID
+        namespace as ``peer_pidns``, else named (and swept like a bucket's if the sender dies)."""
+        libc = _libc()
+        if libc is None:
+            raise TransferError("no process-shared semaphores: this process's C library lacks sem_init")
+        segment = shm.Segment(CONTROL_BYTES, name=f"{session}c", peer_pidns=peer_pidns)
+        bell = cls(segment.path or segment.name, segment.mapping, owner=True)
+        bell._segment = segment
         for sem in bell._sems:
-            if bell._libc.sem_init(sem, 1, 0) != 0:
+            if libc.sem_init(sem, 1, 0) != 0:
                 bell.close()
                 raise TransferError(f"sem_init failed: {os.strerror(ctypes.get_errno())}")
-        bell._mmap[:8] = MAGIC.to_bytes(8, "little")
+        segment.mapping[:8] = MAGIC.to_bytes(8, "little")
         return bell
 
     @classmethod
     def open(cls, handle: Any) -> Doorbell:
         """The receiver's view of the sender's segment, from the ``control`` field of setup."""
-        if not isinstance(handle, str):
-            raise ProtocolError(f"setup: control segment {handle!r} is not a path")
-        shm.check_segment_path(handle)
         if _libc() is None:
             raise TransferError("the sender uses shared semaphores, which this process's C library lacks")
-        bell = cls(handle, shm.map_segment(handle, CONTROL_BYTES, create=False), owner=False)
-        assert bell._mmap is not None
-        if int.from_bytes(bell._mmap[:8], "little") != MAGIC:
+        if not isinstance(handle, dict) or handle.get("nbytes") != CONTROL_BYTES:
+            raise ProtocolError(f"setup: control segment {handle!r} is not a {CONTROL_BYTES}-byte segment handle")
+        mapping = shm.open_segment(handle, what="control segment")
+        path = handle.get("path")  # None for a memfd: nothing to unlink
+        bell = cls(path, mapping, owner=False)  # type: ignore[arg-type]
+        if int.from_bytes(mapping[:8], "little") != MAGIC:
             bell.close()
-            raise ProtocolError(f"setup: {handle} is not a refitkit control segment")
+            raise ProtocolError(f"setup: {path or handle.get('name')} is not a refitkit control segment")
         return bell
 
-    def handle(self) -> str:
-        return self.path
+    def handle(self) -> dict[str, Any]:
+        if self._segment is None:
+            raise TransferError("only the sender's doorbell has a handle to give")
+        return self._segment.handle()
 
     # -- posting ----------------------------------------------------------------------------------
 
@@ -269,8 +276,9 @@ class Doorbell:
     # -- lifetime ---------------------------------------------------------------------------------
 
     def unlink(self) -> None:
-        """Drop the name (both sides keep their mapping); idempotent."""
-        shm.unlink_quietly(self.path)
+        """Drop the name or memfd descriptor (both sides keep their mapping); idempotent."""
+        if self._segment is not None:
+            self._segment.unlink()
 
     def close(self) -> None:
         """Unmap (and, on the sender, unlink) once every queued post has run.

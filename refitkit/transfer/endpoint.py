@@ -8,9 +8,12 @@ An ``endpoint`` is either
 - an explicit ``ipc:///absolute/path.sock`` whose directory already exists (the caller owns its
   permissions).
 
-The socket file is made mode 0600 right after bind. A leftover socket file from a dead sender is
-unlinked before binding; a file a live process still accepts on is refused (two senders would
-silently steal each other's receivers).
+The socket file is born mode 0600 (bound under a umask that allows nothing more), so no other
+user can connect even for a moment. A leftover socket file of ours from a dead sender is unlinked
+before binding; a file a live process still accepts on is refused (two senders would silently
+steal each other's receivers), and so is another uid's file or anything that is not a socket.
+A sender removes its socket file on close only while the file is still the one it bound: a
+successor that bound the same endpoint meanwhile keeps its own.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -67,6 +71,9 @@ def socket_path(endpoint: str) -> str:
     return path
 
 
+_UMASK_LOCK = threading.Lock()  # the umask is per process: two binds must not restore each other's
+
+
 def _accepting(path: str) -> bool:
     """Whether a live process accepts connections on the unix socket at ``path``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -76,28 +83,72 @@ def _accepting(path: str) -> bool:
         return True
     except (ConnectionRefusedError, FileNotFoundError):
         return False
+    except TimeoutError:
+        return True  # a listener with a full backlog is alive, only busy
     finally:
         probe.close()
 
 
-def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
-    """A ROUTER socket bound at ``path`` (file mode 0600), after clearing a dead sender's leftover."""
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise TransferError(f"endpoint file {path} exists and is not a socket; refusing to replace it")
+def _clear_leftover(path: str) -> None:
+    """Unlink a dead sender's socket file of ours at ``path``; TransferError for anything else there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise TransferError(f"endpoint file {path} exists and is not a socket; refusing to replace it")
+    if info.st_uid != os.getuid():
+        raise TransferError(
+            f"endpoint file {path} belongs to uid {info.st_uid}, not to this uid {os.getuid()}; refusing to "
+            "replace it: use another endpoint name (or let its owner remove it)"
+        )
+    try:
         if _accepting(path):
             raise TransferError(f"endpoint {path} is in use by a live sender; use another endpoint name")
         os.unlink(path)  # stale: its sender died without closing
+    except FileNotFoundError:
+        pass  # its owner removed it meanwhile
+    except OSError as exc:
+        raise TransferError(f"endpoint file {path} is a leftover this process cannot replace ({exc}); use another endpoint name") from None
+
+
+def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
+    """A ROUTER socket bound at ``path`` (file mode 0600 from birth), after clearing a dead sender's leftover."""
+    _clear_leftover(path)
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished receiver fails instead of vanishing
     try:
-        sock.bind(f"ipc://{path}")
-        os.chmod(path, 0o600)
+        with _UMASK_LOCK:
+            previous = os.umask(0o177)  # the file is born 0600: no window in which another user may connect
+            try:
+                sock.bind(f"ipc://{path}")
+            finally:
+                os.umask(previous)
+        os.chmod(path, 0o600)  # where the filesystem ignores the umask for sockets (it should not)
     except Exception:
         sock.close(linger=0)
         raise
     return sock
+
+
+def socket_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path`` right after we bound it, to recognise it at close."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def remove_socket_file(path: str, identity: tuple[int, int] | None) -> None:
+    """Unlink ``path`` if it is still the file we bound (``identity``), never a successor's socket."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if identity is not None and (info.st_dev, info.st_ino) == identity:
+        os.unlink(path)
 
 
 def connect_receiver(context: zmq.Context, path: str) -> zmq.Socket:

@@ -153,6 +153,7 @@ class _ReceiveSession:
         hello: dict[str, Any] = {
             "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
             "timeout_s": self.receiver.timeout_s,  # how long a sender may keep this hello queued
+            "pidns": shm.pid_namespace(),  # the same as the sender's: sealed memfds instead of named segments
         }  # fmt: skip
         if self.device.type == "cuda":
             hello["device_uuid"] = cuda_ipc.device_uuid(self.device)

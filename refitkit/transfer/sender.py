@@ -32,7 +32,7 @@ import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
-from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, socket_path
+from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
 from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item, half_bytes_for
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame
@@ -87,6 +87,7 @@ class BucketedWeightSender:
         self._context = zmq.Context()
         try:
             self._socket = bind_sender(self._context, self.path)
+            self._bound = socket_identity(self.path)  # close() removes this file, not a successor's
         except Exception:
             self._context.term()
             self._context = None
@@ -107,7 +108,7 @@ class BucketedWeightSender:
         if self._context is not None:
             self._context.term()  # returns once the listener is gone, so a rebind cannot race it
             self._context = None
-            shm.unlink_quietly(self.path)  # libzmq leaves the file; a closed sender should not look stale
+            remove_socket_file(self.path, self._bound)  # libzmq leaves the file; a closed sender should not look stale
 
     def __enter__(self) -> "BucketedWeightSender":
         return self
@@ -263,7 +264,7 @@ class _SendSession:
         transport = self._choose_transport(hello, first)
         half = self.half_bytes
         if transport == "shm":
-            self.bucket = shm.ShmBucket(2 * half, session=self.session)
+            self.bucket = shm.ShmBucket(2 * half, session=self.session, peer_pidns=hello.get("pidns"))
         elif transport == "cuda_ipc":
             assert first is not None
             self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
@@ -272,7 +273,7 @@ class _SendSession:
         shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
         if self.bucket is not None and shared_shm and doorbell.available():
             try:
-                self.bell = doorbell.Doorbell.create(self.session)
+                self.bell = doorbell.Doorbell.create(self.session, peer_pidns=hello.get("pidns"))
                 control = self.bell.handle()
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
                 log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.sender.endpoint, exc)

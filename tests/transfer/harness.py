@@ -58,8 +58,18 @@ def assert_device_memory_back(baseline_free: int, after: str, *, settle_s: float
 
 
 def own_segment_files() -> list[str]:
-    """This process's shared-memory segment files (a finished send leaves none)."""
-    return glob.glob(f"/dev/shm/refitkit-{os.getuid()}-{os.getpid()}-*")
+    """This process's shared-memory segments: named files, and memfds it still holds a descriptor of
+    (a finished send leaves none)."""
+    named = glob.glob(f"/dev/shm/refitkit-{os.getuid()}-{os.getpid()}-*")
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if target.startswith("/memfd:refitkit-"):
+            held.append(target)
+    return named + held
 
 
 def roundtrip(

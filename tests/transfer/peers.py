@@ -34,7 +34,7 @@ def mapped_segments(pid: int | str = "self") -> list[str]:
     """refitkit shared-memory segments mapped into a process (from /proc/<pid>/maps)."""
     with open(f"/proc/{pid}/maps") as maps:
         return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
-                for line in maps if "/dev/shm/refitkit-" in line]  # fmt: skip
+                for line in maps if "/dev/shm/refitkit-" in line or "/memfd:refitkit-" in line]  # fmt: skip
 
 
 def cuda_allocator_expandable() -> bool | None:

@@ -20,9 +20,9 @@ from tests.transfer.test_roundtrip import random_tensor
 pytestmark = pytest.mark.timeout(60)
 
 
-def counter_peer_main(path: str, conn) -> None:
+def counter_peer_main(handle: dict, conn) -> None:
     """Open the sender's segment, take three PACKED announcements (bounded), answer with two CONSUMED."""
-    bell = doorbell.Doorbell.open(path)
+    bell = doorbell.Doorbell.open(handle)
     taken = sum(bell.take(doorbell.PACKED, timeout_s=20) for _ in range(3))
     extra = bell.take(doorbell.PACKED)  # nothing more was posted
     for _ in range(2):
@@ -36,7 +36,7 @@ def test_semaphores_cross_processes():
     try:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        peer = ctx.Process(target=counter_peer_main, args=(bell.path, child))
+        peer = ctx.Process(target=counter_peer_main, args=(bell.handle(), child))
         peer.start()
         for _ in range(3):
             bell.post(doorbell.PACKED)
@@ -60,15 +60,15 @@ def test_timed_take_is_bounded():
 
 def test_open_refuses_foreign_paths_and_segments(tmp_path):
     with pytest.raises(ProtocolError, match="not a refitkit segment"):
-        doorbell.Doorbell.open(str(tmp_path / "x"))
-    with pytest.raises(ProtocolError, match="is not a path"):
+        doorbell.Doorbell.open({"path": str(tmp_path / "x"), "nbytes": doorbell.CONTROL_BYTES})
+    with pytest.raises(ProtocolError, match="is not a 4096-byte segment handle"):
         doorbell.Doorbell.open(12)
     impostor = f"/dev/shm/refitkit-{os.getuid()}-{os.getpid()}-{os.urandom(4).hex()}"
     with open(impostor, "wb") as handle:
         handle.write(b"\0" * doorbell.CONTROL_BYTES)
     try:
         with pytest.raises(ProtocolError, match="not a refitkit control segment"):
-            doorbell.Doorbell.open(impostor)
+            doorbell.Doorbell.open({"path": impostor, "nbytes": doorbell.CONTROL_BYTES})
     finally:
         os.unlink(impostor)
 
@@ -275,7 +275,7 @@ def test_conj_and_neg_views_arrive_resolved(receiver_server, endpoint, case, gen
 
 
 def test_no_semaphore_segment_falls_back_to_frames(receiver_server, endpoint, monkeypatch):
-    def full_shm(session):
+    def full_shm(session, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(doorbell.Doorbell, "create", staticmethod(full_shm))

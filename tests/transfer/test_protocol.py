@@ -124,17 +124,16 @@ def test_non_socket_file_is_not_replaced(endpoint):
 def test_stale_shm_segments_of_dead_senders_are_removed():
     dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
     stale = f"{shm.SHM_DIR}/refitkit-{os.getuid()}-{dead_pid}-deadbeef"
-    mine = f"{shm.SHM_DIR}/refitkit-{os.getuid()}-{os.getpid()}-cafe"
-    for path in (stale, mine):
-        with open(path, "wb") as handle:
-            handle.write(b"\0" * 64)
+    with open(stale, "wb") as handle:
+        handle.write(b"\0" * 64)  # nobody holds its lock: its owner is gone
+    mine = shm.Segment(64, name="cafe")  # a live sender's named segment (locked while named)
     try:
         assert shm.remove_stale_segments() >= 1
-        assert not os.path.exists(stale) and os.path.exists(mine)
+        assert not os.path.exists(stale) and os.path.exists(mine.path)
     finally:
-        for path in (stale, mine):
-            if os.path.exists(path):
-                os.unlink(path)
+        mine.unlink()
+        mine.mapping.close()
+        shm.unlink_quietly(stale)
 
 
 @pytest.mark.parametrize(

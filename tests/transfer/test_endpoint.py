@@ -1,0 +1,107 @@
+"""Endpoint socket files: born private, never another user's replaced, never a successor's removed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from refitkit.errors import TransferError
+from refitkit.transfer import BucketedWeightSender
+from refitkit.transfer.endpoint import socket_path
+from tests.transfer.harness import roundtrip
+
+pytestmark = pytest.mark.timeout(120)
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to chown files to / act as another uid")
+
+
+def stale_socket(path: str) -> None:
+    """A socket file nobody accepts on: a dead sender's leftover."""
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()
+
+
+def test_socket_file_is_never_more_open_than_0600(endpoint, monkeypatch):
+    # The mode the file has between bind and the chmod after it is what another user could connect
+    # through: observed at the chmod, under a permissive umask (the common 022).
+    seen: list[int] = []
+    chmod = os.chmod
+
+    def observing_chmod(path, mode, *args, **kwargs):
+        seen.append(stat.S_IMODE(os.lstat(path).st_mode))
+        return chmod(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "chmod", observing_chmod)
+    previous = os.umask(0o022)
+    try:
+        with BucketedWeightSender(endpoint, timeout_s=1) as sender:
+            assert stat.S_IMODE(os.lstat(sender.path).st_mode) == 0o600
+    finally:
+        os.umask(previous)
+    assert all(mode == 0o600 for mode in seen), [oct(mode) for mode in seen]
+    assert os.umask(previous) == previous  # the process's umask is restored
+
+
+def test_close_leaves_a_successors_socket_file(receiver_server, endpoint):
+    first = BucketedWeightSender(endpoint, timeout_s=5)
+    os.unlink(first.path)  # its file is gone (removed as stale by someone): a successor binds the same name
+    with BucketedWeightSender(endpoint, timeout_s=5) as successor:
+        first.close()
+        assert stat.S_ISSOCK(os.lstat(successor.path).st_mode)  # still there, still the successor's
+    # ...and a receiver can still reach a sender on that endpoint
+    roundtrip(receiver_server, endpoint, [("w", __import__("torch").arange(10.0))])
+
+
+@needs_root
+def test_another_uids_stale_socket_file_is_refused_and_kept(endpoint):
+    path = socket_path(endpoint)
+    stale_socket(path)
+    os.chown(path, 12345, 12345)
+    try:
+        with pytest.raises(TransferError, match=rf"endpoint file {path} belongs to uid 12345, not to this uid 0; .*another endpoint"):
+            BucketedWeightSender(endpoint, timeout_s=1)
+        assert os.lstat(path).st_uid == 12345  # not replaced
+    finally:
+        os.unlink(path)
+
+
+_AS_NOBODY = """
+import os, sys
+from refitkit.errors import TransferError
+from refitkit.transfer import BucketedWeightSender  # imported as root: the interpreter's files may be root's only
+os.setgid({uid}); os.setuid({uid})
+try:
+    BucketedWeightSender("ipc://" + sys.argv[1], timeout_s=1).close()
+except TransferError as exc:
+    print("TransferError:", exc)
+"""
+
+
+@needs_root
+def test_a_users_sender_meets_another_users_stale_socket_in_a_shared_dir():
+    # A shared sticky directory (like /tmp) holds root's stale socket; a sender of another user
+    # used to die in the liveness probe with a bare PermissionError.
+    shared = tempfile.mkdtemp(prefix="rk-shared-")
+    os.chmod(shared, 0o1777)
+    path = os.path.join(shared, "ep.sock")
+    stale_socket(path)
+    os.chmod(path, 0o600)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _AS_NOBODY.format(uid=NOBODY), path], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": os.getcwd(), "REFITKIT_SOCKET_DIR": shared},
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert f"TransferError: endpoint file {path} belongs to uid 0, not to this uid {NOBODY}" in run.stdout
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    finally:
+        os.unlink(path)
+        os.rmdir(shared)
