@@ -203,6 +203,8 @@ class _ReceiveSession:
             self.phase = SessionPhase.RELEASED
             raise TransferError(f"sender on {self.receiver.endpoint!r} refused the session: {setup.get('reason')}")
         expect(setup, "setup")
+        if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
+            self.session = setup["session"]
         try:
             self.session, transport, self.half_bytes, handle, control = setup_fields(setup)
             if transport == "shm":
