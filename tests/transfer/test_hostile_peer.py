@@ -403,3 +403,45 @@ def test_wait_on_is_for_cuda_streams_of_a_running_session(receiver_server, endpo
         thread.join(TIMEOUT_S + 2)
         assert sent and "wait_on" in str(sent[0])  # the sender heard why
     assert mapped_segments() == [] and own_segment_files() == []
+
+
+# -- a loader that reads the bucket on its own stream (CUDA) ---------------------------------------------
+
+
+def side_stream_loader_main(endpoint: str, conn) -> None:
+    """Copies every tensor on a side stream that is busy first (so the copies run late) and hands that
+    stream to the receiver: the bucket's half must not be handed back before those copies ran."""
+    torch.set_num_threads(1)
+    torch.zeros(1, device="cuda")
+    receiver = BucketedWeightReceiver(endpoint, "cuda", timeout_s=30)
+    side = torch.cuda.Stream()
+    kept: dict[str, torch.Tensor] = {}
+
+    def on_bucket(weights, is_last):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the copies
+            for name, tensor in weights:
+                kept[name] = tensor.clone()
+        receiver.wait_on(side)
+
+    conn.send("ready")
+    try:
+        receiver.receive(on_bucket)
+        torch.cuda.synchronize()
+        conn.send({"type": None, "digests": {name: digest(tensor) for name, tensor in kept.items()}})
+    except BaseException as exc:
+        conn.send({"type": type(exc).__name__, "message": str(exc)})
+
+
+@pytest.mark.cuda
+def test_loader_copying_on_a_side_stream_reads_its_own_bucket(endpoint):
+    weights = [(f"w{i}", torch.full((1000,), float(i), device="cuda")) for i in range(12)]  # one a half
+    expected = {name: digest(tensor) for name, tensor in weights}
+    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="cuda_ipc", timeout_s=30) as sender:
+        process, conn = spawn(side_stream_loader_main, endpoint)
+        assert conn.poll(120) and conn.recv() == "ready"
+        sender.send((name, tensor) for name, tensor in weights)  # a generator: one tensor a bucket, halves reused
+    result = outcome(process, conn, 60)
+    assert result["type"] is None, result
+    assert result["digests"] == expected
