@@ -56,6 +56,7 @@ def _driver() -> ctypes.CDLL:
     lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
     lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
     lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
     _check(lib, lib.cuInit(0), "cuInit")
     return lib
 
@@ -195,6 +196,8 @@ class CudaIpcMapping:
             raise ProtocolError("bad cuda_ipc handle fields") from None
         if len(raw) != _IPC_HANDLE_BYTES:
             raise ProtocolError(f"cuda_ipc handle has {len(raw)} bytes, expected {_IPC_HANDLE_BYTES}")
+        if nbytes <= 0:
+            raise ProtocolError(f"cuda_ipc handle announces {nbytes} bytes")
         lib = _driver()
         self.device = local_device_for(uuid, device)
         previous = torch.cuda.current_device()
@@ -203,6 +206,16 @@ class CudaIpcMapping:
             pointer = ctypes.c_uint64()
             result = _ipc_open_fn(lib)(ctypes.byref(pointer), _IpcHandle.from_buffer_copy(raw), _LAZY_ENABLE_PEER_ACCESS)
             _check(lib, result, "cuIpcOpenMemHandle")
+            # The size is the driver's, not the wire's: a view beyond the allocation would read another one.
+            # (At least as large: the driver may round the allocation up; the sender already rounds to pages.)
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            _check(lib, lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer.value), "cuMemGetAddressRange")
+            if base.value != pointer.value or size.value < nbytes:
+                lib.cuIpcCloseMemHandle(pointer.value)
+                raise ProtocolError(
+                    f"cuda_ipc handle announces {nbytes} bytes; the mapped allocation has {size.value} "
+                    f"(at offset {pointer.value - base.value})"
+                )
         finally:
             torch.cuda.set_device(previous)
         self.tensor: torch.Tensor | None
@@ -210,7 +223,8 @@ class CudaIpcMapping:
 
     def bucket(self, offset: int, used_bytes: int) -> torch.Tensor:
         """The used bytes of one half, read in place from the sender's GPU memory."""
-        assert self.tensor is not None
+        if self.tensor is None or offset < 0 or offset + used_bytes > self.tensor.numel():
+            raise ProtocolError(f"bucket bytes {offset}..{offset + used_bytes} are outside the mapped CUDA IPC buffer")
         return self.tensor[offset : offset + used_bytes]
 
     def release(self) -> None:

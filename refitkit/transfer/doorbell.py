@@ -33,6 +33,18 @@ after the stream that holds the host function was synchronized.
 Only counters cross this segment: no pointers, no objects, nothing executable. Frames that
 carry meaning (setup, bucket metadata, errors, aborts, and the final ACK, whose count here is
 only its early twin) stay on the socket.
+What a same-uid peer can do: anyone running as our uid can open or map the segment (and the bucket)
+and write over it. It can always disrupt a session (post too often, never post, truncate the file);
+it must not make us loop unboundedly, crash, or touch memory outside our buffers. So every loop over
+a counter takes at most what the protocol allows (``PACKED``: two buckets beyond those consumed,
+one per half; ``CONSUMED``: one per bucket sent) and calls a count beyond it a ProtocolError, and
+before each call into glibc the semaphore's words are checked against what ``sem_init`` wrote
+(glibc's 64-bit layout: a value/waiters word, then ``private``): glibc aborts the process on a
+futex error caused by a garbage ``private``, and a value of 4e9 would be 4e9 turns. A post queued
+on a CUDA stream runs ``sem_post`` unchecked; a scribble landing in that window can still make
+glibc abort. Truncating the file makes the next access a SIGBUS (sealed memfds would prevent that;
+the segment is unlinked as soon as both sides mapped it, which narrows who can reach it).
+
 Without the C library's semaphores (``available()`` is False), or when the receiver does not see
 the sender's shared-memory filesystem (``shm_identity()`` differs), the hand-offs travel as
 ``packed`` / ``done`` frames instead.
@@ -46,6 +58,8 @@ import errno
 import functools
 import mmap
 import os
+import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -63,6 +77,10 @@ CONTROL_BYTES = 4096
 _SEM_OFFSETS = (64, 128)  # sem_t is 32 bytes on x86-64 and 32 on aarch64 glibc; each gets a cache line
 SPIN_S = 0.002  # spin this long before a waiter sleeps in sem_timedwait slices
 WAIT_SLICE_S = 0.001  # one sleeping look; the socket is looked at between slices
+# No semaphore has more announcements pending than a few (two halves in flight, then the final ACK):
+# a larger value is a peer writing over the segment, refused before glibc counts it down 4e9 times.
+MAX_PENDING = 16
+_NAMES = ("PACKED", "CONSUMED")
 
 
 def event_after(stream: Any) -> Any:
@@ -132,6 +150,20 @@ def _libc() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.lru_cache(maxsize=1)
+def _sem_layout() -> tuple[int, int] | None:
+    """(value/waiters word, ``private`` word) of a fresh process-shared semaphore, as glibc's 64-bit
+    layout stores them, or None where that layout cannot be read (then no field checks)."""
+    lib = _libc()
+    if lib is None or sys.maxsize < 2**63 - 1 or sys.byteorder != "little":
+        return None
+    scratch = ctypes.create_string_buffer(64)
+    if lib.sem_init(scratch, 1, 0) != 0:
+        return None
+    word, private = struct.unpack_from("<QI", scratch.raw)
+    return (word, private) if word == 0 else None
+
+
 def available() -> bool:
     """Whether process-shared semaphores (glibc's sem_* on Linux) can carry the hand-offs here."""
     return _libc() is not None and os.path.isdir(shm.SHM_DIR)
@@ -161,7 +193,8 @@ def _launch_host_func() -> tuple[Any, int]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     libc = _libc()
-    assert libc is not None
+    if libc is None:
+        raise TransferError("cuLaunchHostFunc needs sem_post from the C library, which this process lacks")
     return fn, ctypes.cast(libc.sem_post, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
@@ -218,9 +251,27 @@ class Doorbell:
 
     # -- posting ----------------------------------------------------------------------------------
 
+    def check(self, which: int) -> None:
+        """ProtocolError unless semaphore ``which`` still looks like what sem_init made: its ``private``
+        word unchanged, at most one waiter (the one process that waits on it) and at most
+        ``MAX_PENDING`` announcements pending. Called before every call into glibc."""
+        layout = _sem_layout()
+        if layout is None or self._mmap is None:
+            return
+        word, private = struct.unpack_from("<QI", self._mmap, _SEM_OFFSETS[which])
+        value, waiters = word & 0xFFFFFFFF, word >> 32
+        if private != layout[1] or waiters > 1 or value > MAX_PENDING:
+            raise ProtocolError(
+                f"control segment {self.path}: semaphore {_NAMES[which]} was written over (value {value}, "
+                f"waiters {waiters}, private {private:#x}; at most {MAX_PENDING} pending, 1 waiter, private "
+                f"{layout[1]:#x}): another process of this uid is interfering with the session"
+            )
+
     def post(self, which: int) -> None:
         """Announce one more bucket now (the data it stands for is complete)."""
-        assert self._libc is not None
+        if self._libc is None:
+            raise TransferError("the C library's semaphores are unavailable in this process")
+        self.check(which)
         if self._libc.sem_post(self._sems[which]) != 0:
             raise TransferError(f"sem_post failed: {os.strerror(ctypes.get_errno())}")
 
@@ -238,6 +289,7 @@ class Doorbell:
         """Announce one more bucket when ``stream`` (a torch.cuda.Stream) reaches this point."""
         import torch
 
+        self.check(which)
         launch, sem_post = _launch_host_func()
         self._post_streams.setdefault(stream.cuda_stream, stream)
         with torch.cuda.device(stream.device):  # the driver call uses the thread's current context
@@ -254,7 +306,9 @@ class Doorbell:
 
     def take(self, which: int, timeout_s: float = 0.0) -> bool:
         """Consume one announcement: at once when ``timeout_s`` is 0, else waiting up to ``timeout_s``."""
-        assert self._libc is not None
+        if self._libc is None:
+            raise TransferError("the C library's semaphores are unavailable in this process")
+        self.check(which)
         sem = self._sems[which]
         if timeout_s <= 0.0:
             return self._libc.sem_trywait(sem) == 0

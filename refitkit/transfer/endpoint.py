@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from refitkit.errors import InvalidInput, TransferError
-from refitkit.transfer.protocol import encode
+from refitkit.transfer.protocol import MAX_FRAME_BYTES, encode
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the NUL
@@ -118,6 +118,7 @@ def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished receiver fails instead of vanishing
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer that sends more is disconnected, never buffered
     try:
         with _UMASK_LOCK:
             previous = os.umask(0o177)  # the file is born 0600: no window in which another user may connect
@@ -156,6 +157,7 @@ def connect_receiver(context: zmq.Context, path: str) -> zmq.Socket:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer that sends more is disconnected, never buffered
     sock.connect(f"ipc://{path}")
     return sock
 

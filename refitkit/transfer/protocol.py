@@ -35,7 +35,7 @@ Kinds and their fields (R = receiver, S = sender):
 from __future__ import annotations
 
 import functools
-import math
+import reprlib
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -51,8 +51,20 @@ WIRE_VERSION = 3  # 2: short entries for whole tensors, wide buckets; 3: early b
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # Entries start on this boundary so every dtype view of the bucket is aligned (and GPU copies coalesce).
 ALIGN_BYTES = 256
-# A frame is metadata only; anything bigger is not ours.
+# A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 << 20
+# More dimensions than torch itself handles well is not a weight; bounds the work of checking a shape.
+MAX_DIMS = 64
+# The largest tensor byte count that still fits the int64 element arithmetic of views and copies.
+MAX_TENSOR_BYTES = (1 << 63) - 1
+
+_brief_repr = reprlib.Repr()
+_brief_repr.maxlevel, _brief_repr.maxlist, _brief_repr.maxstring, _brief_repr.maxother = 3, 8, 80, 80
+
+
+def brief(value: Any) -> str:
+    """A short repr of something that came off the wire (it may be huge or deeply nested)."""
+    return _brief_repr.repr(value)
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
@@ -125,40 +137,102 @@ def entry_to_wire(
 def entries_from_wire(raw: Any, *, capacity: int) -> list[Entry]:
     """Parse and check a bucket's entries against a bucket of ``capacity`` bytes; ProtocolError if malformed.
 
-    This runs once per tensor on the receiver's critical path, so it is one flat loop of cheap checks
-    rather than a validating object per entry.
+    Every number is checked before it is used: names are non-empty str, dims non-negative ints (at most
+    ``MAX_DIMS`` of them, their byte count within int64), offsets aligned, and every byte range inside
+    both the bucket and its tensor. This runs once per tensor on the receiver's critical path, so it is
+    one flat loop of cheap checks rather than a validating object per entry.
     """
-    if not isinstance(raw, list):
+    if type(raw) is not list:
         raise ProtocolError(f"bucket entries are a {type(raw).__name__}, not a list")
     entries: list[Entry] = []
     for item in raw:
-        try:
-            whole = len(item) == 4
-            if whole:
-                name, dtype_wire, shape, offset = item
-            else:
-                name, dtype_wire, shape, offset, start, nbytes = item
-            dtype = SUPPORTED_DTYPES[dtype_wire]
-            shape = tuple(shape)
-            total = math.prod(shape) * dtype.itemsize
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ProtocolError(f"malformed bucket entry {item!r}: {type(exc).__name__}: {exc}") from None
-        if whole:
-            start, nbytes = 0, total
+        if type(item) is not list or len(item) not in (4, 6):
+            raise ProtocolError(f"malformed bucket entry {brief(item)}: not a list of 4 or 6 fields")
+        name, dtype_wire, shape, offset = item[:4]
+        dtype = SUPPORTED_DTYPES.get(dtype_wire) if type(dtype_wire) is str else None
+        if dtype is None or type(shape) is not list or len(shape) > MAX_DIMS:
+            raise ProtocolError(f"malformed bucket entry {brief(item)}: unknown dtype or shape not a list of <= {MAX_DIMS} dims")
+        total = dtype.itemsize
+        for size in shape:
+            if type(size) is not int or size < 0:
+                raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range: dim {brief(size)}")
+            total *= size
+        if total > MAX_TENSOR_BYTES:  # Python ints do not overflow; torch's int64 sizes would
+            raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range: {total} bytes overflow int64")
+        start, nbytes = (0, total) if len(item) == 4 else item[4:]
         if not (
             type(name) is str and name and type(offset) is int and type(start) is int and type(nbytes) is int
-            and all(type(size) is int and size >= 0 for size in shape)
             and 0 <= offset and offset % ALIGN_BYTES == 0 and offset + nbytes <= capacity
             and 0 <= start and 0 <= nbytes and start + nbytes <= total
+            and (len(item) == 4 or 0 < nbytes < total)  # a piece is a proper, non-empty part of its tensor
         ):  # fmt: skip
-            raise ProtocolError(f"bucket entry {item!r} has a bad name, shape or byte range (bucket of {capacity} bytes)")
-        entries.append(Entry(name, dtype, shape, offset, nbytes, start, total))
+            raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range (bucket of {capacity} bytes)")
+        entries.append(Entry(name, dtype, tuple(shape), offset, nbytes, start, total))
     return entries
+
+
+class SplitProgress(NamedTuple):
+    """How far a tensor split across buckets has arrived (the sender splits one tensor at a time)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    done: int  # bytes arrived so far
+
+
+def check_split_pieces(entries: list[Entry], progress: SplitProgress | None, *, last: bool) -> SplitProgress | None:
+    """Where the split tensor in flight stands after this bucket's entries; ProtocolError unless its pieces
+    arrive in order, one tensor at a time, each with the dtype and shape its first piece announced, and
+    the tensor is complete by the last bucket."""
+    for entry in entries:
+        if entry.whole:
+            continue
+        if entry.start == 0 and progress is not None:
+            raise ProtocolError(f"{entry.name!r}: a split tensor starts while {progress.name!r} is incomplete")
+        if entry.start != 0 and (
+            progress is None or (entry.name, entry.dtype, entry.shape, entry.start) != progress[:4]
+        ):
+            raise ProtocolError(
+                f"{entry.name!r}: byte range from {entry.start} ({entry.dtype}, {entry.shape}) arrived out of order "
+                f"or does not match its first piece ({progress})"
+            )
+        done = entry.start + entry.nbytes
+        progress = None if done == entry.total else SplitProgress(entry.name, entry.dtype, entry.shape, done)
+    if last and progress is not None:
+        raise ProtocolError(f"last bucket arrived with {progress.name!r} incomplete ({progress.done} bytes)")
+    return progress
+
+
+def setup_fields(frame: dict[str, Any]) -> tuple[str, str, int, dict[str, Any], Any]:
+    """The checked fields of a setup frame: session, transport, half_bytes, handle, control."""
+    session, transport, half_bytes = frame.get("session"), frame.get("transport"), frame.get("half_bytes", 0)
+    handle = frame.get("handle") or {}
+    if not (type(session) is str and session and type(transport) is str and type(half_bytes) is int and type(handle) is dict):
+        raise ProtocolError(
+            f"setup: session={brief(session)} transport={brief(transport)} half_bytes={brief(half_bytes)} "
+            f"handle={brief(handle)} are not a str, str, int and map"
+        )
+    return session, transport, half_bytes, handle, frame.get("control")
+
+
+def bucket_fields(frame: dict[str, Any], seq: int) -> tuple[int, bool, bool]:
+    """The checked half, wide and last of a bucket frame that must carry sequence number ``seq``."""
+    got, half, wide, last = frame.get("seq"), frame.get("half"), frame.get("wide", False), frame.get("last")
+    if not (
+        type(got) is int and got == seq and type(half) is int and half in (0, 1)
+        and type(wide) is bool and type(last) is bool and not (wide and half)
+    ):  # fmt: skip
+        raise ProtocolError(
+            f"bucket frame seq={brief(got)} half={brief(half)} wide={brief(wide)} last={brief(last)}, "
+            f"expected seq {seq} in half 0 or 1 (wide buckets in half 0)"
+        )
+    return half, wide, last
 
 
 def encode(kind: str, **fields: Any) -> bytes:
     """One frame of ``kind`` with ``fields``."""
-    assert kind in KINDS, kind
+    if kind not in KINDS:
+        raise ProtocolError(f"refusing to encode a frame of unknown kind {kind!r}")
     return msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields}, use_bin_type=True)
 
 
@@ -169,13 +243,14 @@ def decode(raw: bytes) -> dict[str, Any]:
     try:
         frame = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"undecodable frame ({type(exc).__name__}: {exc}); first bytes {raw[:16]!r}") from None
+        raise ProtocolError(f"undecodable frame ({type(exc).__name__}: {brief(str(exc))}); first bytes {raw[:16]!r}") from None
     if not isinstance(frame, dict):
         raise ProtocolError(f"frame is a msgpack {type(frame).__name__}, not a map; first bytes {raw[:16]!r}")
     if frame.get("v") != WIRE_VERSION:
-        raise ProtocolError(f"wire version {frame.get('v')!r}, expected {WIRE_VERSION}")
-    if frame.get("kind") not in KINDS:
-        raise ProtocolError(f"unknown frame kind {frame.get('kind')!r}")
+        raise ProtocolError(f"wire version {brief(frame.get('v'))}, expected {WIRE_VERSION}")
+    kind = frame.get("kind")
+    if type(kind) is not str or kind not in KINDS:
+        raise ProtocolError(f"unknown frame kind {brief(kind)}")
     return frame
 
 
@@ -184,7 +259,7 @@ def expect(frame: dict[str, Any], *kinds: str, session: str | None = None) -> di
     if frame["kind"] not in kinds:
         raise ProtocolError(f"expected a {'/'.join(kinds)} frame, got {frame['kind']!r}")
     if session is not None and frame.get("session") != session:
-        raise ProtocolError(f"frame for session {frame.get('session')!r}, expected {session!r}")
+        raise ProtocolError(f"frame for session {brief(frame.get('session'))}, expected {session!r}")
     return frame
 
 

@@ -10,8 +10,21 @@ of a device staging buffer instead, under the same rule: a view kept past releas
 
 Ordering that keeps the sender's memory free: after the last bucket the receiver drops every
 view, unmaps the bucket (and on CUDA runs ``ipc_collect`` + ``empty_cache``) and only then sends
-the final ACK. Any failure (``on_bucket`` raising, a view kept past release, a sender abort,
-a timeout) also releases first and, when the sender can still hear it, reports an error frame.
+the final ACK. Any failure (``on_bucket`` raising, also ``KeyboardInterrupt`` / ``SystemExit``,
+which are re-raised as they are after the report; a view kept past release, a sender abort, a
+timeout) also releases first and, when the sender can still hear it, reports an error frame.
+
+Streams: on CUDA the receiver hands a bucket back (its half may then be overwritten by the sender)
+and unmaps it once the work queued *so far* on the current stream has run. A loader that reads the
+bucket on other streams (its own copy streams) must hand them over with ``receiver.wait_on(stream,
+...)`` from inside ``on_bucket`` / the loop over ``iter_weights()``: every hand-back and the release
+then also wait for the work queued on those streams, for the rest of the session. Reads on a stream
+the receiver does not know about may see bytes of the next bucket.
+
+Everything from the wire is checked before it is used (``protocol``): offsets, lengths, shapes and
+sequence numbers against the session's announced bucket, the mapping's real size and the tensor's
+own totals; a split tensor may not be larger than the receiving device's memory. A bad frame is a
+ProtocolError; the session releases and reports it.
 """
 
 from __future__ import annotations
@@ -31,7 +44,8 @@ from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import connect_receiver, socket_path
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, Entry, align_up, contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame,
+    ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_pieces, contiguous_strides, decode,
+    encode, entries_from_wire, expect, recv_frame, setup_fields,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -45,45 +59,68 @@ class BucketedWeightReceiver:
     def __init__(self, endpoint: str, device: str | torch.device, timeout_s: float = 120.0) -> None:
         if not timeout_s > 0:
             raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InvalidInput(f"device={device!r} is not a torch device; the receiver supports cpu and cuda") from None
         if self.device.type not in ("cpu", "cuda"):
             raise InvalidInput(f"device={device!r}; the receiver supports cpu and cuda")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidInput(f"device={device!r} but CUDA is not available in this process; use device='cpu'")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.endpoint = endpoint
         self.path = socket_path(endpoint)
         self.timeout_s = float(timeout_s)
         self.last_stats: TransferStats | None = None
+        self._active: _ReceiveSession | None = None  # the session running now, for wait_on()
+
+    def wait_on(self, *streams: Any) -> None:
+        """From inside ``on_bucket`` / a loop over ``iter_weights()``: also wait for work queued on ``streams``
+        (torch.cuda.Stream) before each bucket is handed back and before the release, for this session."""
+        session = self._active
+        if session is None or session.phase is not SessionPhase.STREAMING:
+            raise InvalidInput("wait_on() is for the streams of a running session: call it from on_bucket or the loop")
+        for stream in streams:
+            if not isinstance(stream, torch.cuda.Stream) or self.device.type != "cuda":
+                raise InvalidInput(f"wait_on({brief(stream)}): need torch.cuda.Stream objects on a CUDA receiver ({self.device})")
+            session.streams.setdefault(stream.cuda_stream, stream)
 
     def receive(self, on_bucket: OnBucket) -> TransferStats:
         """Run one session, calling ``on_bucket(weights, is_last)`` per bucket; returns after the final ACK."""
-        session = _ReceiveSession(self)
+        session = self._active = _ReceiveSession(self)
         try:
             session.open()
             while True:
                 weights, last = session.next_bucket()
-                failure = None
+                failure = interrupted = None
                 try:
                     on_bucket(weights, last)
                 except Exception as exc:  # reported to the sender; the traceback must not keep views alive
                     failure = f"on_bucket raised {type(exc).__name__}: {exc}"
+                except BaseException as exc:  # KeyboardInterrupt, SystemExit: report, release, then re-raise it
+                    failure = f"on_bucket was interrupted by {type(exc).__name__}: {exc}"
+                    interrupted = exc.with_traceback(None)  # its frames hold the views
                 weights = None
                 if failure is not None:
                     session.fail(failure)
+                    if interrupted is not None:
+                        raise interrupted
                     raise TransferError(failure)
                 session.bucket_consumed(last)
                 if last:
                     self.last_stats = session.stats()
                     return self.last_stats
-        except Exception as exc:
-            session.fail(f"receiver gave up: {exc}")
+        except BaseException as exc:  # also an interrupt while waiting: the sender must hear of it now
+            session.fail(f"receiver gave up: {type(exc).__name__}: {exc}")
             raise
         finally:
+            self._active = None
             session.close()
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The session as one generator; release + final ACK happen when it is exhausted or closed."""
-        session = _ReceiveSession(self)
+        session = self._active = _ReceiveSession(self)
         yielded = 0
         complete = False
         try:
@@ -113,10 +150,13 @@ class BucketedWeightReceiver:
                 self.last_stats = session.stats()
             else:
                 session.fail(f"iter_weights() was closed after {yielded} tensors, before the last bucket")
-        except Exception as exc:
-            session.fail(f"receiver gave up: {exc}")
+        except BaseException as exc:  # also KeyboardInterrupt / SystemExit thrown in at a yield
+            name = tensor = weights = None  # type: ignore[assignment]
+            session.fail(f"receiver gave up after {yielded} tensors: {type(exc).__name__}: {exc}")
             raise
         finally:
+            if self._active is session:
+                self._active = None
             session.close()
 
 
@@ -137,7 +177,8 @@ class _ReceiveSession:
         self.unconsumed: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
         self.half_bytes = 0
         self.seq = 0
-        self.partial: dict[str, tuple[torch.Tensor, int]] = {}
+        self.partial: tuple[SplitProgress, torch.Tensor] | None = None  # the split tensor being assembled
+        self.streams: dict[int, Any] = {}  # the loader's own streams (wait_on), waited for like the current one
         self.assembled: list[torch.Tensor] = []  # this bucket's reassembled (owned) tensors
         self.started = time.perf_counter()
         self.wait_s = 0.0
@@ -163,10 +204,10 @@ class _ReceiveSession:
             self.phase = SessionPhase.RELEASED
             raise TransferError(f"sender on {self.receiver.endpoint!r} refused the session: {setup.get('reason')}")
         expect(setup, "setup")
-        self.session = str(setup.get("session"))
-        self.half_bytes = int(setup.get("half_bytes", 0))
-        transport, handle = setup.get("transport"), setup.get("handle") or {}
+        if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
+            self.session = setup["session"]
         try:
+            self.session, transport, self.half_bytes, handle, control = setup_fields(setup)
             if transport == "shm":
                 self.mapping = shm.ShmMapping(handle, self.device)
             elif transport == "cuda_ipc":
@@ -175,9 +216,9 @@ class _ReceiveSession:
                 self.mapping = cuda_ipc.CudaIpcMapping(handle, self.device)
                 self.device = self.mapping.device
             elif transport != "none":
-                raise ProtocolError(f"unknown transport {transport!r} in setup")
-            if setup.get("control") is not None:
-                self.bell = doorbell.Doorbell.open(setup.get("control"))
+                raise ProtocolError(f"unknown transport {brief(transport)} in setup")
+            if control is not None:
+                self.bell = doorbell.Doorbell.open(control)
             for path in (self.bell.path if self.bell else None, handle.get("path") if transport == "shm" else None):
                 if path is not None:  # both sides hold mappings now: no crash can leak the names
                     shm.unlink_quietly(path)
@@ -197,16 +238,14 @@ class _ReceiveSession:
         """Wait for the next bucket frame, then for its bytes, and turn it into (name, tensor) pairs."""
         frame = self._next_frame(f"bucket {self.seq}")
         expect(frame, "bucket", session=self.session)
-        half, wide = frame.get("half"), frame.get("wide", False)
-        if frame.get("seq") != self.seq or half not in (0, 1) or wide not in (False, True) or (wide and half != 0):
-            raise ProtocolError(
-                f"bucket frame seq={frame.get('seq')!r} half={half!r} wide={wide!r}, expected seq {self.seq} in half 0 or 1"
-            )
+        half, wide, last = bucket_fields(frame, self.seq)
         entries = entries_from_wire(frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes)
         if not entries:
-            return [], bool(frame.get("last"))
+            check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
+            return [], last
+        self._check_entries(entries, last)  # before any byte is read or any view exists
         self._wait_packed()
-        return self._unpack(entries, 0 if wide else half * self.half_bytes), bool(frame.get("last"))
+        return self._unpack(entries, 0 if wide else half * self.half_bytes), last
 
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
         """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
@@ -264,10 +303,20 @@ class _ReceiveSession:
             self.wait_s += time.perf_counter() - began
 
     def _count_packed(self) -> int:
-        """Buckets announced as complete so far (taking the doorbell's announcements)."""
+        """Buckets announced as complete so far (taking the doorbell's announcements).
+
+        The sender packs a bucket only into a half we handed back, so at most two are announced beyond
+        the ones consumed: a count past that is a peer writing over the segment, not a loop to run.
+        """
         if self.bell is not None:
-            while self.bell.take(doorbell.PACKED):
+            most = self.seq + 2
+            while self.packed <= most and self.bell.take(doorbell.PACKED):
                 self.packed += 1
+            if self.packed > most:
+                raise ProtocolError(
+                    f"control segment {self.bell.path}: {self.packed} buckets announced packed, at most {most} can be "
+                    f"(bucket {self.seq} is the next to read); the segment was written over"
+                )
         return self.packed
 
     def _take(self, frame: dict[str, Any]) -> None:
@@ -281,8 +330,9 @@ class _ReceiveSession:
             raise TransferError(f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq}: {reason}")
         if kind == "packed":
             expect(frame, "packed", session=self.session)
-            if self.bell is not None or frame.get("seq") != self.packed:
-                raise ProtocolError(f"packed frame for bucket {frame.get('seq')!r}, expected bucket {self.packed}")
+            seq = frame.get("seq")
+            if self.bell is not None or type(seq) is not int or seq != self.packed or seq > self.seq + 1:
+                raise ProtocolError(f"packed frame for bucket {brief(seq)}, expected bucket {self.packed} (reading {self.seq})")
             self.packed += 1
             return
         self.inbox.append(frame)
@@ -292,10 +342,22 @@ class _ReceiveSession:
         if self.unconsumed:
             doorbell.announce_finished(self.unconsumed, lambda seq: self._send(encode("done", session=self.session, seq=seq)))
 
+    def _check_entries(self, entries: list[Entry], last: bool) -> None:
+        """The split tensor's pieces in order and consistent, and its size one this device can hold."""
+        if self.mapping is None:
+            raise ProtocolError("bucket with tensors in a session without a bucket buffer")
+        check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
+        for entry in entries:
+            if entry.start == 0 and not entry.whole and entry.total > _device_memory_bytes(self.device):
+                raise ProtocolError(
+                    f"{entry.name!r}: split tensor of {entry.total} bytes {entry.shape} is larger than the "
+                    f"{_device_memory_bytes(self.device)} bytes of memory of {self.device}; refusing to allocate it"
+                )
+
     def _unpack(self, entries: list[Entry], bucket_offset: int) -> list[tuple[str, torch.Tensor]]:
         """Views of the bucket for whole tensors; split ones are copied into place (and handed out once complete)."""
-        self._check_split_order(entries)  # before any view exists, so a bad frame leaves nothing mapped in a traceback
-        assert self.mapping is not None
+        if self.mapping is None:
+            raise ProtocolError("bucket with tensors in a session without a bucket buffer")
         # Whole ALIGN_BYTES blocks, so the bucket can be seen as any dtype (the bucket's size is a multiple).
         used = align_up(max(entry.offset + entry.nbytes for entry in entries))
         self.assembled.clear()
@@ -324,28 +386,21 @@ class _ReceiveSession:
         self.tensors += len(weights)
         return weights
 
-    def _check_split_order(self, entries: list[Entry]) -> None:
-        if self.mapping is None:
-            raise ProtocolError("bucket with tensors in a session without a bucket buffer")
-        progress = None
-        for entry in entries:
-            if not entry.whole:
-                if progress is None:
-                    progress = {name: done for name, (_, done) in self.partial.items()}
-                if progress.get(entry.name, 0) != entry.start or (entry.start and entry.name not in progress):
-                    raise ProtocolError(f"{entry.name!r}: byte range from {entry.start} arrived out of order")
-                progress[entry.name] = entry.start + entry.nbytes
-
     def _assemble(self, entry: Entry, piece: torch.Tensor) -> torch.Tensor | None:
-        """Copy one byte range of a split tensor into place; the tensor once its last range arrived."""
+        """Copy one byte range of a split tensor into place; the tensor once its last range arrived
+        (the ranges were checked by ``_check_entries``)."""
         if entry.start == 0:
-            self.partial[entry.name] = (torch.empty(entry.shape, dtype=entry.dtype, device=self.device), 0)
-        tensor, _ = self.partial[entry.name]
+            try:
+                tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+            except RuntimeError as exc:  # out of memory, typically: name what could not be held
+                raise TransferError(f"{entry.name!r}: cannot allocate {entry.total} bytes on {self.device} to reassemble it: {exc}") from None
+        else:
+            tensor = self.partial[1]  # type: ignore[index]
         tensor.view(-1).view(torch.uint8)[entry.start : entry.start + entry.nbytes].copy_(piece)
         if not entry.completes:
-            self.partial[entry.name] = (tensor, entry.start + entry.nbytes)
+            self.partial = (SplitProgress(entry.name, entry.dtype, entry.shape, entry.start + entry.nbytes), tensor)
             return None
-        del self.partial[entry.name]
+        self.partial = None
         return tensor
 
     def is_bucket_view(self, tensor: torch.Tensor) -> bool:
@@ -355,8 +410,9 @@ class _ReceiveSession:
     def bucket_consumed(self, last: bool) -> None:
         """The caller dropped this bucket's tensors: free its half once the reads finished, or release and ACK."""
         if not last:
-            # A CUDA loader's copies out of the bucket are queued on this stream: announce when they ran.
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            # A CUDA loader's copies out of the bucket are queued on this stream (and on those it handed to
+            # wait_on, which this one now waits for): announce when they ran.
+            stream = self._reads_stream()
             if self.bell is not None:
                 self.bell.post_when_done(doorbell.CONSUMED, stream)
             else:
@@ -373,6 +429,15 @@ class _ReceiveSession:
         self._send(encode("released", session=self.session, seq=self.seq))
         self.phase = SessionPhase.RELEASED
 
+    def _reads_stream(self) -> Any:
+        """The current CUDA stream, made to wait for the loader's streams (wait_on); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        stream = torch.cuda.current_stream(self.device)
+        for side in self.streams.values():
+            stream.wait_stream(side)
+        return stream
+
     # -- release, failure, frames -----------------------------------------------------------------
 
     def _release(self, final: bool = False) -> None:
@@ -381,14 +446,15 @@ class _ReceiveSession:
         if self.released:
             return
         self.released = True
-        self.partial.clear()
+        self.partial = None
         self.assembled.clear()
         self.unconsumed.clear()
         mapping, self.mapping = self.mapping, None
         bell, self.bell = self.bell, None
         try:
             if mapping is not None:
-                mapping.release()  # finishes this stream's reads first
+                self._reads_stream()
+                mapping.release()  # finishes this stream's reads (and so the loader's streams') first
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if final:
@@ -423,7 +489,7 @@ class _ReceiveSession:
 
     def close(self) -> None:
         """Release whatever is still held and close the socket; never raises for the release."""
-        self.partial.clear()
+        self.partial = None
         self.assembled.clear()
         try:
             self._release()
@@ -437,7 +503,10 @@ class _ReceiveSession:
             self.context = None
 
     def _send(self, payload: bytes, *, quiet: bool = False) -> None:
-        assert self.sock is not None
+        if self.sock is None:
+            if quiet:
+                return
+            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.receiver.endpoint!r} is closed")
         try:
             self.sock.send(payload, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -449,7 +518,8 @@ class _ReceiveSession:
         return self._recv("a frame", timeout_s=0.0)
 
     def _recv(self, waiting_for: str, timeout_s: float | None = None) -> dict[str, Any]:
-        assert self.sock is not None
+        if self.sock is None:
+            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.receiver.endpoint!r} is closed")
         began = time.perf_counter()
         try:
             parts = recv_frame(
@@ -461,3 +531,10 @@ class _ReceiveSession:
         if len(parts) != 1:
             raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.receiver.endpoint!r}")
         return decode(parts[0])
+
+
+def _device_memory_bytes(device: torch.device) -> int:
+    """All the memory of ``device``: no tensor from the wire larger than this can be reassembled there."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -318,12 +318,19 @@ class _SendSession:
             doorbell.announce_finished(self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq)))
 
     def _take_consumed(self) -> None:
-        """Count the receiver's CONSUMED announcements (one per bucket; after the last, one for its release)."""
-        assert self.bell is not None
-        while self.bell.take(doorbell.CONSUMED):
+        """Count the receiver's CONSUMED announcements (one per bucket; after the last, one for its release).
+
+        At most one more than the buckets sent is taken: a count beyond them is a ProtocolError, not a
+        loop over whatever a peer wrote into the counter."""
+        bell = self.bell
+        if bell is None:
+            raise ProtocolError(f"{self.phase.value}: CONSUMED counted in a session without a control segment")
+        while self.consumed <= self.seq and bell.take(doorbell.CONSUMED):
             self.consumed += 1
         if self.consumed > self.seq:
-            raise ProtocolError(f"the receiver announced {self.consumed} buckets done; only {self.seq} were sent")
+            raise ProtocolError(
+                f"control segment {bell.path}: the receiver announced {self.consumed} buckets done; only {self.seq} were sent"
+            )
 
     def _released(self) -> bool:
         """The final ACK: the ``released`` frame, or (sooner) the doorbell's count reaching every bucket sent,

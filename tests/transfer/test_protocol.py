@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -148,3 +149,59 @@ def test_stale_shm_segments_of_dead_senders_are_removed():
 def test_sender_knobs_are_checked(endpoint, kwargs, match):
     with pytest.raises(InvalidInput, match=match):
         BucketedWeightSender(endpoint, **kwargs)
+
+
+# -- fuzzing the frame decoder (bounded: a few seconds on CI) ---------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from refitkit.transfer.protocol import MAX_TENSOR_BYTES, bucket_fields, setup_fields  # noqa: E402
+
+_FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_atoms = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.floats(), st.text(max_size=12),
+    st.binary(max_size=12), st.sampled_from(sorted(SUPPORTED_DTYPES)),
+)
+_values = st.recursive(_atoms, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=30)
+_dims = st.lists(st.integers(min_value=-4, max_value=2**40), max_size=5)
+_entry = st.builds(
+    lambda name, dtype, shape, offset, piece: [name, dtype, shape, offset, *piece],
+    st.text(max_size=6), st.sampled_from(sorted(SUPPORTED_DTYPES)), _dims,
+    st.integers(min_value=-512, max_value=1 << 16), st.one_of(st.just(()), st.tuples(st.integers(-8, 1 << 16), st.integers(-8, 1 << 16))),
+)  # fmt: skip
+
+
+@_FUZZ
+@given(
+    st.binary(max_size=256)
+    | _values.map(lambda value: msgpack.packb(value, use_bin_type=True))
+    | st.dictionaries(st.sampled_from(["v", "kind", "session", "seq", "half", "wide", "last", "half_bytes", "handle",
+                                       "transport", "entries"]), _values, max_size=11)
+    .map(lambda fields: msgpack.packb({"v": WIRE_VERSION, "kind": "bucket", **fields}, use_bin_type=True))
+)  # fmt: skip
+def test_decode_returns_a_frame_or_raises_protocol_error(raw):
+    try:
+        frame = decode(raw)
+    except ProtocolError:
+        return
+    assert frame["v"] == WIRE_VERSION and isinstance(frame["kind"], str)
+    for check in (setup_fields, lambda f: bucket_fields(f, 0)):
+        try:
+            check(frame)
+        except ProtocolError:
+            pass
+
+
+@_FUZZ
+@given(st.lists(_entry | _values, max_size=6), st.integers(min_value=0, max_value=1 << 16))
+def test_entries_from_wire_only_returns_ranges_inside_the_bucket_and_the_tensor(raw, capacity):
+    try:
+        entries = entries_from_wire(msgpack.unpackb(msgpack.packb(raw, use_bin_type=True)), capacity=capacity)
+    except ProtocolError:
+        return
+    for entry in entries:
+        assert entry.total == math.prod(entry.shape) * entry.dtype.itemsize <= MAX_TENSOR_BYTES
+        assert 0 <= entry.offset and entry.offset % 256 == 0 and entry.offset + entry.nbytes <= capacity
+        assert 0 <= entry.start and 0 <= entry.nbytes and entry.start + entry.nbytes <= entry.total
+        assert all(type(size) is int and size >= 0 for size in entry.shape)
