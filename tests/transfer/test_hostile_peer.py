@@ -59,9 +59,16 @@ def outcome(process, conn, within_s: float) -> dict[str, Any]:
 # -- same-uid scribblers on the control segment ---------------------------------------------------------
 
 
-def scribble(path: str, which: int, how: str) -> None:
+def segment_file(handle: dict[str, Any]) -> str:
+    """Where a same-uid peer opens a segment: its name in /dev/shm, or the owner's memfd through /proc."""
+    if handle.get("path"):
+        return handle["path"]
+    return f"/proc/{handle['memfd']['pid']}/fd/{handle['memfd']['fd']}"
+
+
+def scribble(handle: dict[str, Any], which: int, how: str) -> None:
     """Write over one semaphore of a control segment through our own mapping of it."""
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(segment_file(handle), os.O_RDWR)
     try:
         with mmap.mmap(fd, doorbell.CONTROL_BYTES) as mapping:
             at = doorbell._SEM_OFFSETS[which]
@@ -91,8 +98,9 @@ def attacked_sender_main(endpoint: str, conn) -> None:
     conn.send(result)
 
 
+@pytest.mark.parametrize("kind", ["memfd", "named"])
 @pytest.mark.parametrize("how", ["value", "private", "all_ff"])
-def test_scribbled_consumed_counter_fails_the_sender_cleanly(endpoint, how):
+def test_scribbled_consumed_counter_fails_the_sender_cleanly(endpoint, how, kind):
     process, conn = spawn(attacked_sender_main, endpoint)
     assert conn.poll(60) and conn.recv() == "bound"
     context = zmq.Context()
@@ -100,7 +108,9 @@ def test_scribbled_consumed_counter_fails_the_sender_cleanly(endpoint, how):
     try:
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.connect(f"ipc://{socket_path(endpoint)}")
-        rogue.send(frame("hello", pid=os.getpid(), device="cpu", shm=doorbell.shm_identity(), timeout_s=TIMEOUT_S))
+        pidns = shm.pid_namespace() if kind == "memfd" else None  # the hello's pidns picks a sealed memfd
+        rogue.send(frame("hello", pid=os.getpid(), device="cpu", shm=doorbell.shm_identity(), timeout_s=TIMEOUT_S,
+                         pidns=pidns))  # fmt: skip
         assert rogue.poll(20_000)
         setup = msgpack.unpackb(rogue.recv())
         assert setup["kind"] == "setup" and setup["control"], setup
@@ -110,7 +120,9 @@ def test_scribbled_consumed_counter_fails_the_sender_cleanly(endpoint, how):
         rogue.close()
         context.term()
     assert result["type"] == "ProtocolError", result
-    assert setup["control"] in result["message"] and "written over" in result["message"], result
+    assert ("memfd" in setup["control"]) == (kind == "memfd"), setup["control"]
+    named = setup["control"].get("path") or setup["control"]["name"]
+    assert named in result["message"] and "written over" in result["message"], result
     assert result["seconds"] < TIMEOUT_S, result  # refused at the first look, not after timeout_s
     assert result["left"] == []
 
@@ -143,8 +155,8 @@ def test_scribbled_packed_counter_fails_the_receiver_cleanly(endpoint):
         peer, _hello = router.recv_multipart()
         bucket = shm.ShmBucket(2 * HALF, session="5c1bb1e5")
         bell = doorbell.Doorbell.create("5c1bb1e4")
-        scribble(bell.path, doorbell.PACKED, "value")  # before setup: the receiver unlinks the name once mapped
-        setup = dict(session="s", transport="shm", half_bytes=HALF, handle=bucket.handle(), control=bell.path)
+        scribble(bell.handle(), doorbell.PACKED, "value")  # before setup: the receiver unlinks the name once mapped
+        setup = dict(session="s", transport="shm", half_bytes=HALF, handle=bucket.handle(), control=bell.handle())
         router.send_multipart([peer, frame("setup", **setup)])
         router.send_multipart([peer, frame("bucket", session="s", seq=0, half=0, wide=False, last=True,
                                            entries=[["w", "float32", [4], 0]])])  # fmt: skip
