@@ -5,11 +5,14 @@ Kinds and their fields (R = receiver, S = sender):
 
 - ``hello``    R→S  ``pid``, ``device`` ("cpu" or "cuda"), ``device_uuid`` (CUDA only), ``shm`` (which
                     shared-memory filesystem the receiver sees, see ``doorbell.shm_identity``),
-                    ``timeout_s`` (how long a hello queued during another session stays worth serving)
+                    ``timeout_s`` (how long a hello queued during another session stays worth serving),
+                    ``pidns`` (the receiver's PID namespace, see ``shm.pid_namespace``; None: named segments)
 - ``setup``    S→R  ``session``, ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
-                    ``handle`` (the transport's raw fields: shm path, or CUDA IPC handle bytes),
-                    ``control`` (path of the progress-counter segment, see ``doorbell``; None
-                    when the hand-offs travel as ``packed`` / ``done`` frames instead)
+                    ``handle`` (the transport's raw fields: a segment handle, see ``shm.Segment.handle``
+                    — ``{"path", "nbytes"}`` for a named segment or ``{"memfd": {"pid", "fd", "pidns"},
+                    "name", "nbytes"}`` for a sealed memfd — or the CUDA IPC handle bytes),
+                    ``control`` (the progress-counter segment's handle, the same two forms, see
+                    ``doorbell``; None when the hand-offs travel as ``packed`` / ``done`` frames instead)
 - ``ready``    R→S  ``session``: the bucket buffer is mapped (once for the whole session); the
                     sender does not wait for it before packing and queueing buckets
 - ``bucket``   S→R  ``session``, ``seq``, ``half``, ``wide``, ``last``, ``entries``: sent as soon as
@@ -47,7 +50,9 @@ import zmq
 from refitkit.errors import ProtocolError, TransferTimeout
 from refitkit.transfer.phases import SessionPhase
 
-WIRE_VERSION = 3  # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters
+# 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters;
+# 4: segment handles (sealed memfds or named), hello's pidns
+WIRE_VERSION = 4
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # Entries start on this boundary so every dtype view of the bucket is aligned (and GPU copies coalesce).
 ALIGN_BYTES = 256
