@@ -44,8 +44,14 @@ def socket_dir() -> str:
     if not base:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
         base = os.path.join(runtime, "refitkit") if runtime else os.path.join(tempfile.gettempdir(), f"refitkit-{os.getuid()}")
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    info = os.stat(base)
+    try:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        info = os.stat(base)
+    except OSError as exc:  # e.g. a parent this uid cannot traverse, or a file in the way
+        raise TransferError(
+            f"socket dir {base} cannot be made or read by uid {os.getuid()} ({exc.strerror}); "
+            "set REFITKIT_SOCKET_DIR to a directory of yours"
+        ) from None
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
         raise TransferError(
             f"socket dir {base} must be owned by uid {os.getuid()} with mode 0700 "

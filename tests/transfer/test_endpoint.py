@@ -105,3 +105,11 @@ def test_a_users_sender_meets_another_users_stale_socket_in_a_shared_dir():
     finally:
         os.unlink(path)
         os.rmdir(shared)
+
+
+def test_a_socket_dir_that_cannot_be_made_is_a_transfer_error_naming_the_knob(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("REFITKIT_SOCKET_DIR", str(blocker / "sockets"))
+    with pytest.raises(TransferError, match=r"socket dir .*a-file/sockets cannot be made or read .*REFITKIT_SOCKET_DIR"):
+        socket_path("anything")
