@@ -74,11 +74,14 @@ _NEXT: dict[SendState, frozenset[SendState]] = {
 }
 
 
+_UNCHECKED: object = object()  # a knob this end does not have
+
+
 def checked_knobs(
-    *, timeout_s: object, bucket_bytes: object = None, transport: object = None, min_bucket_bytes: int = 1
+    *, timeout_s: object, bucket_bytes: object = _UNCHECKED, transport: object = _UNCHECKED, min_bucket_bytes: int = 1
 ) -> tuple[float, int | None, str | None]:
-    """``timeout_s`` as a float, ``bucket_bytes`` as an int, ``transport`` as is (None: not checked),
-    or InvalidInput naming the knob, the value and what is accepted. Both ends' constructors use it."""
+    """``timeout_s`` as a float, ``bucket_bytes`` as an int, ``transport`` as is (None for a knob not
+    given), or InvalidInput naming the knob, the value and what is accepted. Both ends' constructors use it."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
         raise InvalidInput(f"timeout_s={timeout_s!r} is a {type(timeout_s).__name__}; need a number of seconds")
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
@@ -87,14 +90,16 @@ def checked_knobs(
             f"MAX_TIMEOUT_S={MAX_TIMEOUT_S:g} (one week: the longest wait every poll can hold)"
         )
     size = None
-    if bucket_bytes is not None:
+    if bucket_bytes is not _UNCHECKED:
         try:
             size = operator.index(bucket_bytes) if not isinstance(bucket_bytes, bool) else None
         except TypeError:
             size = None
         if size is None or size < min_bucket_bytes:
             raise InvalidInput(f"bucket_bytes={bucket_bytes!r}; need an int of at least {min_bucket_bytes}")
-    if transport is not None and (not isinstance(transport, str) or transport not in TRANSPORTS):
+    if transport is _UNCHECKED:
+        transport = None
+    elif not isinstance(transport, str) or transport not in TRANSPORTS:
         raise InvalidInput(f"transport={transport!r}; expected one of {TRANSPORTS}")
     return float(timeout_s), size, transport  # type: ignore[return-value]
 
