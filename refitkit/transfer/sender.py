@@ -55,6 +55,7 @@ from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv
 log = logging.getLogger(__name__)
 
 _END = object()
+_Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool]  # pull, a list's checked items, all on CUDA
 CANCEL_SLICE_S = 0.05  # how often a wait with nothing to spin on (the lock, a hello, an async item) looks for cancellation
 
 
@@ -170,9 +171,14 @@ class BucketedWeightSender:
                             future.cancel()
                             raise _Cancelled("asend() was cancelled while waiting for the next item") from None
 
-            prepare: Callable[[], tuple[Callable[[], Any], list[CheckedItem] | None, bool]] = lambda: (pull, None, False)
+            def prepare() -> _Prepared:
+                return pull, None, False
+
         else:
-            prepare = lambda: self._prepare(weights)  # noqa: E731
+
+            def prepare() -> _Prepared:
+                return self._prepare(weights)
+
         work = loop.run_in_executor(None, self._exclusive, prepare, cancel)
         try:
             return await asyncio.shield(work)
@@ -183,10 +189,7 @@ class BucketedWeightSender:
 
     # -- one session at a time --------------------------------------------------------------------
 
-    def _exclusive(
-        self, prepare: Callable[[], tuple[Callable[[], Any], list[CheckedItem] | None, bool]],
-        cancel: threading.Event | None,
-    ) -> TransferStats:  # fmt: skip
+    def _exclusive(self, prepare: Callable[[], _Prepared], cancel: threading.Event | None) -> TransferStats:
         """Run one session holding the sender's lock (waiting for a running one at most ``timeout_s``)."""
         if self._owner == threading.get_ident():
             raise TransferError(
@@ -214,7 +217,7 @@ class BucketedWeightSender:
             self._owner = None
             self._lock.release()
 
-    def _prepare(self, weights: Any) -> tuple[Callable[[], Any], list[CheckedItem] | None, bool]:
+    def _prepare(self, weights: Any) -> _Prepared:
         """(pull, the checked items of a list or tuple, whether they are all CUDA tensors) for a sync iterable."""
         if isinstance(weights, (list, tuple)):
             checked, all_cuda = check_items(weights, need_cuda=self.transport == "cuda_ipc")
@@ -351,7 +354,8 @@ class _SendSession:
     # -- items and buckets ------------------------------------------------------------------------
 
     def _next_item(self) -> CheckedItem | None:
-        _raise_if_cancelled(self.cancel, f"after {self.items} items")
+        if self.cancel is not None and self.cancel.is_set():  # (no message built per item: the critical path)
+            raise _Cancelled(f"asend() was cancelled after {self.items} items")
         item = self.pull()
         if item is _END:
             return None
@@ -459,7 +463,8 @@ class _SendSession:
             return condition()
 
         def look(sleepy: bool) -> None:
-            _raise_if_cancelled(self.cancel, f"while waiting for {waiting_for}")
+            if self.cancel is not None and self.cancel.is_set():
+                raise _Cancelled(f"asend() was cancelled while waiting for {waiting_for}")
             if sleepy and counter and self.bell is not None:
                 if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
                     self.consumed += 1

@@ -17,7 +17,7 @@ import torch
 from refitkit.errors import TransferError
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer import sender as sender_module
-from tests.transfer.harness import own_segment_files, roundtrip
+from tests.transfer.harness import Case, own_segment_files, roundtrip
 from tests.transfer.peers import ReceiverServer, digest, mapped_segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,10 +82,9 @@ def test_a_second_send_waits_for_the_running_one(receiver_server, second_receive
 
 def test_a_second_send_gives_up_after_timeout_s_naming_the_knob(receiver_server, endpoint):
     gate, started = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
     with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=1.5) as sender:
         receiver_server.start_session(endpoint, timeout_s=10)
-        one = threading.Thread(target=lambda: errors.extend([]) or sender.send(gated(tensors(4), gate, started)))
+        one = threading.Thread(target=sender.send, args=(gated(tensors(4), gate, started),))
         one.start()
         try:
             assert started.wait(30)
@@ -249,3 +248,32 @@ def test_a_failed_rebind_neither_leaks_the_bucket_nor_hides_the_error(receiver_s
         with pytest.raises(TransferError, match="is closed"):
             sender.send(tensors(1))
     assert not receiver_server.result()["ok"]
+
+
+@pytest.mark.cuda
+def test_cancelled_asend_over_cuda_ipc_frees_the_gpu_bucket(receiver_server, endpoint):
+    """The 64 MiB device bucket is gone (device free memory back within 4 MiB) once the cancellation returns."""
+    weights = [(f"w{index}", torch.full((1 << 18,), float(index), device="cuda")) for index in range(3)]
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+
+    async def stalled():
+        for item in weights:
+            yield item
+        await asyncio.Event().wait()
+        yield "never", torch.ones(1, device="cuda")
+
+    async def main(sender: BucketedWeightSender) -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sender.asend(stalled()), 3.0)
+
+    with BucketedWeightSender(endpoint, bucket_bytes=64 << 20, transport="cuda_ipc", timeout_s=20) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20)
+        asyncio.run(main(sender))
+        torch.cuda.synchronize()
+        free_after, _ = torch.cuda.mem_get_info()
+        assert free_before - free_after < 4 << 20, f"{(free_before - free_after) >> 20} MiB still held"
+        result = receiver_server.result()
+        assert not result["ok"] and "cancelled" in result["message"]
+    roundtrip(receiver_server, endpoint, [(name, tensor) for name, tensor in weights], bucket_bytes=64 << 20,
+              case=Case("cuda_ipc", "cuda", "cuda"))  # fmt: skip
