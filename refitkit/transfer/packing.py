@@ -1,6 +1,7 @@
 """Checking each streamed (name, tensor) and laying tensors out in buckets of the bucket buffer.
 
-The sender validates every item just before packing it (the stream is consumed once). A bucket is
+The sender validates a list or tuple whole before its session starts (``check_items``), and a
+generator's items one by one just before packing each (it is consumed once). A bucket is
 one half of the buffer (the sender fills one half while the receiver reads the other), or a *wide*
 bucket spanning both halves:
 
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import InvalidInput
+from refitkit.errors import InvalidInput, TransferError
 from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, WIRE_DTYPE_NAMES, align_up, contiguous_strides, entry_to_wire
 
 BUCKET_MAX_TENSORS = 64
@@ -58,12 +59,19 @@ def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool) -> Che
     name, tensor = item
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"weights item #{index}: the name must be a non-empty str, got {name!r}")
+    if not name.isascii():  # the wire carries UTF-8: a lone surrogate would fail in the middle of a bucket
+        try:
+            name.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidInput(f"weights item #{index}: the name {name!r} is not valid UTF-8 ({exc.reason})") from None
     if type(tensor) not in _PLAIN_TENSOR_TYPES:  # subclasses (DTensor, ...) take the slow checks
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it was imported
         if dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor):
             raise InvalidInput(f"{name!r} is a DTensor shard; send full tensors (adapter.named_weights() gathers them)")
+    if tensor.is_nested:  # strided nested tensors pass the layout test; their bytes are not one block
+        raise InvalidInput(f"{name!r} is a nested tensor; send its components as separate tensors")
     if tensor.layout is not torch.strided:
         raise InvalidInput(f"{name!r} has layout {tensor.layout}; only dense (strided) tensors can be sent")
     if not (tensor.is_cuda or tensor.is_cpu):
@@ -83,6 +91,14 @@ def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool) -> Che
     return name, tensor, wire_dtype
 
 
+def check_items(listed: list | tuple, *, need_cuda: bool) -> tuple[list[CheckedItem], bool]:
+    """Every item of a list or tuple checked in one pass, before anything is sent (so no receiver sees a
+    byte of a bad list), and whether all its tensors are CUDA tensors; InvalidInput names the first bad one."""
+    seen: set[str] = set()
+    checked = [check_item(index, item, seen, need_cuda=need_cuda) for index, item in enumerate(listed)]
+    return checked, all(tensor.is_cuda for _, tensor, _ in checked)
+
+
 def half_bytes_for(listed: list | tuple | None, max_half_bytes: int) -> int:
     """The half size for a session: ``max_half_bytes`` (from ``bucket_bytes``), or less for a list or
     tuple that needs less (the buffer is allocated and freed every session).
@@ -92,8 +108,7 @@ def half_bytes_for(listed: list | tuple | None, max_half_bytes: int) -> int:
     makes more buckets anyway (Qwen3-0.6B: 310 tensors, at least 5 buckets, so halves of its
     largest tensor's 297 MiB instead of 568 MiB: half the memory, and the same speed on the H200,
     where freeing either took 0.65-0.7 ms inside a session). Each tensor counts as padded to
-    ALIGN_BYTES. A generator (size unknown), or an item that is not a pair with a tensor (checked
-    when it is packed), gets ``max_half_bytes``.
+    ALIGN_BYTES. A generator (size unknown) gets ``max_half_bytes``; a list comes here checked.
     """
     if not listed:
         return max_half_bytes
@@ -189,7 +204,8 @@ class BucketPacker:
         """Issue the open run's copy: its flat sources into its bytes of the bucket, one ``cat``."""
         if self._run:
             dtype = self._run_dtype
-            assert dtype is not None
+            if dtype is None:
+                raise TransferError("packer: an open run without a dtype (a bug in refitkit)")
             first = (self.bucket_start + self._run_start) // dtype.itemsize
             torch.cat(self._run, out=self._typed_buffer(dtype)[first : first + self._run_elements])
             self._run = []
@@ -231,6 +247,7 @@ class BucketPacker:
     def _typed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         typed = self._typed.get(dtype)
         if typed is None:
-            assert self._buffer is not None, "packer used after detach()"
+            if self._buffer is None:
+                raise TransferError("packer used after detach(): the session's bucket was already freed")
             typed = self._typed[dtype] = self._buffer.view(dtype)
         return typed

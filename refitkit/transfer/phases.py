@@ -1,9 +1,20 @@
-"""The phases of one transfer session, and the figures a session reports."""
+"""The phases of one transfer session, the sender's session states, the shared knob checks, and the
+figures a session reports."""
 
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+import operator
 from dataclasses import dataclass
+
+from refitkit.errors import InvalidInput, TransferError
+
+TRANSPORTS = ("auto", "cuda_ipc", "shm")
+# The longest timeout_s any wait can hold: ZMQ polls take a C int of milliseconds (2**31 ms is 24.8
+# days), and a deadline must stay finite. One week is far beyond any real sync.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class SessionPhase(enum.Enum):
@@ -13,6 +24,84 @@ class SessionPhase(enum.Enum):
     STREAMING = "streaming"  # buckets flow; the sender packs i+1 while the receiver consumes i
     DRAINING = "draining"  # last bucket sent; waiting for the receiver to release and ACK
     RELEASED = "released"  # bucket memory freed on both sides (success or failure)
+
+
+class SendState(enum.Enum):
+    """Where one ``send()`` session stands, as the sender sees it (one state, changed only by ``to``)."""
+
+    AWAITING_HELLO = "awaiting hello"  # no setup sent: a receiver gone by now can be replaced by the next hello
+    OFFERED = "offered"  # setup sent: the receiver may still be mapping the bucket; buckets queue meanwhile
+    STREAMING = "streaming"  # the receiver said ready: it mapped the bucket
+    DRAINING = "draining"  # every bucket sent; waiting for the final ACK (a late ready is still taken)
+    RELEASED = "released"  # the final ACK: the receiver released every view and its mapping
+    PEER_FAILED = "peer failed"  # the receiver reported an error (it released before reporting)
+    ABORTED = "aborted"  # this side gave up; a live receiver was sent an abort frame
+
+    @property
+    def phase(self) -> SessionPhase:
+        """The protocol phase this state belongs to, as messages name it."""
+        return _PHASE_OF[self]
+
+    @property
+    def setup_sent(self) -> bool:
+        """Whether the receiver may hold (or be making) a mapping of the bucket."""
+        return self in (SendState.OFFERED, SendState.STREAMING, SendState.DRAINING)
+
+    def to(self, new: SendState) -> SendState:
+        """``new``, if this state may become it; else TransferError (a bug, or a peer breaking the protocol)."""
+        if new not in _NEXT[self]:
+            raise TransferError(f"send session cannot go from {self.value!r} to {new.value!r}")
+        return new
+
+
+_PHASE_OF = {
+    SendState.AWAITING_HELLO: SessionPhase.HANDSHAKE,
+    SendState.OFFERED: SessionPhase.STREAMING,
+    SendState.STREAMING: SessionPhase.STREAMING,
+    SendState.DRAINING: SessionPhase.DRAINING,
+    SendState.RELEASED: SessionPhase.RELEASED,
+    SendState.PEER_FAILED: SessionPhase.RELEASED,
+    SendState.ABORTED: SessionPhase.RELEASED,
+}
+_NEXT: dict[SendState, frozenset[SendState]] = {
+    SendState.AWAITING_HELLO: frozenset({SendState.OFFERED, SendState.ABORTED}),
+    SendState.OFFERED: frozenset({SendState.STREAMING, SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.STREAMING: frozenset({SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.DRAINING: frozenset({SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.RELEASED: frozenset(),
+    SendState.PEER_FAILED: frozenset(),
+    SendState.ABORTED: frozenset(),
+}
+
+
+_UNCHECKED: object = object()  # a knob this end does not have
+
+
+def checked_knobs(
+    *, timeout_s: object, bucket_bytes: object = _UNCHECKED, transport: object = _UNCHECKED, min_bucket_bytes: int = 1
+) -> tuple[float, int | None, str | None]:
+    """``timeout_s`` as a float, ``bucket_bytes`` as an int, ``transport`` as is (None for a knob not
+    given), or InvalidInput naming the knob, the value and what is accepted. Both ends' constructors use it."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+        raise InvalidInput(f"timeout_s={timeout_s!r} is a {type(timeout_s).__name__}; need a number of seconds")
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise InvalidInput(
+            f"timeout_s={timeout_s!r}; need a finite number of seconds above 0 and at most "
+            f"MAX_TIMEOUT_S={MAX_TIMEOUT_S:g} (one week: the longest wait every poll can hold)"
+        )
+    size = None
+    if bucket_bytes is not _UNCHECKED:
+        try:
+            size = operator.index(bucket_bytes) if not isinstance(bucket_bytes, bool) else None
+        except TypeError:
+            size = None
+        if size is None or size < min_bucket_bytes:
+            raise InvalidInput(f"bucket_bytes={bucket_bytes!r}; need an int of at least {min_bucket_bytes}")
+    if transport is _UNCHECKED:
+        transport = None
+    elif not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise InvalidInput(f"transport={transport!r}; expected one of {TRANSPORTS}")
+    return float(timeout_s), size, transport  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

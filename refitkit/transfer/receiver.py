@@ -42,7 +42,7 @@ import zmq
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import connect_receiver, socket_path
-from refitkit.transfer.phases import SessionPhase, TransferStats
+from refitkit.transfer.phases import SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_pieces, contiguous_strides, decode,
     encode, entries_from_wire, expect, recv_frame, setup_fields,
@@ -57,21 +57,19 @@ class BucketedWeightReceiver:
     """Connects to a sender's ``endpoint`` and receives one session per ``receive()`` / ``iter_weights()``."""
 
     def __init__(self, endpoint: str, device: str | torch.device, timeout_s: float = 120.0) -> None:
-        if not timeout_s > 0:
-            raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
+        self.timeout_s, _, _ = checked_knobs(timeout_s=timeout_s)
         try:
             self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise InvalidInput(f"device={device!r} is not a torch device; the receiver supports cpu and cuda") from None
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidInput(f"device={device!r} is not a device ({exc}); the receiver supports cpu and cuda") from None
         if self.device.type not in ("cpu", "cuda"):
             raise InvalidInput(f"device={device!r}; the receiver supports cpu and cuda")
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidInput(f"device={device!r} but CUDA is not available in this process; use device='cpu'")
+            raise InvalidInput(f"device={device!r}, but this process sees no CUDA device; use device='cpu'")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.endpoint = endpoint
         self.path = socket_path(endpoint)
-        self.timeout_s = float(timeout_s)
         self.last_stats: TransferStats | None = None
         self._active: _ReceiveSession | None = None  # the session running now, for wait_on()
 
@@ -327,7 +325,13 @@ class _ReceiveSession:
             self._release()
             self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
             self.phase = SessionPhase.RELEASED
-            raise TransferError(f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq}: {reason}")
+            applied = (
+                f"the weights are INCOMPLETE: {self.seq} buckets ({self.tensors} tensors) were already handed to "
+                "on_bucket and applied; no bucket came with is_last=True" if self.seq else "nothing was handed to on_bucket"
+            )  # fmt: skip
+            raise TransferError(
+                f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq} ({applied}): {reason}"
+            )
         if kind == "packed":
             expect(frame, "packed", session=self.session)
             seq = frame.get("seq")

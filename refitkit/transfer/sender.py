@@ -11,18 +11,33 @@ it done reading (both through ``doorbell``). The bucket is freed in a ``finally`
 holds 0 bytes of bucket memory after every ``send()``, whether it succeeded or not. A receiver
 whose hello arrives during a session is served by the next ``send()``.
 
-Failure semantics: items are validated one by one as the stream is consumed. An invalid item (or
-an exception from the caller's iterator) aborts the session: the receiver gets an ``abort`` frame,
-releases, and raises ``TransferError``; buckets it already consumed stay consumed, but it never
-sees ``is_last=True``, so a loader that commits on the last bucket commits nothing. ``send()``
-then re-raises the original error (``InvalidInput`` for bad items).
+Validation: a list or tuple is checked whole (names, dtypes, devices, duplicates, layout) before
+the sender waits for a hello, so no receiver sees a byte of a bad list; ``send()`` raises
+``InvalidInput`` at once, and a receiver already waiting is refused with an ``abort`` frame (as for
+weights that are not an iterable at all). A generator is checked item by item as it is consumed.
+
+Failure semantics: an invalid generator item, an exception from the caller's iterator (also
+``KeyboardInterrupt`` or ``SystemExit``), or a cancelled ``asend()`` aborts the session: the
+receiver gets an ``abort`` frame, releases, and raises ``TransferError`` saying the weights are
+INCOMPLETE and how many buckets and tensors it had already handed to ``on_bucket``: those were
+applied (a stream cannot be taken back), but it never sees ``is_last=True``, so a loader that
+commits on the last bucket commits nothing. ``send()`` then re-raises the original error
+(``InvalidInput`` for bad items) once the bucket is freed.
+
+One session at a time: a sender's socket belongs to the thread running its session. A second
+``send()`` / ``asend()`` waits for the running one (at most ``timeout_s``, then ``TransferError``);
+a ``send()`` from inside the running session's own iterator is refused at once. A cancelled
+``asend()`` stops its worker thread within a wait slice (a caller's sync iterator that blocks is
+waited for), aborts the receiver, frees the bucket and lets the next session run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,14 +48,15 @@ import zmq
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
-from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item, half_bytes_for
-from refitkit.transfer.phases import SessionPhase, TransferStats
-from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame
+from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
+from refitkit.transfer.phases import TRANSPORTS, SendState, TransferStats, checked_knobs
+from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "cuda_ipc", "shm")
 _END = object()
+_Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool]  # pull, a list's checked items, all on CUDA
+CANCEL_SLICE_S = 0.05  # how often a wait with nothing to spin on (the lock, a hello, an async item) looks for cancellation
 
 
 async def _anext_or_end(iterator: Any) -> Any:
@@ -54,18 +70,24 @@ class _PeerGone(TransferTimeout):
     """The receiver's connection is gone: a send to it was refused at once (nothing timed out)."""
 
 
+class _Cancelled(TransferError):
+    """The ``asend()`` running this session was cancelled."""
+
+
+def _raise_if_cancelled(cancel: threading.Event | None, where: str) -> None:
+    if cancel is not None and cancel.is_set():
+        raise _Cancelled(f"asend() was cancelled {where}")
+
+
 class BucketedWeightSender:
     """Binds ``endpoint`` and sends weights to one ``BucketedWeightReceiver`` per ``send()``."""
 
     def __init__(
         self, endpoint: str, bucket_bytes: int = 2 << 30, transport: str = "auto", timeout_s: float = 120.0
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise InvalidInput(f"transport={transport!r}; expected one of {TRANSPORTS}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 4 * ALIGN_BYTES:
-            raise InvalidInput(f"bucket_bytes={bucket_bytes!r}; need an int of at least {4 * ALIGN_BYTES}")
-        if not timeout_s > 0:
-            raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
+        timeout_s, bucket_bytes, transport = checked_knobs(  # type: ignore[assignment]
+            timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport, min_bucket_bytes=4 * ALIGN_BYTES
+        )
         if transport == "cuda_ipc" and not cuda_ipc.ipc_available():
             raise InvalidInput("transport='cuda_ipc' needs a CUDA GPU and the CUDA driver in the sender")
         self.endpoint = endpoint
@@ -73,7 +95,9 @@ class BucketedWeightSender:
         self.bucket_bytes = bucket_bytes
         self.half_bytes = bucket_bytes // 2 // ALIGN_BYTES * ALIGN_BYTES
         self.transport = transport
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
+        self._owner: int | None = None  # the thread running the current session
         self.last_timings_s: dict[str, float] = {}  # per-phase seconds of the last session, for benchmarks
         self._waiting = WaitingReceivers()  # hellos that arrived during a session, for the next ones
         shm.remove_stale_segments()
@@ -126,75 +150,155 @@ class BucketedWeightSender:
             except RuntimeError:
                 return asyncio.run(self.asend(weights))
             raise InvalidInput("send() got an async iterable inside a running event loop; use `await sender.asend(...)`")
-        try:
-            iterator = iter(weights)
-        except TypeError:
-            raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
-        return self._session(lambda: next(iterator, _END), weights if isinstance(weights, (list, tuple)) else None)
+        return self._exclusive(lambda: self._prepare(weights), None)
 
     async def asend(self, weights: Any) -> TransferStats:
-        """``send()`` for event loops: the session runs in a worker thread; async items are pulled on this loop."""
+        """``send()`` for event loops: the session runs in a worker thread; async items are pulled on this loop.
+
+        Cancelling it (``task.cancel()``, ``asyncio.wait_for``) stops the session: the receiver is
+        aborted and the bucket freed before the ``CancelledError`` propagates."""
         loop = asyncio.get_running_loop()
+        cancel = threading.Event()
         if hasattr(weights, "__aiter__"):
             iterator = weights.__aiter__()
 
             def pull() -> Any:
-                return asyncio.run_coroutine_threadsafe(_anext_or_end(iterator), loop).result()
+                future = asyncio.run_coroutine_threadsafe(_anext_or_end(iterator), loop)
+                while True:  # in slices: a cancelled asend() must not leave this thread waiting on the loop
+                    try:
+                        return future.result(CANCEL_SLICE_S)
+                    except concurrent.futures.TimeoutError:
+                        if cancel.is_set():
+                            future.cancel()
+                            raise _Cancelled("asend() was cancelled while waiting for the next item") from None
+
+            def prepare() -> _Prepared:
+                return pull, None, False
 
         else:
+
+            def prepare() -> _Prepared:
+                return self._prepare(weights)
+
+        work = loop.run_in_executor(None, self._exclusive, prepare, cancel)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancel.set()  # the worker aborts the receiver, frees the bucket and releases the lock
+            await asyncio.wait([work])  # bounded: every wait of the session looks at ``cancel`` each slice
+            raise
+
+    # -- one session at a time --------------------------------------------------------------------
+
+    def _exclusive(self, prepare: Callable[[], _Prepared], cancel: threading.Event | None) -> TransferStats:
+        """Run one session holding the sender's lock (waiting for a running one at most ``timeout_s``)."""
+        if self._owner == threading.get_ident():
+            raise TransferError(
+                f"send() on {self.endpoint!r} was called from inside its own running send() (the weights "
+                "iterator?); one session at a time: send the weights after it returns"
+            )
+        deadline = time.monotonic() + self.timeout_s
+        while not self._lock.acquire(timeout=CANCEL_SLICE_S):
+            _raise_if_cancelled(cancel, "while waiting for another send() on this sender")
+            if time.monotonic() >= deadline:
+                raise TransferError(
+                    f"another send() on {self.endpoint!r} held the sender for timeout_s={self.timeout_s:g}; a sender "
+                    "runs one session at a time: wait for it, use another sender (endpoint), or raise timeout_s"
+                )
+        self._owner = threading.get_ident()
+        try:
+            _raise_if_cancelled(cancel, "before its session started")
             try:
-                sync_iterator = iter(weights)
-            except TypeError:
-                raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
+                pull, listed, all_cuda = prepare()
+            except InvalidInput as exc:
+                self._refuse_waiting(f"the sender's weights were invalid: {exc}")
+                raise
+            return self._session(pull, listed, all_cuda, cancel)
+        finally:
+            self._owner = None
+            self._lock.release()
 
-            def pull() -> Any:
-                return next(sync_iterator, _END)
+    def _prepare(self, weights: Any) -> _Prepared:
+        """(pull, the checked items of a list or tuple, whether they are all CUDA tensors) for a sync iterable."""
+        if isinstance(weights, (list, tuple)):
+            checked, all_cuda = check_items(weights, need_cuda=self.transport == "cuda_ipc")
+            items = iter(checked)
+            return lambda: next(items, _END), checked, all_cuda
+        try:
+            iterator = iter(weights)
+        except TypeError:
+            raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
+        return lambda: next(iterator, _END), None, False
 
-        return await asyncio.to_thread(self._session, pull, weights if isinstance(weights, (list, tuple)) else None)
+    def _refuse_waiting(self, reason: str) -> None:
+        """Send an abort to every receiver whose hello is already here, so none waits its timeout for nothing."""
+        if self._socket is None:
+            return
+        while self._socket.poll(0, zmq.POLLIN):
+            try:
+                peer, frame = self._socket.recv_multipart(zmq.NOBLOCK)[:2]
+                hello = decode(frame)
+            except (ValueError, ProtocolError):
+                continue  # garbage is dropped, as a session would
+            if hello["kind"] == "hello":
+                self._waiting.add(peer, hello)
+        self._waiting.turn_away(self._socket, reason)
 
     # -- one session ------------------------------------------------------------------------------
 
-    def _session(self, pull: Callable[[], Any], listed: list | tuple | None = None) -> TransferStats:
-        """One session; ``listed``: the items, when the caller gave a list or tuple (its tensors stay as
-        they are during the session, so small copies may be deferred, and its size is known up front)."""
+    def _session(
+        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, cancel: threading.Event | None
+    ) -> TransferStats:
+        """One session; ``listed``: the checked items, when the caller gave a list or tuple (its tensors stay
+        as they are during the session, so small copies may be deferred, and its size is known up front)."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
-        run = _SendSession(self, pull, listed is not None, half_bytes_for(listed, self.half_bytes))
+        run = _SendSession(self, pull, listed, all_cuda, cancel, half_bytes_for(listed, self.half_bytes))
         try:
             stats = run.run()
-        except BaseException as exc:
-            run.abort(exc)
-            self._reopen()
+        except BaseException as exc:  # also KeyboardInterrupt / SystemExit from the caller's iterator
             try:
-                run.free()
-            except Exception as late:  # the session's own error is what the caller must see
-                log.error("sender on %r could not free the bucket after %r: %s", self.endpoint, exc, late)
+                run.abort(exc)
+            finally:
+                self._clean_up_after(run, exc)
             raise
         run.free()
         return stats
+
+    def _clean_up_after(self, run: _SendSession, exc: BaseException) -> None:
+        """After a failed session: free the bucket, then a fresh socket. Neither may hide ``exc``."""
+        try:
+            run.free()
+        except Exception as late:
+            log.error("sender on %r could not free the bucket after %r: %s", self.endpoint, exc, late)
+        try:
+            self._reopen()
+        except Exception as late:  # the sender is closed now; its next send() says so
+            log.error("sender on %r could not rebind after %r (it is closed now): %s", self.endpoint, exc, late)
+            exc.add_note(f"refitkit: the sender could not rebind {self.endpoint!r} afterwards and is closed: {late!r}")
 
 
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
     def __init__(
-        self, sender: BucketedWeightSender, pull: Callable[[], Any], batch: bool, half_bytes: int
-    ) -> None:
+        self, sender: BucketedWeightSender, pull: Callable[[], Any], listed: list[CheckedItem] | None,
+        all_cuda: bool, cancel: threading.Event | None, half_bytes: int,
+    ) -> None:  # fmt: skip
         self.sender = sender
-        self.batch = batch
+        self.batch = listed is not None
+        self.checked = listed is not None  # a list's items were checked whole before the session
+        self.all_cuda = all_cuda
+        self.cancel = cancel
         self.half_bytes = half_bytes
         self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
         self.session = secrets.token_hex(8)
-        self.phase = SessionPhase.HANDSHAKE
+        self.state = SendState.AWAITING_HELLO
         self.peer: bytes | None = None
         self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
         self.bell: doorbell.Doorbell | None = None
         self.packer: BucketPacker | None = None
-        self.setup_sent = False
-        self.set_up = False  # the receiver said ready: it mapped the bucket
-        self.released = False  # the final ACK arrived
-        self.remote_failed = False
         self.seq = 0
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
         self.unpacked: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
@@ -215,13 +319,12 @@ class _SendSession:
                 self._set_up(hello, first)
                 break
             except _PeerGone:  # a queued hello whose receiver gave up since: free, and take the next one
-                if self.setup_sent:
+                if self.state.setup_sent:
                     raise
                 self.free()
                 hello = self._await_hello()
         self._mark("setup", began)
         began = time.perf_counter()
-        self.phase = SessionPhase.STREAMING
         total_bytes = 0
         item = first
         if self.packer is not None:
@@ -237,11 +340,10 @@ class _SendSession:
             self._send_bucket(0, False, [], True)  # an empty stream: the receiver still learns it ended
         self._mark("stream", began)
         began = time.perf_counter()
-        self.phase = SessionPhase.DRAINING
+        self.state = self.state.to(SendState.DRAINING)
         self._wait(self._released, f"released for bucket {self.seq - 1}", counter=self.bell is not None)
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
-        self.phase = SessionPhase.RELEASED
         return TransferStats(
             bytes=total_bytes, tensors=self.items, buckets=self.seq,
             seconds=time.perf_counter() - start, ack_wait_s=self.ack_wait_s,
@@ -253,20 +355,22 @@ class _SendSession:
     # -- items and buckets ------------------------------------------------------------------------
 
     def _next_item(self) -> CheckedItem | None:
+        if self.cancel is not None and self.cancel.is_set():  # (no message built per item: the critical path)
+            raise _Cancelled(f"asend() was cancelled after {self.items} items")
         item = self.pull()
         if item is _END:
             return None
-        checked = check_item(self.items, item, self.seen, need_cuda=self.need_cuda)
+        if not self.checked:
+            item = check_item(self.items, item, self.seen, need_cuda=self.need_cuda)
         self.items += 1
-        return checked
+        return item
 
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.half_bytes
         if transport == "shm":
             self.bucket = shm.ShmBucket(2 * half, session=self.session, peer_pidns=hello.get("pidns"))
-        elif transport == "cuda_ipc":
-            assert first is not None
+        elif transport == "cuda_ipc" and first is not None:
             self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         control = None
@@ -278,7 +382,7 @@ class _SendSession:
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
                 log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.sender.endpoint, exc)
         self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control))
-        self.setup_sent = True
+        self.state = self.state.to(SendState.OFFERED)
         # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
         if self.bucket is not None:
             self.packer = BucketPacker(
@@ -292,8 +396,9 @@ class _SendSession:
         wanted = self.sender.transport
         if wanted == "cuda_ipc" and not receiver_cuda:
             raise TransferError(f"transport='cuda_ipc' but the receiver on {self.sender.endpoint!r} is on the CPU")
-        if wanted == "auto":
-            wanted = "cuda_ipc" if receiver_cuda and first[1].is_cuda and cuda_ipc.ipc_available() else "shm"
+        if wanted == "auto":  # (a list: cuda_ipc only when every tensor is on CUDA; it was checked for no device)
+            on_cuda = self.all_cuda if self.checked else first[1].is_cuda
+            wanted = "cuda_ipc" if receiver_cuda and on_cuda and cuda_ipc.ipc_available() else "shm"
         self.need_cuda = wanted == "cuda_ipc"
         if self.need_cuda and not first[1].is_cuda:
             raise InvalidInput(f"{first[0]!r} is on {first[1].device}; transport='cuda_ipc' needs CUDA tensors")
@@ -335,10 +440,11 @@ class _SendSession:
     def _released(self) -> bool:
         """The final ACK: the ``released`` frame, or (sooner) the doorbell's count reaching every bucket sent,
         which the receiver posts for the last bucket only after it released its mapping."""
-        if not self.released and self.bell is not None:
+        if self.state is SendState.DRAINING and self.bell is not None:
             self._take_consumed()
-            self.released = self.consumed == self.seq
-        return self.released
+            if self.consumed == self.seq:
+                self.state = self.state.to(SendState.RELEASED)
+        return self.state is SendState.RELEASED
 
     def _wait_free(self, halves: int) -> None:
         """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
@@ -365,6 +471,8 @@ class _SendSession:
             return condition()
 
         def look(sleepy: bool) -> None:
+            if self.cancel is not None and self.cancel.is_set():
+                raise _Cancelled(f"asend() was cancelled while waiting for {waiting_for}")
             if sleepy and counter and self.bell is not None:
                 if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
                     self.consumed += 1
@@ -375,7 +483,7 @@ class _SendSession:
         began = time.perf_counter()
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.sender.timeout_s, phase=self.phase, waiting_for=waiting_for,
+                ready, look, timeout_s=self.sender.timeout_s, phase=self.state.phase, waiting_for=waiting_for,
                 peer=f"the receiver on {self.sender.endpoint!r}",
             )  # fmt: skip
         finally:
@@ -384,32 +492,45 @@ class _SendSession:
     # -- frames ---------------------------------------------------------------------------------
 
     def _send(self, payload: bytes) -> None:
-        assert self.peer is not None
+        if self.peer is None:
+            raise TransferError(f"{self.state.value}: no receiver to send to on {self.sender.endpoint!r} (a bug in refitkit)")
         try:
             self.sock.send_multipart([self.peer, payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._read_frames(0)  # a receiver that failed and left reported why first: raise that
             raise _PeerGone(
-                f"{self.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
+                f"{self.state.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
                 f"nothing left to wait for within timeout_s={self.sender.timeout_s:g}"
             ) from None
 
     def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]]:
         parts = recv_frame(
-            self.sock, timeout_s=self.sender.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
-            waiting_for=waiting_for, peer=f"the receiver on {self.sender.endpoint!r}",
+            self.sock, timeout_s=self.sender.timeout_s if timeout_s is None else timeout_s, phase=self.state.phase,
+            waiting_for=waiting_for, peer=self._peer_name(),
         )  # fmt: skip
         if len(parts) != 2:
-            raise ProtocolError(f"{self.phase.value}: a {len(parts) - 1}-part message on {self.sender.endpoint!r}")
+            raise ProtocolError(f"{self.state.phase.value}: a {len(parts) - 1}-part message on {self.sender.endpoint!r}")
         return parts[0], decode(parts[1])
+
+    def _peer_name(self) -> str:
+        return f"the receiver on {self.sender.endpoint!r}"
 
     def _await_hello(self) -> dict[str, Any]:
         waiting = self.sender._waiting.take()
         if waiting is not None:
             self.peer, frame = waiting
             return frame
-        while True:
-            peer, frame = self._recv("hello (is a receiver connected?)")
+        waiting_for = "hello (is a receiver connected?)"
+        deadline = time.monotonic() + self.sender.timeout_s
+        while True:  # in slices when cancellable, so that a cancelled asend() stops waiting
+            _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
+            left_s = max(0.0, deadline - time.monotonic())
+            slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
+            if not self.sock.poll(int(slice_s * 1000), zmq.POLLIN):
+                if time.monotonic() >= deadline:
+                    raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.sender.timeout_s)
+                continue
+            peer, frame = self._recv(waiting_for, timeout_s=0.0)
             if frame["kind"] == "hello":
                 self.peer = peer
                 return frame
@@ -418,7 +539,7 @@ class _SendSession:
     def _read_frames(self, timeout_ms: int) -> None:
         """Handle every frame already queued (waiting up to ``timeout_ms`` for the first) up to the final ACK:
         what follows it (the next session's hello) is left for the next session."""
-        while not self.released and self.sock.poll(timeout_ms, zmq.POLLIN):
+        while self.state is not SendState.RELEASED and self.sock.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
             peer, frame = self._recv("a frame", timeout_s=0.0)
             self._handle(peer, frame)
@@ -430,22 +551,23 @@ class _SendSession:
             return  # else a well-formed frame from an earlier session's peer
         if frame["kind"] == "error":
             message = str(frame.get("message"))
-            self.remote_failed = True  # the receiver released before it reported
+            self.state = self.state.to(SendState.PEER_FAILED)  # the receiver released before it reported
             raise TransferError(
                 f"receiver on {self.sender.endpoint!r} failed ({frame.get('phase')}): {message}", remote_message=message
             )
         expect(frame, "ready", "done", "released", session=self.session)
         kind, seq = frame["kind"], frame.get("seq")
-        if kind == "ready":
-            self.set_up = True
+        if kind == "ready" and self.state.setup_sent:
+            if self.state is SendState.OFFERED:
+                self.state = self.state.to(SendState.STREAMING)
             if self.bucket is not None:
                 self.bucket.receiver_mapped()
             return
         if kind == "done" and self.bell is None and type(seq) is int and seq == self.consumed and seq < self.seq:
             self.consumed = seq + 1
             return
-        if kind == "released" and seq == self.seq - 1 and not self.unpacked and self.set_up:
-            self.released = True
+        if kind == "released" and seq == self.seq - 1 and not self.unpacked and self.state is SendState.DRAINING:
+            self.state = self.state.to(SendState.RELEASED)
             return
         raise ProtocolError(f"unexpected {kind} for bucket {seq!r} (sent {self.seq} buckets)")
 
@@ -453,14 +575,17 @@ class _SendSession:
 
     def abort(self, exc: BaseException) -> None:
         """Tell a live receiver the session is over and, when it can still answer, wait for it to release."""
-        self.phase = SessionPhase.RELEASED
-        if self.peer is None or self.remote_failed:
-            return  # no receiver yet, or it already released and reported
+        if self.state in (SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED):
+            return  # it already released (and reported), or was told
+        setup_sent = self.state.setup_sent
+        self.state = self.state.to(SendState.ABORTED)
+        if self.peer is None:
+            return  # no receiver yet
         try:
             self.sock.send_multipart([self.peer, encode("abort", session=self.session, reason=repr(exc))], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return
-        if isinstance(exc, (TransferTimeout, ProtocolError)) or not self.setup_sent:
+        if isinstance(exc, (TransferTimeout, ProtocolError)) or not setup_sent:
             return  # the peer is dead, hostile or was never asked to map the bucket: free without waiting
         # Wait (bounded) for the receiver to unmap (it may still be mapping: setup went out before
         # ready came back) before the bucket is freed under it.
