@@ -22,29 +22,18 @@ import asyncio
 import datetime
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from refitkit._knobs import checked_seconds
 from refitkit.errors import BarrierTimeout, InvalidInput, RankFailure, RefitError
 
 logger = logging.getLogger(__name__)
 
 RECORD_BYTES = 2048  # one rank's status record; longer error messages are cut to fit
-_MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timedelta that every wait below can represent
-
-
-def check_timeout(value: Any, knob: str) -> float:
-    """``value`` as a positive, finite number of seconds (at most a week), else InvalidInput naming ``knob``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidInput(f"{knob}={value!r}: need a number of seconds, got a {type(value).__name__}")
-    seconds = float(value)
-    if not (seconds > 0 and math.isfinite(seconds) and seconds <= _MAX_TIMEOUT_S):
-        raise InvalidInput(f"{knob}={value!r}: need seconds > 0 and at most {_MAX_TIMEOUT_S:g} (one week)")
-    return seconds
 
 
 @dataclass(frozen=True)
@@ -76,7 +65,7 @@ class RankGroup:
     """
 
     def __init__(self, group: Any = None, *, timeout_s: float = 300.0, phase: str = "setup") -> None:
-        self.timeout_s = check_timeout(timeout_s, "barrier_timeout_s")
+        self.timeout_s = checked_seconds(timeout_s, "barrier_timeout_s")
         self.round = 0
         self._broken: str | None = None  # why the group cannot be used any more
         dist = _dist()
@@ -111,7 +100,7 @@ class RankGroup:
         Raises ``BarrierTimeout`` when some rank does not arrive in time, ``RefitError`` when the group
         is out of step; it does not raise for failures it reports (see ``raise_failures``).
         """
-        wait_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s, "timeout_s")
+        wait_s = self.timeout_s if timeout_s is None else checked_seconds(timeout_s, "timeout_s")
         mine = RankStatus(self.rank, phase, type(error).__name__ if error is not None else None, _message(error))
         self.round += 1
         if self._group is None:
@@ -237,7 +226,7 @@ def bounded_barrier(group: Any = None, *, timeout_s: float, phase: str = "refit"
     calls it) and kept for later calls; after a timeout that group is spent and later calls raise ``RefitError``
     at once. A no-op without an initialised process group (single-process runs).
     """
-    seconds = check_timeout(timeout_s, "timeout_s")
+    seconds = checked_seconds(timeout_s, "timeout_s")
     if _dist() is None:
         return 0.0
     key = id(group)
@@ -252,4 +241,4 @@ async def abounded_barrier(group: Any = None, *, timeout_s: float, phase: str = 
     return await asyncio.to_thread(bounded_barrier, group, timeout_s=timeout_s, phase=phase)
 
 
-__all__ = ["RankGroup", "RankStatus", "abounded_barrier", "bounded_barrier", "check_timeout"]
+__all__ = ["RankGroup", "RankStatus", "abounded_barrier", "bounded_barrier"]

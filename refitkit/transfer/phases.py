@@ -4,17 +4,15 @@ figures a session reports."""
 from __future__ import annotations
 
 import enum
-import math
-import numbers
 import operator
 from dataclasses import dataclass
 
+from refitkit._knobs import MAX_TIMEOUT_S, checked_seconds  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
 from refitkit.errors import InvalidInput, TransferError
 
 TRANSPORTS = ("auto", "cuda_ipc", "shm")
 # The longest timeout_s any wait can hold: ZMQ polls take a C int of milliseconds (2**31 ms is 24.8
 # days), and a deadline must stay finite. One week is far beyond any real sync.
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class SessionPhase(enum.Enum):
@@ -82,13 +80,7 @@ def checked_knobs(
 ) -> tuple[float, int | None, str | None]:
     """``timeout_s`` as a float, ``bucket_bytes`` as an int, ``transport`` as is (None for a knob not
     given), or InvalidInput naming the knob, the value and what is accepted. Both ends' constructors use it."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
-        raise InvalidInput(f"timeout_s={timeout_s!r} is a {type(timeout_s).__name__}; need a number of seconds")
-    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise InvalidInput(
-            f"timeout_s={timeout_s!r}; need a finite number of seconds above 0 and at most "
-            f"MAX_TIMEOUT_S={MAX_TIMEOUT_S:g} (one week: the longest wait every poll can hold)"
-        )
+    seconds = checked_seconds(timeout_s, "timeout_s")
     size = None
     if bucket_bytes is not _UNCHECKED:
         try:
@@ -101,7 +93,7 @@ def checked_knobs(
         transport = None
     elif not isinstance(transport, str) or transport not in TRANSPORTS:
         raise InvalidInput(f"transport={transport!r}; expected one of {TRANSPORTS}")
-    return float(timeout_s), size, transport  # type: ignore[return-value]
+    return seconds, size, transport  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
