@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+# `make test` runs the core suite under `python -O` (the library must not rely on assert): pytest still
+# rewrites asserts in test modules, and this extends that to the helpers they import (harness, peers, ...).
+pytest.register_assert_rewrite("tests")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -28,3 +28,11 @@ def test_only_the_watchdog_audit_calls_gc_collect():
                 if isinstance(node.func.value, ast.Name) and node.func.value.id == "gc":
                     calls.append(f"{name}:{node.lineno}")
     assert all(call.startswith("refitkit/watchdog/") for call in calls), calls
+
+
+def test_the_suites_own_asserts_still_check_under_python_O():
+    # make test runs this suite with `python -O`: a test whose asserts vanished would pass vacuously
+    import pytest
+
+    with pytest.raises(AssertionError):
+        assert 1 == 2
