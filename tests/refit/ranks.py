@@ -206,3 +206,66 @@ def async_refit(rank: int, world_size: int) -> dict:
         return {"ticks": ticks, "state": state, "phases": [p.name for p in report.phases], "waited": waited}
 
     return asyncio.run(main())
+
+
+def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: float, barrier_timeout_s: float) -> dict:
+    """Two trainer ranks on one GPU (gloo only for the cycle's group): rank 0 streams over CUDA IPC to a receiver
+    process that SIGKILLs itself at its second bucket. Every rank must raise within the bounds, the sender's
+    GPU bucket must be freed, nothing offloaded, and the next refit to a fresh receiver must work."""
+    import multiprocessing as mp
+    import time
+
+    import torch.distributed as dist
+
+    from tests.transfer.harness import assert_device_memory_back, device_free_bytes
+    from tests.transfer.peers import one_shot_receiver_main
+
+    device = torch.device("cuda", 0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(8))).to(device)  # 8 x 4 MiB
+    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    endpoint = f"ipc-kill-{uuid.uuid4().hex[:8]}"
+    sender = BucketedWeightSender(endpoint, bucket_bytes=16 << 20, transport="cuda_ipc", timeout_s=timeout_s) if rank == 0 else None
+    cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    dist.barrier()  # both ranks' models exist: the device's free memory is this test's baseline
+    baseline = device_free_bytes()
+    dist.barrier()
+
+    def receiver(mode: str, arg: object) -> tuple[object, object]:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cuda:0", 30.0, mode, arg, child), daemon=True)
+        process.start()
+        if not parent.poll(60) or parent.recv() != "starting":
+            raise AssertionError("receiver process did not start")
+        return process, parent
+
+    outcome: dict = {}
+    killed = receiver("kill", 2) if rank == 0 else None
+    start = time.monotonic()
+    try:
+        cycle.refit(step=1)
+        outcome["error_type"] = None
+    except Exception as exc:
+        outcome.update(error_type=type(exc).__name__, error=str(exc))
+    outcome["seconds"] = time.monotonic() - start
+    outcome["on_device"] = adapter.state is DeviceState.ON_DEVICE
+    if killed is not None:
+        killed[0].join(30)
+        outcome["receiver_exit"] = killed[0].exitcode
+        assert_device_memory_back(baseline, "after the receiver was killed mid-sync", settle_s=10.0)
+        outcome["bucket_freed"] = True
+    dist.barrier()
+    fresh = receiver("collect", None) if rank == 0 else None
+    report = cycle.refit(step=2)  # the same cycle (its group is fine: no exchange timed out) to a fresh receiver
+    outcome["second_offloaded"] = adapter.state is DeviceState.OFFLOADED and report.phase("sync_weights").bytes == (
+        8 * 1024 * 1024 * 4 if rank == 0 else 0
+    )
+    cycle.resume(step=2)
+    if fresh is not None:
+        result = fresh[1].recv() if fresh[1].poll(30) else {"ok": False}
+        fresh[0].join(30)
+        outcome["fresh_ok"] = bool(result.get("ok"))
+        sender.close()
+    return outcome

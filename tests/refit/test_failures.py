@@ -58,3 +58,16 @@ def test_async_twins_keep_the_event_loop_running():
     assert rank0["phases"] == rank1["phases"] == ["sync_weights", "offload", "flush_device", "barrier"]
     assert rank0["state"] == rank1["state"] == "OFFLOADED"
     assert rank0["ticks"] > 30  # ~1 s of waiting for rank 1 with the loop ticking every 10 ms
+
+
+@pytest.mark.cuda
+def test_a_cuda_ipc_receiver_killed_mid_sync_fails_every_rank_and_frees_the_bucket():
+    timeout_s, barrier_timeout_s = 5.0, 30.0
+    rank0, rank1 = run_world(ranks.cuda_ipc_receiver_killed_mid_sync, 2, timeout_s, barrier_timeout_s, timeout_s=200)
+    assert rank0["error_type"] == "TransferTimeout", rank0
+    assert rank1["error_type"] == "RankFailure" and "sync_weights failed on rank(s) 0" in rank1["error"], rank1
+    assert rank0["receiver_exit"] == -9 and rank0["bucket_freed"]
+    for outcome in (rank0, rank1):
+        assert outcome["seconds"] < timeout_s + barrier_timeout_s, outcome
+        assert outcome["on_device"] and outcome["second_offloaded"], outcome
+    assert rank0["fresh_ok"]
