@@ -176,7 +176,6 @@ def offload_fails_on_one_rank(rank: int, world_size: int, barrier_timeout_s: flo
 def async_refit(rank: int, world_size: int) -> dict:
     """arefit/aresume and abounded_barrier leave the event loop free while the collectives wait."""
     import asyncio
-    import time
 
     from refitkit.refit import abounded_barrier
 
@@ -212,13 +211,14 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     """Two trainer ranks on one GPU (gloo only for the cycle's group): rank 0 streams over CUDA IPC to a receiver
     process that SIGKILLs itself at its second bucket. Every rank must raise within the bounds, the sender's
     GPU bucket must be freed, nothing offloaded, and the next refit to a fresh receiver must work."""
-    import multiprocessing as mp
+    import os
+    import subprocess
+    import sys
     import time
 
     import torch.distributed as dist
 
     from tests.transfer.harness import assert_device_memory_back, device_free_bytes
-    from tests.transfer.peers import one_shot_receiver_main
 
     device = torch.device("cuda", 0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(8))).to(device)  # 8 x 4 MiB
@@ -232,14 +232,18 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     baseline = device_free_bytes()
     dist.barrier()
 
-    def receiver(mode: str, arg: object) -> tuple[object, object]:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cuda:0", 30.0, mode, arg, child), daemon=True)
-        process.start()
-        if not parent.poll(60) or parent.recv() != "starting":
+    def receiver(mode: str, arg: object) -> subprocess.Popen:
+        # a plain subprocess: rank processes are daemonic and may not have multiprocessing children
+        code = (
+            "import json, sys, torch; from tests.transfer.peers import _run_session; torch.zeros(1, device='cuda:0'); "
+            "print('starting', flush=True); "
+            f"r = _run_session({endpoint!r}, 'cuda:0', 30.0, {mode!r}, {arg!r}, {{}}); print(json.dumps(r['calls']))"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        if process.stdout is None or process.stdout.readline().strip() != "starting":
             raise AssertionError("receiver process did not start")
-        return process, parent
+        return process
 
     outcome: dict = {}
     killed = receiver("kill", 2) if rank == 0 else None
@@ -252,8 +256,7 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     outcome["seconds"] = time.monotonic() - start
     outcome["on_device"] = adapter.state is DeviceState.ON_DEVICE
     if killed is not None:
-        killed[0].join(30)
-        outcome["receiver_exit"] = killed[0].exitcode
+        outcome["receiver_exit"] = killed.wait(30)
         assert_device_memory_back(baseline, "after the receiver was killed mid-sync", settle_s=10.0)
         outcome["bucket_freed"] = True
     dist.barrier()
@@ -264,8 +267,7 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     )
     cycle.resume(step=2)
     if fresh is not None:
-        result = fresh[1].recv() if fresh[1].poll(30) else {"ok": False}
-        fresh[0].join(30)
-        outcome["fresh_ok"] = bool(result.get("ok"))
+        output, _ = fresh.communicate(timeout=30)
+        outcome["fresh_ok"] = fresh.returncode == 0 and output.strip().endswith("true]]")  # its last bucket came
         sender.close()
     return outcome

@@ -179,7 +179,7 @@ def test_concurrent_sends_never_abort_the_process(tmp_path):
     the test process down."""
     script = tmp_path / "race.py"
     script.write_text(_RACE)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
     assert done.returncode == 0 and "no race" in done.stdout, (done.returncode, done.stderr[-2000:])
 
