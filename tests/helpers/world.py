@@ -74,3 +74,11 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
         if alive:
             raise WorldTimeout(f"ranks {alive} still running after timeout_s={timeout_s}; killed")
         return results
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a test's child interpreter: the checkout first on PYTHONPATH, what was there kept
+    (on the GPU machine that is where pyzmq and friends were installed), plus ``extra``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, **extra}

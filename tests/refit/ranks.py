@@ -13,6 +13,7 @@ from refitkit.refit import RefitCycle
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from tests.engines.fsdp.ranks import build, train_step
 from tests.helpers.bits import bits_equal
+from tests.helpers.world import child_env
 
 
 def refit_two_ranks(rank: int, world_size: int) -> dict:
@@ -211,7 +212,6 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     """Two trainer ranks on one GPU (gloo only for the cycle's group): rank 0 streams over CUDA IPC to a receiver
     process that SIGKILLs itself at its second bucket. Every rank must raise within the bounds, the sender's
     GPU bucket must be freed, nothing offloaded, and the next refit to a fresh receiver must work."""
-    import os
     import subprocess
     import sys
     import time
@@ -239,8 +239,7 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
             "print('starting', flush=True); "
             f"r = _run_session({endpoint!r}, 'cuda:0', 30.0, {mode!r}, {arg!r}, {{}}); print(json.dumps(r['calls']))"
         )
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
         if process.stdout is None or process.stdout.readline().strip() != "starting":
             raise AssertionError("receiver process did not start")
         return process

@@ -4,7 +4,6 @@ never race on the socket; a cancelled asend() aborts the receiver and frees ever
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer import sender as sender_module
 from tests.transfer.harness import Case, own_segment_files, roundtrip
 from tests.transfer.peers import ReceiverServer, digest, mapped_segments
+from tests.helpers.world import child_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -179,8 +179,7 @@ def test_concurrent_sends_never_abort_the_process(tmp_path):
     the test process down."""
     script = tmp_path / "race.py"
     script.write_text(_RACE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=child_env())
     assert done.returncode == 0 and "no race" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 

@@ -14,6 +14,7 @@ import pytest
 from refitkit.errors import TransferError
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer.endpoint import socket_path
+from tests.helpers.world import child_env
 from tests.transfer.harness import roundtrip
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,7 +98,7 @@ def test_a_users_sender_meets_another_users_stale_socket_in_a_shared_dir():
     try:
         run = subprocess.run(
             [sys.executable, "-c", _AS_NOBODY.format(uid=NOBODY), path], capture_output=True, text=True, timeout=60,
-            env={**os.environ, "PYTHONPATH": os.getcwd(), "REFITKIT_SOCKET_DIR": shared},
+            env=child_env(REFITKIT_SOCKET_DIR=shared),
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
         assert f"TransferError: endpoint file {path} belongs to uid 0, not to this uid {NOBODY}" in run.stdout

@@ -13,7 +13,8 @@ import textwrap
 import pytest
 
 from refitkit.errors import ProtocolError
-from refitkit.transfer import doorbell, shm
+from refitkit.transfer import shm
+from tests.helpers.world import child_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +29,7 @@ def run_script(
     """Run ``script`` in a fresh interpreter (behind ``prefix``, e.g. ``unshare``) from the worktree root."""
     return subprocess.run(
         [*prefix, sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-        timeout=timeout_s, env={**os.environ, "PYTHONPATH": os.getcwd(), **(env or {})},
+        timeout=timeout_s, env=child_env(**(env or {})),
     )  # fmt: skip
 
 
@@ -110,7 +111,7 @@ def test_sweep_keeps_a_live_segment_of_another_pid_namespace():
     owner = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
          'echo 3000000 > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; true', sys.executable, script],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
     )  # fmt: skip
     try:
         path = owner.stdout.readline().strip()
