@@ -67,13 +67,26 @@ def _world_all_reduce(value: float) -> float:
     return float(tensor.item())
 
 
+def attempt_refit(cycle: RefitCycle, *, step: int) -> dict:
+    """One refit() as data: the error's type, message and failed ranks (None when it succeeded), and its seconds."""
+    import time
+
+    start = time.monotonic()
+    try:
+        cycle.refit(step=step)
+        outcome: dict = {"error_type": None}
+    except Exception as exc:
+        outcome = {"error_type": type(exc).__name__, "error": str(exc), "failures": getattr(exc, "failures", None)}
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
+
+
 def sender_loses_its_receiver(rank: int, world_size: int, timeout_s: float, barrier_timeout_s: float) -> dict:
     """FSDP2 over gloo: rank 0 streams to an endpoint no receiver ever connects to; rank 1 joins the gathers.
 
     Every rank must end in a refitkit error within the bounds, with nothing offloaded, and the FSDP
     group must still train afterwards.
     """
-    import time
 
     model, optimizer = build(world_size, fsdp=True, mixed_precision=False)
     train_step(model, optimizer, rank, 0)
@@ -82,13 +95,7 @@ def sender_loses_its_receiver(rank: int, world_size: int, timeout_s: float, barr
     if rank == 0:
         sender = BucketedWeightSender(f"lost-{uuid.uuid4().hex[:8]}", transport="shm", timeout_s=timeout_s)
     cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
-    start = time.monotonic()
-    try:
-        cycle.refit(step=1)
-        outcome: dict = {"error_type": None}
-    except Exception as exc:
-        outcome = {"error_type": type(exc).__name__, "error": str(exc), "failures": getattr(exc, "failures", None)}
-    outcome["seconds"] = time.monotonic() - start
+    outcome = attempt_refit(cycle, step=1)
     if sender is not None:
         sender.close()
     outcome["on_device"] = adapter.state is DeviceState.ON_DEVICE
@@ -114,13 +121,7 @@ def rank_misses_the_barrier(rank: int, world_size: int, barrier_timeout_s: float
     if rank == 1:
         time.sleep(late_s)
         return {"all_reduce": _world_all_reduce(rank + 1.0)}
-    start = time.monotonic()
-    try:
-        cycle.refit(step=1)
-        outcome: dict = {"error_type": None}
-    except Exception as exc:
-        outcome = {"error_type": type(exc).__name__, "error": str(exc)}
-    outcome["seconds"] = time.monotonic() - start
+    outcome = attempt_refit(cycle, step=1)
     outcome["all_reduce"] = _world_all_reduce(rank + 1.0)
     try:  # the cycle's own group is spent after a timeout, and says so at once
         cycle.refit(step=2)
@@ -150,20 +151,13 @@ def late_rank(rank: int, world_size: int, late_s: float) -> dict:
 
 def offload_fails_on_one_rank(rank: int, world_size: int, barrier_timeout_s: float) -> dict:
     """Rank 1's offload is refused (a param on the meta device); every rank raises at once."""
-    import time
 
     model = _Plain()
     if rank == 1:
         model.weight = torch.nn.Parameter(torch.empty(8, 8, device="meta"))  # offload refuses it, moving nothing
     adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
     cycle = RefitCycle(adapter, None, barrier_timeout_s=barrier_timeout_s)
-    start = time.monotonic()
-    try:
-        cycle.refit(step=1)
-        outcome: dict = {"error_type": None}
-    except Exception as exc:
-        outcome = {"error_type": type(exc).__name__, "error": str(exc), "failures": getattr(exc, "failures", None)}
-    outcome["seconds"] = time.monotonic() - start
+    outcome = attempt_refit(cycle, step=1)
     outcome["state"] = adapter.state.name
     # recover: whoever offloaded reloads, then a second cycle on a fresh group works everywhere
     try:
@@ -214,7 +208,6 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     GPU bucket must be freed, nothing offloaded, and the next refit to a fresh receiver must work."""
     import subprocess
     import sys
-    import time
 
     import torch.distributed as dist
 
@@ -244,15 +237,8 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
             raise AssertionError("receiver process did not start")
         return process
 
-    outcome: dict = {}
     killed = receiver("kill", 2) if rank == 0 else None
-    start = time.monotonic()
-    try:
-        cycle.refit(step=1)
-        outcome["error_type"] = None
-    except Exception as exc:
-        outcome.update(error_type=type(exc).__name__, error=str(exc))
-    outcome["seconds"] = time.monotonic() - start
+    outcome = attempt_refit(cycle, step=1)
     outcome["on_device"] = adapter.state is DeviceState.ON_DEVICE
     if killed is not None:
         outcome["receiver_exit"] = killed.wait(30)
