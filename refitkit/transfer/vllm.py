@@ -30,6 +30,7 @@ import torch
 
 from refitkit.errors import InvalidInput, TransferError, TransferTimeout
 from refitkit.transfer.phases import TransferStats
+from refitkit.transfer.packing import check_items
 from refitkit.transfer.receiver import BucketedWeightReceiver
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,9 @@ def push_weights(
     The workers' ``refit_receive`` runs in a helper thread while this thread sends. ``timeout_s``
     (default: the sender's) bounds the worker's receiver; the rpc gets ``RPC_SLACK_S`` more. A
     receiver failure raises the sender's ``TransferError`` with vLLM's message appended; bad items
-    raise ``InvalidInput`` naming the tensor (the engine then reports ``weights_consistent=False``
-    in ``refit_worker_info`` until a push completes).
+    raise ``InvalidInput`` naming the tensor: a list or tuple before any worker waits (the engine's
+    weights are untouched), a generator's when it is reached (the engine then reports
+    ``weights_consistent=False`` in ``refit_worker_info`` until a push completes).
     """
     timeout_s = sender.timeout_s if timeout_s is None else float(timeout_s)
     if not timeout_s > 0:
@@ -121,6 +123,9 @@ def push_weights(
         weights = weights if isinstance(weights, (list, tuple)) else iter(weights)
     except TypeError:
         raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
+    if isinstance(weights, (list, tuple)):
+        # A bad list is refused whole before the workers start waiting: the engine sees no byte of it.
+        check_items(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir
     rpc_timeout_s = timeout_s + RPC_SLACK_S
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-rpc")

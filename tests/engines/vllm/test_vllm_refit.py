@@ -73,11 +73,23 @@ def test_unknown_name_fails_on_the_trainer_side_and_the_engine_recovers(engine, 
     assert_engine_holds(engine, trainer)
 
 
-def test_a_bad_item_mid_stream_raises_invalid_input_naming_it(engine, trainer):
+def test_a_bad_item_in_a_list_is_refused_before_the_engine_sees_a_byte(engine, trainer):
+    push(engine, engine.original.named_parameters())
     weights = list(trainer.named_parameters())
     began = time.monotonic()
     with pytest.raises(InvalidInput, match="'model.layers.1.mlp.up_proj.weight' is a list, not a torch.Tensor"):
         push(engine, weights[:10] + [("model.layers.1.mlp.up_proj.weight", [1.0, 2.0])] + weights[10:])
+    assert time.monotonic() - began < 5.0  # no worker waited for a session
+    info = worker_info(engine.llm)
+    assert info["weights_consistent"] is True and mapped_segments(info["pid"]) == []
+    assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # not one weight changed
+
+
+def test_a_bad_item_mid_stream_raises_invalid_input_naming_it(engine, trainer):
+    weights = list(trainer.named_parameters())
+    began = time.monotonic()
+    with pytest.raises(InvalidInput, match="'model.layers.1.mlp.up_proj.weight' is a list, not a torch.Tensor"):
+        push(engine, iter(weights[:10] + [("model.layers.1.mlp.up_proj.weight", [1.0, 2.0])] + weights[10:]))
     assert time.monotonic() - began < TIMEOUT_S
     info = worker_info(engine.llm)
     assert info["weights_consistent"] is False and mapped_segments(info["pid"]) == []
