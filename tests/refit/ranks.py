@@ -202,6 +202,28 @@ def async_refit(rank: int, world_size: int) -> dict:
     return asyncio.run(main())
 
 
+def failure_scenarios(rank: int, world_size: int, timeout_s: float, barrier_timeout_s: float, late_s: float) -> dict:
+    """The CPU scenarios of tests/refit/test_failures.py, one after another in one world (spawning ranks
+    costs seconds each); each gets fresh cycles, and the one that spends its cycle's group comes last.
+    A scenario that raises is recorded as its traceback, so the others still run and report."""
+    import traceback
+
+    scenarios = {
+        "sender_loses_its_receiver": lambda: sender_loses_its_receiver(rank, world_size, timeout_s, barrier_timeout_s),
+        "offload_fails_on_one_rank": lambda: offload_fails_on_one_rank(rank, world_size, barrier_timeout_s),
+        "late_rank": lambda: late_rank(rank, world_size, late_s),
+        "async_refit": lambda: async_refit(rank, world_size),
+        "rank_misses_the_barrier": lambda: rank_misses_the_barrier(rank, world_size, 1.5, 2 * late_s),
+    }
+    results: dict = {}
+    for name, scenario in scenarios.items():
+        try:
+            results[name] = scenario()
+        except Exception:
+            results[name] = {"crashed": traceback.format_exc()}
+    return results
+
+
 def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: float, barrier_timeout_s: float) -> dict:
     """Two trainer ranks on one GPU (gloo only for the cycle's group): rank 0 streams over CUDA IPC to a receiver
     process that SIGKILLs itself at its second bucket. Every rank must raise within the bounds, the sender's

@@ -10,24 +10,38 @@ from tests.refit import ranks
 
 pytestmark = pytest.mark.timeout(240)
 
+TIMEOUT_S, BARRIER_TIMEOUT_S, LATE_S = 2.0, 20.0, 3.0
 
-def test_a_sender_that_loses_its_receiver_fails_every_rank_within_the_bounds():
-    timeout_s, barrier_timeout_s = 2.0, 20.0
-    sender_rank, other_rank = run_world(ranks.sender_loses_its_receiver, 2, timeout_s, barrier_timeout_s, timeout_s=150)
+
+@pytest.fixture(scope="module")
+def scenarios():
+    """Every CPU scenario, run once in one two-rank world (see ranks.failure_scenarios)."""
+    return run_world(ranks.failure_scenarios, 2, TIMEOUT_S, BARRIER_TIMEOUT_S, LATE_S, timeout_s=200)
+
+
+def outcomes(scenarios, name):
+    per_rank = [results[name] for results in scenarios]
+    for rank, outcome in enumerate(per_rank):
+        assert "crashed" not in outcome, f"rank {rank} crashed in {name}:\n{outcome['crashed']}"
+    return per_rank
+
+
+def test_a_sender_that_loses_its_receiver_fails_every_rank_within_the_bounds(scenarios):
+    sender_rank, other_rank = outcomes(scenarios, "sender_loses_its_receiver")
     assert sender_rank["error_type"] == "TransferTimeout", sender_rank
     assert "timeout_s=2" in sender_rank["error"]
     assert other_rank["error_type"] == "RankFailure", other_rank
     assert "sync_weights failed on rank(s) 0" in other_rank["error"] and "TransferTimeout" in other_rank["error"]
     assert list(other_rank["failures"]) == [0]
     for outcome in (sender_rank, other_rank):
-        assert outcome["seconds"] < timeout_s + barrier_timeout_s, outcome
+        assert outcome["seconds"] < TIMEOUT_S + BARRIER_TIMEOUT_S, outcome
         assert outcome["on_device"], "a failed sync must not offload anything"
         assert outcome["all_reduce"] == 3.0  # the trainer's group still works
     assert sender_rank["loss_after"] > 0 and other_rank["loss_after"] > 0
 
 
-def test_a_rank_that_never_reaches_the_barrier_times_the_others_out_and_leaves_their_group_usable():
-    rank0, rank1 = run_world(ranks.rank_misses_the_barrier, 2, 1.5, 6.0, timeout_s=120)
+def test_a_rank_that_never_reaches_the_barrier_times_the_others_out_and_leaves_their_group_usable(scenarios):
+    rank0, rank1 = outcomes(scenarios, "rank_misses_the_barrier")
     assert rank0["error_type"] == "BarrierTimeout", rank0
     assert "barrier after sync_weights timed out after 1.5 s on rank 0" in rank0["error"]
     assert "barrier_timeout_s" in rank0["error"]
@@ -36,25 +50,24 @@ def test_a_rank_that_never_reaches_the_barrier_times_the_others_out_and_leaves_t
     assert rank0["second_error"].startswith("RefitError: ") and "make a new RefitCycle" in rank0["second_error"]
 
 
-def test_a_late_rank_holds_the_others_until_it_has_offloaded():
-    rank0, rank1 = run_world(ranks.late_rank, 2, 3.0, timeout_s=120)
+def test_a_late_rank_holds_the_others_until_it_has_offloaded(scenarios):
+    rank0, rank1 = outcomes(scenarios, "late_rank")
     assert rank0["returned_at"] >= rank1["offloaded_at"]
-    assert rank0["refit_s"] > 2.0  # it really waited for the late rank
+    assert rank0["refit_s"] > LATE_S - 1.0  # it really waited for the late rank
 
 
-def test_an_offload_failure_on_one_rank_surfaces_on_every_rank_at_once():
-    barrier_timeout_s = 30.0
-    rank0, rank1 = run_world(ranks.offload_fails_on_one_rank, 2, barrier_timeout_s, timeout_s=120)
+def test_an_offload_failure_on_one_rank_surfaces_on_every_rank_at_once(scenarios):
+    rank0, rank1 = outcomes(scenarios, "offload_fails_on_one_rank")
     assert rank1["error_type"] == "InvalidInput" and "meta device" in rank1["error"], rank1
     assert rank0["error_type"] == "RankFailure", rank0
     assert "offload failed on rank(s) 1" in rank0["error"] and "meta device" in rank0["error"]
-    assert rank0["seconds"] < barrier_timeout_s / 3 and rank1["seconds"] < barrier_timeout_s / 3  # not a timeout
+    assert rank0["seconds"] < BARRIER_TIMEOUT_S / 3 and rank1["seconds"] < BARRIER_TIMEOUT_S / 3  # not a timeout
     assert rank0["state"] == "OFFLOADED" and rank1["state"] == "ON_DEVICE"
     assert rank0["resumed"] is True and rank1["resumed"] is True
 
 
-def test_async_twins_keep_the_event_loop_running():
-    rank0, rank1 = run_world(ranks.async_refit, 2, timeout_s=120)
+def test_async_twins_keep_the_event_loop_running(scenarios):
+    rank0, rank1 = outcomes(scenarios, "async_refit")
     assert rank0["phases"] == rank1["phases"] == ["sync_weights", "offload", "flush_device", "barrier"]
     assert rank0["state"] == rank1["state"] == "OFFLOADED"
     assert rank0["ticks"] > 30  # ~1 s of waiting for rank 1 with the loop ticking every 10 ms
