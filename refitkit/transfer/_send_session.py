@@ -37,12 +37,24 @@ class _PeerGone(TransferTimeout):
 
 
 class _Cancelled(TransferError):
-    """The ``asend()`` running this session was cancelled."""
+    """The session was stopped from another thread: its ``asend()`` was cancelled, or ``close()`` was called."""
 
 
-def _raise_if_cancelled(cancel: threading.Event | None, where: str) -> None:
+class StopRequest(threading.Event):
+    """Set from another thread to stop a running session at its next look (each item, each wait slice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = "asend() was cancelled"
+
+    def stop(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
+
+
+def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
     if cancel is not None and cancel.is_set():
-        raise _Cancelled(f"asend() was cancelled {where}")
+        raise _Cancelled(f"{cancel.reason} {where}")
 
 
 class _SendSession:
@@ -50,13 +62,14 @@ class _SendSession:
 
     def __init__(
         self, sender: BucketedWeightSender, pull: Callable[[], Any], listed: list[CheckedItem] | None,
-        all_cuda: bool, cancel: threading.Event | None, half_bytes: int,
+        all_cuda: bool, cancel: StopRequest | None, half_bytes: int,
     ) -> None:  # fmt: skip
         self.sender = sender
         self.batch = listed is not None
         self.checked = listed is not None  # a list's items were checked whole before the session
         self.all_cuda = all_cuda
         self.cancel = cancel
+        self.aborted_from: SendState | None = None  # the state abort() found
         self.half_bytes = half_bytes
         self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
@@ -123,7 +136,7 @@ class _SendSession:
 
     def _next_item(self) -> CheckedItem | None:
         if self.cancel is not None and self.cancel.is_set():  # (no message built per item: the critical path)
-            raise _Cancelled(f"asend() was cancelled after {self.items} items")
+            raise _Cancelled(f"{self.cancel.reason} after {self.items} items")
         item = self.pull()
         if item is END:
             return None
@@ -196,7 +209,7 @@ class _SendSession:
         loop over whatever a peer wrote into the counter."""
         bell = self.bell
         if bell is None:
-            raise ProtocolError(f"{self.phase.value}: CONSUMED counted in a session without a control segment")
+            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without a control segment")
         while self.consumed <= self.seq and bell.take(doorbell.CONSUMED):
             self.consumed += 1
         if self.consumed > self.seq:
@@ -239,7 +252,7 @@ class _SendSession:
 
         def look(sleepy: bool) -> None:
             if self.cancel is not None and self.cancel.is_set():
-                raise _Cancelled(f"asend() was cancelled while waiting for {waiting_for}")
+                raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
             if sleepy and counter and self.bell is not None:
                 if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
                     self.consumed += 1
@@ -289,7 +302,7 @@ class _SendSession:
             return frame
         waiting_for = "hello (is a receiver connected?)"
         deadline = time.monotonic() + self.sender.timeout_s
-        while True:  # in slices when cancellable, so that a cancelled asend() stops waiting
+        while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
             _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
             left_s = max(0.0, deadline - time.monotonic())
             slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
@@ -345,6 +358,7 @@ class _SendSession:
         if self.state in (SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED):
             return  # it already released (and reported), or was told
         setup_sent = self.state.setup_sent
+        self.aborted_from = self.state
         self.state = self.state.to(SendState.ABORTED)
         if self.peer is None:
             return  # no receiver yet
@@ -366,6 +380,12 @@ class _SendSession:
                     self.sender._waiting.add(peer, frame)
         except TransferError as late:
             log.warning("receiver did not confirm the abort on %r: %s", self.sender.endpoint, late)
+
+    @property
+    def ever_offered(self) -> bool:
+        """Whether a receiver was ever sent the setup in this session (the socket may then hold its frames)."""
+        state = self.aborted_from if self.state is SendState.ABORTED else self.state
+        return state is not SendState.AWAITING_HELLO
 
     def free(self) -> None:
         """Free the bucket (idempotent); after this the sender holds no bucket memory."""

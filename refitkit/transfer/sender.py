@@ -45,7 +45,7 @@ import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer import cuda_ipc, shm
-from refitkit.transfer._send_session import CANCEL_SLICE_S, END, _Cancelled, _raise_if_cancelled, _SendSession
+from refitkit.transfer._send_session import CANCEL_SLICE_S, END, StopRequest, _Cancelled, _raise_if_cancelled, _SendSession
 from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
 from refitkit.transfer.packing import CheckedItem, check_items, half_bytes_for
 from refitkit.transfer.phases import TransferStats, checked_knobs
@@ -82,6 +82,8 @@ class BucketedWeightSender:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
         self._owner: int | None = None  # the thread running the current session
+        self._stop: StopRequest | None = None  # stops the current session (close() from another thread)
+        self._closed = False
         self.last_timings_s: dict[str, float] = {}  # per-phase seconds of the last session, for benchmarks
         self._waiting = WaitingReceivers()  # hellos that arrived during a session, for the next ones
         shm.remove_stale_segments()
@@ -103,13 +105,36 @@ class BucketedWeightSender:
 
     def _reopen(self) -> None:
         """After a failed session: drop queued frames and half-open peers with a fresh socket."""
-        # Waiting receivers' connections go with the old socket: let them fail fast and retry.
-        self._waiting.turn_away(self._socket, "the sender's previous session failed; say hello again")  # type: ignore[arg-type]
-        self.close()
+        # Waiting receivers' connections go with the old socket, hellos still queued in it too: tell
+        # every one of them to fail fast and say hello again.
+        self._refuse_waiting("the sender's previous session failed; say hello again")
+        self._close_socket()
         self._open()
 
     def close(self) -> None:
-        """Close the socket (its file is removed); the sender cannot send afterwards."""
+        """Close the socket (its file is removed); the sender cannot send afterwards.
+
+        A ``send()`` running in another thread is stopped first (its receiver aborted, its bucket
+        freed), bounded by ``timeout_s``; closing from inside the running ``send()`` is refused."""
+        if self._owner == threading.get_ident():
+            raise TransferError(
+                f"close() on {self.endpoint!r} was called from inside its own running send() (the weights "
+                "iterator?); close the sender after send() returns"
+            )
+        self._closed = True
+        stop = self._stop
+        if stop is not None:
+            stop.stop("the sender was closed (close())")
+        if not self._lock.acquire(timeout=self.timeout_s + 1.0):
+            raise TransferError(
+                f"close() on {self.endpoint!r}: the running send() did not stop within timeout_s={self.timeout_s:g}"
+            )
+        try:
+            self._close_socket()
+        finally:
+            self._lock.release()
+
+    def _close_socket(self) -> None:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -142,7 +167,7 @@ class BucketedWeightSender:
         Cancelling it (``task.cancel()``, ``asyncio.wait_for``) stops the session: the receiver is
         aborted and the bucket freed before the ``CancelledError`` propagates."""
         loop = asyncio.get_running_loop()
-        cancel = threading.Event()
+        cancel = StopRequest()
         if hasattr(weights, "__aiter__"):
             iterator = weights.__aiter__()
 
@@ -168,13 +193,13 @@ class BucketedWeightSender:
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
-            cancel.set()  # the worker aborts the receiver, frees the bucket and releases the lock
+            cancel.stop("asend() was cancelled")  # the worker aborts the receiver, frees the bucket, releases the lock
             await asyncio.wait([work])  # bounded: every wait of the session looks at ``cancel`` each slice
             raise
 
     # -- one session at a time --------------------------------------------------------------------
 
-    def _exclusive(self, prepare: Callable[[], _Prepared], cancel: threading.Event | None) -> TransferStats:
+    def _exclusive(self, prepare: Callable[[], _Prepared], cancel: StopRequest | None) -> TransferStats:
         """Run one session holding the sender's lock (waiting for a running one at most ``timeout_s``)."""
         if self._owner == threading.get_ident():
             raise TransferError(
@@ -190,7 +215,10 @@ class BucketedWeightSender:
                     "runs one session at a time: wait for it, use another sender (endpoint), or raise timeout_s"
                 )
         self._owner = threading.get_ident()
+        self._stop = cancel = cancel if cancel is not None else StopRequest()
         try:
+            if self._closed or self._socket is None:
+                raise TransferError(f"sender on {self.endpoint!r} is closed")
             _raise_if_cancelled(cancel, "before its session started")
             try:
                 pull, listed, all_cuda = prepare()
@@ -199,7 +227,7 @@ class BucketedWeightSender:
                 raise
             return self._session(pull, listed, all_cuda, cancel)
         finally:
-            self._owner = None
+            self._owner = self._stop = None
             self._lock.release()
 
     def _prepare(self, weights: Any) -> _Prepared:
@@ -231,7 +259,7 @@ class BucketedWeightSender:
     # -- one session ------------------------------------------------------------------------------
 
     def _session(
-        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, cancel: threading.Event | None
+        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, cancel: StopRequest
     ) -> TransferStats:
         """One session; ``listed``: the checked items, when the caller gave a list or tuple (its tensors stay
         as they are during the session, so small copies may be deferred, and its size is known up front)."""
@@ -255,6 +283,8 @@ class BucketedWeightSender:
             run.free()
         except Exception as late:
             log.error("sender on %r could not free the bucket after %r: %s", self.endpoint, exc, late)
+        if self._closed or not run.ever_offered:
+            return  # closing anyway, or no receiver was ever offered the bucket: the socket holds no session
         try:
             self._reopen()
         except Exception as late:  # the sender is closed now; its next send() says so

@@ -249,6 +249,77 @@ def test_a_failed_rebind_neither_leaks_the_bucket_nor_hides_the_error(receiver_s
     assert not receiver_server.result()["ok"]
 
 
+_CLOSE_DURING_SEND = textwrap.dedent(
+    """
+    import threading, time, torch
+    from refitkit.transfer import BucketedWeightSender
+    sender = BucketedWeightSender("close-during-send-{tag}", bucket_bytes=1 << 20, timeout_s=20.0)
+    outcome = {{}}
+    def run():
+        try:
+            sender.send([("w", torch.ones(4))])  # no receiver: it waits for a hello
+            outcome["send"] = "returned"
+        except Exception as exc:
+            outcome["send"] = f"{{type(exc).__name__}}: {{exc}}"
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.5)
+    began = time.monotonic()
+    sender.close()
+    closed_s = time.monotonic() - began
+    thread.join(10)
+    print("closed in", round(closed_s, 2), "|", outcome.get("send"), "| socket", sender._socket is not None)
+    """
+)
+
+
+def test_close_from_another_thread_stops_the_running_send_first(tmp_path):
+    """Before: close() closed the socket under the session's thread (libzmq SIGABRT in signaler.cpp, or a
+    hang), and the failed session then bound the endpoint again. Run where a crash cannot take pytest down."""
+    script = tmp_path / "close_during_send.py"
+    script.write_text(_CLOSE_DURING_SEND.format(tag=tmp_path.name[-8:]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=child_env())
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    closed_s = float(done.stdout.split()[2])
+    assert closed_s < 2.0, done.stdout  # stopped within a wait slice, not after timeout_s=20
+    assert "_Cancelled: the sender was closed (close()) while waiting for a receiver's hello" in done.stdout
+    assert done.stdout.strip().endswith("socket False"), done.stdout  # closed for good, not rebound
+
+
+def test_a_session_that_fails_before_its_setup_keeps_the_next_receivers_hello(endpoint):
+    """Before: the failed session rebound the socket, dropping the hello still queued in it: the second
+    receiver waited its whole timeout, and so did the next send() for a hello."""
+    outcomes: dict[str, object] = {}
+
+    def receive(tag: str) -> None:
+        from refitkit.transfer import BucketedWeightReceiver
+
+        try:
+            stats = BucketedWeightReceiver(endpoint, "cpu", timeout_s=6.0).receive(lambda weights, last: None)
+            outcomes[tag] = stats.tensors
+        except Exception as exc:
+            outcomes[tag] = f"{type(exc).__name__}: {exc}"
+
+    def broken():
+        raise RuntimeError("the caller's iterator failed")
+        yield  # a generator
+
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=6.0) as sender:
+        threads = [threading.Thread(target=receive, args=(tag,)) for tag in ("first", "second")]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.3)  # both hellos are queued before the first send()
+        with pytest.raises(RuntimeError, match="iterator failed"):
+            sender.send(broken())
+        began = time.monotonic()
+        stats = sender.send(tensors(2))
+        assert time.monotonic() - began < 3.0 and stats.tensors == 2
+        for thread in threads:
+            thread.join(10)
+    assert "refused the session" in str(outcomes["first"]), outcomes
+    assert outcomes["second"] == 2, outcomes
+
+
 @pytest.mark.cuda
 def test_cancelled_asend_over_cuda_ipc_frees_the_gpu_bucket(receiver_server, endpoint):
     """The 64 MiB device bucket is gone (device free memory back within 4 MiB) once the cancellation returns."""
