@@ -81,9 +81,12 @@ class RankGroup:
         if self.size > 1:
             # Its own timeout also bounds how long gloo keeps a timed-out collective pending.
             try:
+                # Only the members take part when the group is a subgroup; for all ranks the group gets a
+                # counted name (every rank makes its groups in the same order), so a group made after another
+                # one was closed never meets that one's rendezvous keys (hashed names repeat per rank set).
                 self._group = dist.new_group(
                     self._ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s),
-                    use_local_synchronization=True,
+                    use_local_synchronization=group is not None,
                 )  # fmt: skip
             except RuntimeError as exc:  # gloo's rendezvous gave up: some rank never made its group
                 raise BarrierTimeout(
@@ -94,13 +97,14 @@ class RankGroup:
 
     # -- exchanges --------------------------------------------------------------------------------
 
-    def exchange(self, phase: str, error: BaseException | None = None, *, timeout_s: float | None = None) -> list[RankStatus]:
-        """Every rank's outcome of ``phase`` (this rank's is ``error``, or success), within ``timeout_s``.
+    def exchange(self, phase: str, error: BaseException | None = None) -> list[RankStatus]:
+        """Every rank's outcome of ``phase`` (this rank's is ``error``, or success), within the group's ``timeout_s``
+        (one bound for the wait and for gloo's own collective, so no rank can pass an exchange another gave up on).
 
         Raises ``BarrierTimeout`` when some rank does not arrive in time, ``RefitError`` when the group
         is out of step; it does not raise for failures it reports (see ``raise_failures``).
         """
-        wait_s = self.timeout_s if timeout_s is None else checked_seconds(timeout_s, "timeout_s")
+        wait_s = self.timeout_s
         mine = RankStatus(self.rank, phase, type(error).__name__ if error is not None else None, _message(error))
         self.round += 1
         if self._group is None:
@@ -144,21 +148,21 @@ class RankGroup:
             statuses.append(status)
         return statuses
 
-    def barrier(self, phase: str, *, timeout_s: float | None = None) -> float:
-        """Wait until every rank got here (bounded); returns the seconds waited."""
+    def barrier(self, phase: str) -> float:
+        """Wait until every rank got here (bounded by ``timeout_s``); returns the seconds waited."""
         start = time.perf_counter()
-        self.exchange(phase, timeout_s=timeout_s)
+        self.exchange(phase)
         return time.perf_counter() - start
 
-    async def abarrier(self, phase: str, *, timeout_s: float | None = None) -> float:
+    async def abarrier(self, phase: str) -> float:
         """``barrier()`` for event loops: the blocking collective runs in a worker thread."""
-        return await asyncio.to_thread(self.barrier, phase, timeout_s=timeout_s)
+        return await asyncio.to_thread(self.barrier, phase)
 
-    async def aexchange(self, phase: str, error: BaseException | None = None, *, timeout_s: float | None = None) -> list[RankStatus]:
+    async def aexchange(self, phase: str, error: BaseException | None = None) -> list[RankStatus]:
         """``exchange()`` for event loops: the blocking collective runs in a worker thread."""
-        return await asyncio.to_thread(self.exchange, phase, error, timeout_s=timeout_s)
+        return await asyncio.to_thread(self.exchange, phase, error)
 
-    def settle(self, phase: str, error: BaseException | None, *, timeout_s: float | None = None) -> float:
+    def settle(self, phase: str, error: BaseException | None) -> float:
         """Exchange this rank's outcome of ``phase`` and raise on every rank if any rank failed.
 
         A rank that failed re-raises its own ``error`` (with the other ranks' failures noted); the
@@ -166,7 +170,7 @@ class RankGroup:
         """
         start = time.perf_counter()
         try:
-            statuses = self.exchange(phase, error, timeout_s=timeout_s)
+            statuses = self.exchange(phase, error)
         except RefitError as exc:
             if error is not None:
                 raise exc from error
@@ -185,6 +189,16 @@ class RankGroup:
             )
         return time.perf_counter() - start
 
+    def close(self) -> None:
+        """Destroy the gloo group (its sockets and threads); every member closes its own. Idempotent."""
+        group, self._group = self._group, None
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._broken = self._broken or "close() was called"
+
     @property
     def broken(self) -> str | None:
         """Why this group can no longer be used (a timed-out exchange), or None."""
@@ -200,11 +214,13 @@ def _message(error: BaseException | None) -> str | None:
 
 
 def _encode(round_: int, status: RankStatus) -> bytes:
-    fields = {"round": round_, "phase": status.phase, "type": status.error_type, "error": status.error}
+    """The JSON record, cut to fit ``RECORD_BYTES``: the error message shortened as far as needed."""
+    fields = {"round": round_, "phase": status.phase[:200], "type": (status.error_type or "")[:200] or None, "error": status.error}
     payload = json.dumps(fields, ensure_ascii=True).encode()
-    if len(payload) > RECORD_BYTES and status.error is not None:
-        spare = RECORD_BYTES - (len(payload) - len(status.error.encode("ascii", "backslashreplace"))) - 64
-        fields["error"] = status.error[: max(0, spare // 6)] + " [...]"  # ensure_ascii: at most 6 bytes a character
+    message = status.error or ""
+    while len(payload) > RECORD_BYTES:
+        message = message[: len(message) // 2]
+        fields["error"] = message + " [cut]"
         payload = json.dumps(fields, ensure_ascii=True).encode()
     return payload
 
@@ -217,23 +233,25 @@ def _decode(raw: bytes, rank: int) -> tuple[int, RankStatus]:
         raise RefitError(f"rank {rank} sent an unreadable status record ({exc}); is it running refitkit?") from None
 
 
-_BARRIER_GROUPS: dict[int, RankGroup] = {}
+_BARRIER_GROUPS: dict[tuple[int, float], RankGroup] = {}
 
 
 def bounded_barrier(group: Any = None, *, timeout_s: float, phase: str = "refit") -> float:
     """Barrier over ``group``'s ranks that gives up after ``timeout_s`` with ``BarrierTimeout``; returns seconds
     waited. It runs on a dedicated gloo group made at the first call (collective: every rank of ``group``
-    calls it) and kept for later calls; after a timeout that group is spent and later calls raise ``RefitError``
-    at once. A no-op without an initialised process group (single-process runs).
+    calls it) and kept for later calls with the same ``timeout_s`` (a group's own timeout bounds its collective,
+    so each timeout gets its group); after a timeout that group is spent and later calls raise ``RefitError`` at
+    once. The first call may take up to twice ``timeout_s`` (making the group, then the barrier). A no-op
+    without an initialised process group (single-process runs).
     """
     seconds = checked_seconds(timeout_s, "timeout_s")
     if _dist() is None:
         return 0.0
-    key = id(group)
+    key = (id(group), seconds)  # the group's own timeout is the bound: one group per timeout
     ranks = _BARRIER_GROUPS.get(key)
     if ranks is None:
         ranks = _BARRIER_GROUPS[key] = RankGroup(group, timeout_s=seconds, phase=phase)
-    return ranks.barrier(phase, timeout_s=seconds)
+    return ranks.barrier(phase)
 
 
 async def abounded_barrier(group: Any = None, *, timeout_s: float, phase: str = "refit") -> float:

@@ -127,6 +127,16 @@ class RefitCycle:
         """``resume()`` for event loops: the cycle runs in a worker thread."""
         return await asyncio.to_thread(self.resume, step)
 
+    def close(self) -> None:
+        """Destroy the cycle's gloo group (every rank closes its cycle); the cycle cannot run afterwards."""
+        self.ranks.close()
+
+    def __enter__(self) -> "RefitCycle":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # -- phases -----------------------------------------------------------------------------------
 
     def _sync_weights(self) -> int:
@@ -140,6 +150,8 @@ class RefitCycle:
             if failures:
                 # The other ranks are inside the gathers: finish them without sending, then tell them.
                 left = _attempt(weights.drain, failures)
+                if len(failures) > 1:  # the drain failed too (a collective error): keep it with the first
+                    failures[0].add_note(f"refitkit: draining named_weights() after it failed too: {failures[1]!r}")
                 logger.warning(
                     "rank %d: weight sync failed after %d weights (%s); iterated the %d left so every rank "
                     "finishes its gathers", self.ranks.rank, weights.pulled, failures[0], left,

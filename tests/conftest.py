@@ -7,7 +7,9 @@ import torch
 
 # `make test` runs the core suite under `python -O` (the library must not rely on assert): pytest still
 # rewrites asserts in test modules, and this extends that to the helpers they import (harness, peers, ...).
-pytest.register_assert_rewrite("tests")
+pytest.register_assert_rewrite(
+    "tests.helpers", "tests.transfer", "tests.refit", "tests.offload", "tests.engines", "tests.watchdog"
+)
 
 
 def pytest_collection_modifyitems(config, items):

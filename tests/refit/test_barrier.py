@@ -40,3 +40,24 @@ def test_a_missing_rank_ends_in_barrier_timeout_within_the_bound():
 
 def test_without_a_process_group_the_barrier_is_a_no_op():
     assert bounded_barrier(timeout_s=0.1) == 0.0
+
+
+def _two_timeouts(rank: int, world_size: int) -> dict:
+    bounded_barrier(timeout_s=10.0, phase="startup")  # the first call makes a group with a 10 s timeout
+    if rank == 1:
+        time.sleep(4.0)  # 4 s late for a 1 s barrier
+    start = time.monotonic()
+    try:
+        bounded_barrier(timeout_s=1.0, phase="step")
+        outcome = "passed"
+    except Exception as exc:
+        outcome = type(exc).__name__
+    return {"outcome": outcome, "seconds": time.monotonic() - start}
+
+
+def test_a_shorter_timeout_is_the_collectives_own_bound_on_every_rank():
+    # Before: the group kept the first call's 10 s timeout, so rank 1 passed the barrier rank 0 had given up on.
+    rank0, rank1 = run_world(_two_timeouts, 2, timeout_s=90)
+    assert rank0["outcome"] == "BarrierTimeout", rank0
+    assert rank1["outcome"] != "passed", rank1  # nobody passes a barrier another rank failed
+    assert rank0["seconds"] < 1.0 + 2.0

@@ -84,3 +84,34 @@ def test_a_cuda_ipc_receiver_killed_mid_sync_fails_every_rank_and_frees_the_buck
         assert outcome["seconds"] < timeout_s + barrier_timeout_s, outcome
         assert outcome["on_device"] and outcome["second_offloaded"], outcome
     assert rank0["fresh_ok"]
+
+
+def _long_errors_and_close(rank: int, world_size: int) -> dict:
+    import os
+
+    from refitkit.ranks import RankGroup
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        group = RankGroup(timeout_s=30.0)
+        group.barrier("warm")
+        group.close()
+    fds_after = len(os.listdir("/proc/self/fd"))
+    group = RankGroup(timeout_s=30.0)
+    message = "\U0001F525" * 300 if rank == 1 else "x" * 2100  # 12 JSON bytes a character; 2100 that nearly fit
+    try:
+        group.settle("offload", RuntimeError(message))
+    except RuntimeError as exc:
+        own = str(exc)
+    statuses = group.exchange("after")  # the group is still in step
+    group.close()
+    return {"fds_grew": fds_after - fds_before, "own_error_kept": own == message, "after": len(statuses)}
+
+
+def test_long_error_messages_cross_cut_to_fit_and_closed_groups_free_their_sockets():
+    # Before: 300 emoji made a record over 2048 bytes (a raw torch error before the collective, the other
+    # rank waited out its timeout), and every RankGroup kept its gloo sockets and threads for good.
+    rank0, rank1 = run_world(_long_errors_and_close, 2, timeout_s=90)
+    for outcome in (rank0, rank1):
+        assert outcome["own_error_kept"] and outcome["after"] == 2, outcome
+        assert outcome["fds_grew"] <= 2, outcome
