@@ -3,10 +3,10 @@
 Where the bytes live (``Segment``):
 
 - **A sealed memfd** when sender and receiver share a PID namespace (the receiver's hello carries
-  ``pid_namespace()``; the sender compares it with its own). It is reserved (``posix_fallocate``),
-  then sealed against shrinking and growing, and the receiver opens it through
-  ``/proc/<sender pid>/fd/<n>``. It has no name (no crash can leak it) and is not limited by the
-  size of ``/dev/shm``.
+  ``pid_namespace()``; the sender compares it with its own). It is sized (``ftruncate``, pages come
+  as they are written), then sealed against shrinking and growing, and the receiver opens it
+  through ``/proc/<sender pid>/fd/<n>``. It has no name (no crash can leak it) and is not limited
+  by the size of ``/dev/shm`` (only by memory, like any allocation).
 - **A named file** ``/dev/shm/refitkit-<uid>-<pid>-<session>`` otherwise (different PID
   namespaces, or ``REFITKIT_NAMED_SEGMENTS=1`` in the receiver's environment, e.g. where the
   sender's ``/proc/<pid>/fd`` cannot be opened). It is made unnamed (``O_TMPFILE``), reserved and
@@ -14,8 +14,10 @@ Where the bytes live (``Segment``):
   a failure leaves nothing behind. The owner keeps the lock while the name exists; the name goes
   as soon as the receiver mapped it (both mappings stay valid).
 
-Reserving up front means a full ``/dev/shm`` (Docker's default is 64 MiB) is a ``TransferError``
-naming the size, the free space and the knobs before the first byte, never a SIGBUS at a write.
+Reserving a named file up front means a full ``/dev/shm`` (Docker's default is 64 MiB) is a
+``TransferError`` naming the size, the free space and the knobs before the first byte, never a
+SIGBUS at a write. It also costs a zeroing of the whole bucket every session (~0.5 s/GiB on the
+CPU machine): where names are used, give generators a ``bucket_bytes`` near what they send.
 
 A sender that was SIGKILLed before its name went leaves a named file behind: every new sender
 sweeps this uid's files whose lock it can take itself (the owner is gone, whatever PID namespace it
@@ -168,7 +170,10 @@ class Segment:
     def _make_memfd(self) -> int:
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            _reserve(fd, self.nbytes, where="memory for a sealed memfd")
+            # Sized, not reserved: a memfd is not bounded by /dev/shm (no SIGBUS from a full one), and taking
+            # every page up front zeroed the whole bucket each session (a 2 GiB generator bucket cost ~1 s to
+            # make and ~0.7 s to free on the CPU machine, for a stream that may use a few MiB of it).
+            os.ftruncate(fd, self.nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         except BaseException:
             os.close(fd)
