@@ -8,8 +8,9 @@ An ``endpoint`` is either
 - an explicit ``ipc:///absolute/path.sock`` whose directory already exists (the caller owns its
   permissions).
 
-The socket file is born mode 0600 (bound under a umask that allows nothing more), so no other
-user can connect even for a moment. A leftover socket file of ours from a dead sender is unlinked
+The socket file is bound inside a fresh 0700 directory, made 0600, and only then linked under the
+endpoint's name, so no other user can connect even for a moment (and the process's umask, which
+other threads share, is never touched). A leftover socket file of ours from a dead sender is unlinked
 before binding; a file a live process still accepts on is refused (two senders would silently
 steal each other's receivers), and so is another uid's file or anything that is not a socket.
 A sender removes its socket file on close only while the file is still the one it bound: a
@@ -23,7 +24,6 @@ import re
 import socket
 import stat
 import tempfile
-import threading
 import time
 from collections import deque
 from typing import Any
@@ -77,7 +77,6 @@ def socket_path(endpoint: str) -> str:
     return path
 
 
-_UMASK_LOCK = threading.Lock()  # the umask is per process: two binds must not restore each other's
 
 
 def _accepting(path: str) -> bool:
@@ -126,17 +125,40 @@ def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished receiver fails instead of vanishing
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer that sends more is disconnected, never buffered
     try:
-        with _UMASK_LOCK:
-            previous = os.umask(0o177)  # the file is born 0600: no window in which another user may connect
-            try:
-                sock.bind(f"ipc://{path}")
-            finally:
-                os.umask(previous)
-        os.chmod(path, 0o600)  # where the filesystem ignores the umask for sockets (it should not)
+        _bind_private_then_link(sock, path)
     except Exception:
         sock.close(linger=0)
         raise
     return sock
+
+
+def _bind_private_then_link(sock: zmq.Socket, path: str) -> None:
+    """Bind inside a fresh 0700 directory next to ``path``, make the file 0600, then hard-link it as ``path``.
+
+    No window in which another user may connect (the directory keeps everyone out until the file is
+    0600), and no process-wide umask change that other threads' files would inherit. The link fails
+    rather than replace a file that appeared at ``path`` meanwhile. Where the private directory's path
+    would be too long for a unix socket, the socket is bound in place and made 0600 right after.
+    """
+    private = tempfile.mkdtemp(prefix=".rk", dir=os.path.dirname(path))
+    staged = os.path.join(private, "s")
+    try:
+        if len(staged.encode()) > _MAX_UNIX_PATH:
+            sock.bind(f"ipc://{path}")
+            os.chmod(path, 0o600)
+            return
+        sock.bind(f"ipc://{staged}")
+        os.chmod(staged, 0o600)
+        try:
+            os.link(staged, path)
+        except FileExistsError:
+            raise TransferError(f"endpoint {path} appeared while this sender bound it; use another endpoint name") from None
+    finally:
+        try:
+            os.unlink(staged)  # the listener keeps its inode, now named ``path``
+        except FileNotFoundError:
+            pass  # bound in place (the long-path case) or never bound
+        os.rmdir(private)
 
 
 def socket_identity(path: str) -> tuple[int, int] | None:

@@ -31,24 +31,44 @@ def stale_socket(path: str) -> None:
 
 
 def test_socket_file_is_never_more_open_than_0600(endpoint, monkeypatch):
-    # The mode the file has between bind and the chmod after it is what another user could connect
-    # through: observed at the chmod, under a permissive umask (the common 022).
-    seen: list[int] = []
+    # What another user could connect through is the file between bind and its chmod: observed at the
+    # chmod, under a permissive umask (the common 022), the file must already be 0600 or sit in a
+    # directory nobody else may enter (and not yet under the endpoint's name).
+    seen: list[tuple[int, int, str]] = []
     chmod = os.chmod
 
     def observing_chmod(path, mode, *args, **kwargs):
-        seen.append(stat.S_IMODE(os.lstat(path).st_mode))
+        parent = os.path.dirname(os.path.abspath(path))
+        seen.append((stat.S_IMODE(os.lstat(path).st_mode), stat.S_IMODE(os.stat(parent).st_mode), path))
         return chmod(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(os, "chmod", observing_chmod)
     previous = os.umask(0o022)
     try:
         with BucketedWeightSender(endpoint, timeout_s=1) as sender:
-            assert stat.S_IMODE(os.lstat(sender.path).st_mode) == 0o600
+            final = sender.path
+            assert stat.S_IMODE(os.lstat(final).st_mode) == 0o600
     finally:
         os.umask(previous)
-    assert all(mode == 0o600 for mode in seen), [oct(mode) for mode in seen]
-    assert os.umask(previous) == previous  # the process's umask is restored
+    assert seen, "the socket file was never made 0600 explicitly"
+    for mode, parent_mode, path in seen:
+        assert mode == 0o600 or (parent_mode & 0o077 == 0 and path != final), (oct(mode), oct(parent_mode), path)
+
+
+def test_binding_never_changes_the_process_umask(endpoint, monkeypatch):
+    # A umask set around bind() is process-wide: another thread's files made meanwhile came out 0600
+    # (directories without x), so binding must not touch it.
+    calls: list[int] = []
+    umask = os.umask
+
+    def recording_umask(mask):
+        calls.append(mask)
+        return umask(mask)
+
+    monkeypatch.setattr(os, "umask", recording_umask)
+    with BucketedWeightSender(endpoint, timeout_s=1):
+        pass
+    assert calls == []
 
 
 def test_close_leaves_a_successors_socket_file(receiver_server, endpoint):
