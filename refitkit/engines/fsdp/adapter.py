@@ -108,7 +108,7 @@ class FSDPAdapter(EngineAdapter):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights and persistent buffers as (state-dict name, tensor), one at a time.
 
-        A sharded param is gathered with ``full_tensor()``, a collective: every rank must iterate
+        A sharded param is gathered (``gather_full``: one all-gather per sharded mesh dim), a collective: every rank must iterate
         the same weights together. The generator keeps no reference to a yielded tensor, so the
         extra memory at any time is the one full tensor the caller holds.
         """
@@ -120,7 +120,7 @@ class FSDPAdapter(EngineAdapter):
         for part in self.model_parts:
             for name, tensor in state_dict_entries(part):
                 # no local holds the tensor across the yield: peak extra memory stays one tensor
-                yield clean_fqn(name), (full_tensor(tensor) if is_dtensor(tensor) else tensor.detach())
+                yield clean_fqn(name), (full_tensor(tensor, name=name) if is_dtensor(tensor) else tensor.detach())
 
 
 def _check_ownership(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], owner: str) -> None:
