@@ -108,8 +108,8 @@ class FSDPAdapter(EngineAdapter):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights and persistent buffers as (state-dict name, tensor), one at a time.
 
-        A sharded param is gathered (``gather_full``: one all-gather per sharded mesh dim), a collective: every rank must iterate
-        the same weights together. The generator keeps no reference to a yielded tensor, so the
+        A sharded param is gathered (``gather_full``: one all-gather per sharded mesh dim), a
+        collective: every rank must iterate the same weights together. The generator keeps no reference to a yielded tensor, so the
         extra memory at any time is the one full tensor the caller holds.
         """
         if self._states["model"] is DeviceState.OFFLOADED:
@@ -118,9 +118,16 @@ class FSDPAdapter(EngineAdapter):
             )
         self._prepare_offload()
         for part in self.model_parts:
-            for name, tensor in state_dict_entries(part):
-                # no local holds the tensor across the yield: peak extra memory stays one tensor
-                yield clean_fqn(name), (full_tensor(tensor, name=name) if is_dtensor(tensor) else tensor.detach())
+            yield from self._full_entries(part)
+
+    def _full_entries(self, part: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """One model part's full weights and persistent buffers, (clean FQN, whole tensor), one at a time.
+
+        The caller checked the model is on the device and resharded it (``named_weights``).
+        """
+        for name, tensor in state_dict_entries(part):
+            # no local holds the tensor across the yield: peak extra memory stays one tensor
+            yield clean_fqn(name), (full_tensor(tensor, name=name) if is_dtensor(tensor) else tensor.detach())
 
 
 def _check_ownership(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], owner: str) -> None:
