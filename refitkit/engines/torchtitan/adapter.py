@@ -9,10 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from refitkit.engines.base import DeviceState
 from refitkit.engines.fsdp.adapter import FSDPAdapter, clean_fqn
 from refitkit.engines.torchtitan import _torchtitan as titan
-from refitkit.errors import InvalidInput, RefitError
+from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena
 
 logger = logging.getLogger(__name__)
@@ -25,7 +24,8 @@ class TorchTitanAdapter(FSDPAdapter):
     adapter's; this class unpacks the ``OptimizersContainer`` and, given torchtitan's own
     ``state_dict_adapter`` (the trainer's ``checkpointer.sd_adapter``), streams weights under
     Hugging Face names and layouts through its ``to_hf``, one weight (or one fused module) at
-    a time. Without it, ``named_weights()`` yields torchtitan's FQNs.
+    a time. Without it, ``named_weights()`` yields torchtitan's FQNs. ``pp_group`` (torchtitan's
+    ``parallel_dims.get_mesh("pp").get_group()``) makes every stage's weights reach every rank.
     """
 
     def __init__(
@@ -37,6 +37,7 @@ class TorchTitanAdapter(FSDPAdapter):
         arena: HostArena | None = None,
         keep_grads: bool = False,
         zero_grads: bool = False,
+        pp_group: Any = None,
     ) -> None:
         titan.require_torchtitan()
         super().__init__(
@@ -45,25 +46,22 @@ class TorchTitanAdapter(FSDPAdapter):
             arena=arena,
             keep_grads=keep_grads,
             zero_grads=zero_grads,
+            pp_group=pp_group,
         )
         self._to_hf = titan.check_state_dict_adapter(state_dict_adapter)
         if self._to_hf is None:
             logger.info("TorchTitanAdapter: no state_dict_adapter given; named_weights() yields torchtitan's FQNs")
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights as (Hugging Face name, tensor) when a state-dict adapter was given, else torchtitan's.
+    def _local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights under HF names when a state-dict adapter was given, else torchtitan's FQNs.
 
-        A collective: every rank iterates together. ``to_hf`` sees one weight at a time, or the
-        few tensors of one module whose save hook rewrites them (fused ``wqkv``), never the model.
-        Pipeline stages keep torchtitan's global layer numbers in their FQNs, so each stage's
-        weights come out under their own HF layer names.
+        ``to_hf`` sees one weight at a time, or the few tensors of one module whose save hook
+        rewrites them (fused ``wqkv``), never the model. Pipeline stages keep torchtitan's global
+        layer numbers in their FQNs, so each stage's weights get their own HF layer names.
         """
         if self._to_hf is None:
-            yield from super().named_weights()
+            yield from super()._local_weights()
             return
-        if self._states["model"] is DeviceState.OFFLOADED:
-            raise RefitError(f"{type(self).__name__}.named_weights(): the model is offloaded; reload(model=True) first")
-        self._prepare_offload()
         for part in self.model_parts:
             yield from self._hf_entries(part)
 

@@ -152,3 +152,95 @@ def hf_names_match_transformers(rank: int, world_size: int, flavour: str, tp: in
         "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
         "placements": placements,
     }
+
+
+def build_pipeline(flavour: str, world_size: int, *, pp: int, n_layers: int = 2, seed: int = 0):
+    """torchtitan's debug model split by its own ``pipeline_llm``: one layer a stage, so with
+    ``Interleaved1F1B`` each pipeline rank holds several stages; the rest of the world is FSDP2."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    _use_cpu()
+    config = _trainer_config(flavour)
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.pipeline_parallel_degree = pp
+    config.parallelism.data_parallel_shard_degree = world_size // pp
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    config.parallelism.pipeline_parallel_layers_per_stage = 1
+    config.training.seq_len = SEQ_LEN
+    config.training.local_batch_size = 2 * pp
+    config.training.mixed_precision_param = "float32"
+    config.activation_checkpoint = None
+    config.compile.enable = False
+    model_config = config.model_spec.model
+    model_config.layers = model_config.layers[:n_layers]
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    dist_utils.set_spmd_backend("partial_dtensor")
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    loss_fn = config.loss.build(compile_config=config.compile)
+    _, model_parts, _, _ = config.model_spec.pipelining_fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=config.training,
+        parallelism=config.parallelism,
+        compile_config=config.compile,
+        ac_config=None,
+        dump_folder="/tmp",
+        device=torch.device("cpu"),
+        model_config=model_config,
+        parallelize_fn=config.model_spec.parallelize_fn,
+        loss_fn=loss_fn,
+    )
+    torch.manual_seed(seed + torch.distributed.get_rank())
+    for part in model_parts:
+        _force_sum_reduction(part)
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+    sd_adapter = config.model_spec.state_dict_adapter(model_config, None)
+    pp_group = parallel_dims.get_mesh("pp").get_group()
+    return model_parts, sd_adapter, model_config, pp_group
+
+
+def pipeline_stages_reach_every_rank(rank: int, world_size: int, flavour: str, pp: int) -> dict:
+    """Every pipeline rank streams the whole model under HF names; owners check their stages' bits."""
+    import hashlib
+
+    from refitkit.engines.torchtitan import TorchTitanAdapter
+    from refitkit.watchdog import CycleAudit
+
+    model_parts, sd_adapter, model_config, pp_group = build_pipeline(flavour, world_size, pp=pp)
+    # the reference for this rank's own stages: torchtitan's state dict, gathered, through to_hf
+    own = {}
+    for part in model_parts:
+        full = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in part.state_dict().items()}
+        own.update(sd_adapter.to_hf(full))
+    adapter = TorchTitanAdapter(model_parts, state_dict_adapter=sd_adapter, pp_group=pp_group)
+    digests, own_equal, order = {}, {}, []
+    for name, tensor in adapter.named_weights():
+        if name in digests:
+            raise AssertionError(f"{name} streamed twice")
+        order.append(name)
+        digests[name] = (tuple(tensor.shape), str(tensor.dtype), hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy()).hexdigest())
+        if name in own:
+            own_equal[name] = bits_equal(tensor, own[name])
+    with CycleAudit() as audit:
+        for _ in adapter.named_weights():
+            pass
+    reference = hf_model(flavour, model_config)
+    hf_shapes = {n: tuple(t.shape) for n, t in reference.state_dict().items()}
+    return {
+        "stages": len(model_parts),
+        "own": sorted(own),
+        "own_equal": own_equal,
+        "digests": digests,
+        "order": order,
+        "hf_shapes": hf_shapes,
+        "tied": model_config.enable_weight_tying,
+        "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
+    }

@@ -32,3 +32,28 @@ def test_streamed_hf_weights_equal_a_transformers_model_and_its_logits(flavour, 
         assert all(result["equal"].values()), [n for n, ok in result["equal"].items() if not ok]
         assert result["max_logit_diff"] <= 1e-4 * max(1.0, result["logit_scale"]), result["max_logit_diff"]
         assert result["cyclic"][0] == 0, f"rank {rank}: {result['cyclic']}"
+
+
+@pytest.mark.parametrize(
+    "world_size, pp", [(2, 2), (4, 2)], ids=["pp2-one-rank-a-stage", "pp2xfsdp2-two-ranks-a-stage"]
+)
+def test_every_pipeline_stage_reaches_every_rank_once_under_its_hf_layer_names(world_size, pp):
+    results = run_world(hf_ranks.pipeline_stages_reach_every_rank, world_size, "llama3", pp, timeout_s=280)
+    first = results[0]
+    assert all(result["stages"] == 2 for result in results), "Interleaved1F1B puts two stages on each rank"
+    # the whole model, once, with transformers' names and shapes: all layers of all stages
+    assert sorted(first["digests"]) == sorted(first["hf_shapes"])
+    assert {n: shape for n, (shape, _, _) in first["digests"].items()} == first["hf_shapes"]
+    for rank, result in enumerate(results):
+        assert result["digests"] == first["digests"], f"rank {rank} streamed other bytes than rank 0"
+        assert result["order"] == first["order"]
+        # each rank's own stages: exactly torchtitan's state dict through to_hf
+        assert result["own"] and sorted(result["own_equal"]) == result["own"]
+        assert all(result["own_equal"].values()), f"rank {rank}: {result['own_equal']}"
+        assert result["cyclic"][0] == 0, f"rank {rank}: {result['cyclic']}"
+    # the pipeline ranks own disjoint stages that together are the model, so no stage renumbered its
+    # layers: stages (embeddings, layer 0, layer 1, head) go round-robin, rank 0 gets embeddings + layer 1
+    owners = [set(results[r]["own"]) for r in range(0, world_size, world_size // pp)]
+    assert not owners[0] & owners[1] and owners[0] | owners[1] == set(first["hf_shapes"])
+    layers_of_rank0 = {n.split(".")[2] for n in owners[0] if n.startswith("model.layers.")}
+    assert layers_of_rank0 == {"1"}, sorted(owners[0])
