@@ -64,7 +64,23 @@ def gather_every_layout(rank: int, world_size: int) -> dict:
         for dtensor in dtensors:
             dtensor.full_tensor()
     results["cyclic_full_tensor"] = audit.report.cyclic_objects
+    results["partial_error"] = _partial_error(_layouts(world_size)[0][1])
     return results
+
+
+def _partial_error(mesh) -> str:
+    """gather_full of a Partial DTensor (mid-reduction, not a weight): the error it raises."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from refitkit.engines.fsdp._dtensor_gather import gather_full
+    from refitkit.errors import InvalidInput
+
+    partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()])
+    try:
+        gather_full(partial, name="layers.0.w")
+    except InvalidInput as error:
+        return str(error)
+    return "no error"
 
 
 class _Block(nn.Module):

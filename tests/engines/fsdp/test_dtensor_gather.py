@@ -13,6 +13,8 @@ pytestmark = pytest.mark.timeout(240)
 def test_every_layout_gathers_bit_exact_with_no_cyclic_garbage():
     results = run_world(layout_ranks.gather_every_layout, 4, timeout_s=200)
     for rank, result in enumerate(results):
+        partial = result.pop("partial_error")
+        assert "'layers.0.w'" in partial and "mesh dim 0" in partial and "neither Shard nor Replicate" in partial, partial
         cyclic, by_type = result.pop("cyclic")
         assert cyclic == 0, f"rank {rank}: gathers left cyclic garbage {by_type}"
         # the audit sees what full_tensor() leaves, so 0 above is a real measurement

@@ -57,3 +57,34 @@ def test_every_pipeline_stage_reaches_every_rank_once_under_its_hf_layer_names(w
     assert not owners[0] & owners[1] and owners[0] | owners[1] == set(first["hf_shapes"])
     layers_of_rank0 = {n.split(".")[2] for n in owners[0] if n.startswith("model.layers.")}
     assert layers_of_rank0 == {"1"}, sorted(owners[0])
+
+
+def test_a_weight_to_hf_does_not_know_is_named_and_a_wrong_adapter_is_refused(caplog):
+    import logging
+
+    import torch
+    from torch import nn
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel_ce_loss
+
+    from refitkit.engines.torchtitan import TorchTitanAdapter
+    from refitkit.errors import InvalidInput
+
+    spec = llama3_debugmodel_ce_loss().model_spec
+    sd_adapter = spec.state_dict_adapter(spec.model, None)
+    model = nn.Module()
+    model.tok_embeddings = nn.Embedding(4, 3)
+    model.extra_head = nn.Linear(3, 2)  # no HF name in Llama3StateDictAdapter's map
+    adapter = TorchTitanAdapter([model], state_dict_adapter=sd_adapter)
+    weights = adapter.named_weights()
+    name, tensor = next(weights)
+    assert name == "model.embed_tokens.weight" and torch.equal(tensor, model.tok_embeddings.weight)
+    with pytest.raises(InvalidInput, match=r"to_hf could not convert \['extra_head.weight'\].*state_dict_adapter=None"):
+        next(weights)
+    with pytest.raises(InvalidInput, match="state_dict_adapter is a dict"):
+        TorchTitanAdapter([model], state_dict_adapter={"tok_embeddings.weight": "model.embed_tokens.weight"})
+    with caplog.at_level(logging.INFO, logger="refitkit.engines.torchtitan.adapter"):
+        native = TorchTitanAdapter([model])
+    assert [r.getMessage() for r in caplog.records].count(
+        "TorchTitanAdapter: no state_dict_adapter given; named_weights() yields torchtitan's FQNs"
+    ) == 1
+    assert [n for n, _ in native.named_weights()][:2] == ["tok_embeddings.weight", "extra_head.weight"]
