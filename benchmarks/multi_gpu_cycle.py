@@ -93,6 +93,7 @@ def build_fsdp(args: argparse.Namespace, device: torch.device):
 def build_torchtitan(args: argparse.Namespace, device: torch.device):
     """torchtitan's own trainer objects (GPU): model parts parallelized by its parallelize_fn, its optimizers."""
     from torchtitan.distributed import ParallelDims
+    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3.config_registry import llama3_debugmodel_ce_loss
 
     from refitkit.engines.torchtitan import TorchTitanAdapter
@@ -106,6 +107,8 @@ def build_torchtitan(args: argparse.Namespace, device: torch.device):
     config.activation_checkpoint = None
     config.compile.enable = False
     model_config = config.model_spec.model
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()  # no flex-attention compile
     parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
     model_config.update_from_config(config=config)
     with torch.device("meta"):
