@@ -1,8 +1,9 @@
-"""Rank functions for Automodel's own MoE model (Qwen3-MoE, grouped experts) streamed under HF names.
+"""Rank functions for Automodel's own model classes streamed under HF names: a MoE and a dense one.
 
-The model is Automodel's ``Qwen3MoeForCausalLM`` built from a tiny ``Qwen3MoeConfig`` (no hub
+The MoE model is Automodel's ``Qwen3MoeForCausalLM`` (grouped experts) built from a tiny ``Qwen3MoeConfig`` (no hub
 download) with its torch backends, parallelized by Automodel's ``parallelize_model`` over a CPU
-mesh; ``named_weights()`` goes through the model's own ``Qwen3MoeStateDictAdapter``. The
+mesh; ``named_weights()`` goes through the model's own ``Qwen3MoeStateDictAdapter``. The dense
+one is Automodel's own ``LlamaForCausalLM``, which has no adapter (its FQNs are HF's). The
 reference is `transformers`' Qwen3-MoE loading the streamed set the way it loads a checkpoint.
 """
 
@@ -41,6 +42,46 @@ def tiny_config():
     )
 
 
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        dtype="float32",
+        max_position_embeddings=64,
+    )
+
+
+def _backend():
+    from nemo_automodel.components.models.common import BackendConfig
+
+    return BackendConfig(
+        attn="sdpa", linear="torch", rms_norm="torch", rope="torch", rope_fusion=False, experts="torch", dispatcher="torch"
+    )
+
+
+def _randomize(model: nn.Module) -> None:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.05)
+
+
+def automodel_llama(config) -> nn.Module:
+    """Automodel's own dense Llama (not transformers' class) on CPU with its torch backends."""
+    from nemo_automodel.components.models.llama.model import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config, backend=_backend())
+    _randomize(model)
+    return model
+
+
 def automodel_moe(config) -> nn.Module:
     """Automodel's Qwen3-MoE on CPU with its torch backends.
 
@@ -48,12 +89,9 @@ def automodel_moe(config) -> nn.Module:
     ``device=cuda:{torch.cuda.current_device()}``; current_device answers 0 while the model is
     built and the cache is pointed at the CPU afterwards.
     """
-    from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
 
-    backend = BackendConfig(
-        attn="sdpa", linear="torch", rms_norm="torch", rope="torch", rope_fusion=False, experts="torch", dispatcher="torch"
-    )
+    backend = _backend()
     real_current_device = torch.cuda.current_device
     torch.cuda.current_device = lambda: 0
     try:
@@ -61,14 +99,11 @@ def automodel_moe(config) -> nn.Module:
     finally:
         torch.cuda.current_device = real_current_device
     model.model.rotary_emb.device = torch.device("cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.05)
+    _randomize(model)
     return model
 
 
-def moe_hf_names_match_transformers(rank: int, world_size: int, tmp: str) -> dict:
+def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str) -> dict:
     """Stream through AutomodelAdapter, load into transformers from a checkpoint of the stream, compare."""
     from safetensors.torch import load_file, save_file
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -76,13 +111,14 @@ def moe_hf_names_match_transformers(rank: int, world_size: int, tmp: str) -> dic
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
 
     from refitkit.engines.automodel import AutomodelAdapter
     from refitkit.watchdog import CycleAudit
 
-    config = tiny_config()
-    model = automodel_moe(config)
+    config = tiny_config() if kind == "moe" else tiny_llama_config()
+    model = automodel_moe(config) if kind == "moe" else automodel_llama(config)
+    reference_cls = Qwen3MoeForCausalLM if kind == "moe" else LlamaForCausalLM
     # fp32 compute, so the forward compares with transformers' without bf16 rounding
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     mesh_context = MeshContext.build(FSDP2Config(mp_policy=policy), ParallelismSizes(), world_size=world_size)
@@ -107,7 +143,7 @@ def moe_hf_names_match_transformers(rank: int, world_size: int, tmp: str) -> dic
     os.makedirs(checkpoint, exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in streamed.items()}, os.path.join(checkpoint, "model.safetensors"))
     config.save_pretrained(checkpoint)
-    reference, info = Qwen3MoeForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    reference, info = reference_cls.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
     reference.eval()
     with torch.no_grad():
         hf_logits = reference(tokens).logits
@@ -132,4 +168,5 @@ def moe_hf_names_match_transformers(rank: int, world_size: int, tmp: str) -> dic
         "logit_scale": hf_logits.abs().max().item(),
         "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
         "placements": placements,
+        "has_converter": adapter._to_hf is not None,
     }
