@@ -14,9 +14,16 @@ mesh dims split each tensor dim, which ``_StridedShard`` encodes).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from refitkit.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrder
 
 
 def gather_full(tensor: torch.Tensor, *, name: str = "") -> torch.Tensor:
@@ -50,7 +57,7 @@ def gather_full(tensor: torch.Tensor, *, name: str = "") -> torch.Tensor:
         return full.detach()
 
 
-def _shard_order(spec: object, mesh: object) -> tuple | None:
+def _shard_order(spec: DTensorSpec, mesh: DeviceMesh) -> ShardOrder | None:
     """Per sharded tensor dim, the mesh dims that split it in the order they did (torch 2.13.0).
 
     ``DTensorSpec.shard_order`` is left None when ``_StridedShard`` placements encode the order;
@@ -65,7 +72,7 @@ def _shard_order(spec: object, mesh: object) -> tuple | None:
 
 def _gather_tensor_dim(
     local: torch.Tensor,
-    mesh: object,
+    mesh: DeviceMesh,
     coordinate: list[int],
     tensor_dim: int,
     mesh_dims: tuple[int, ...],
@@ -88,7 +95,7 @@ def _chunk_size(size: int, parts: int, index: int) -> int:
     return max(0, min(step, size - index * step))
 
 
-def _all_gather_chunks(local: torch.Tensor, group: object, parts: int, dim: int, size: int) -> torch.Tensor:
+def _all_gather_chunks(local: torch.Tensor, group: ProcessGroup, parts: int, dim: int, size: int) -> torch.Tensor:
     """All-gather ``torch.chunk``-style pieces of ``dim`` (total ``size``) from the ranks of ``group``."""
     import torch.distributed as dist
 

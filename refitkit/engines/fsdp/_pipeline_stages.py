@@ -13,16 +13,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import msgpack
+from typing import TYPE_CHECKING
+
 import torch
 
 from refitkit.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # header words: [more (1) or done (0), metadata bytes]
 _HEADER_WORDS = 2
 
 
 def across_stages(
-    local: Iterator[tuple[str, torch.Tensor]], group: object, device: torch.device
+    local: Iterator[tuple[str, torch.Tensor]], group: ProcessGroup, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every pipeline rank's weights, in pipeline-rank order, on every rank of ``group``.
 
@@ -44,7 +49,7 @@ def across_stages(
             yield from _receive_from(owner, group, device)
 
 
-def _send(name: str, tensor: torch.Tensor, group: object, owner: int, device: torch.device) -> None:
+def _send(name: str, tensor: torch.Tensor, group: ProcessGroup, owner: int, device: torch.device) -> None:
     import torch.distributed as dist
 
     if tensor.device != device:
@@ -58,7 +63,7 @@ def _send(name: str, tensor: torch.Tensor, group: object, owner: int, device: to
     dist.broadcast(tensor.contiguous(), group=group, group_src=owner)
 
 
-def _receive_from(owner: int, group: object, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def _receive_from(owner: int, group: ProcessGroup, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
 
     while True:
@@ -79,7 +84,7 @@ def _receive_from(owner: int, group: object, device: torch.device) -> Iterator[t
         del tensor
 
 
-def _broadcast_header(more: int, meta_bytes: int, group: object, owner: int, device: torch.device) -> None:
+def _broadcast_header(more: int, meta_bytes: int, group: ProcessGroup, owner: int, device: torch.device) -> None:
     import torch.distributed as dist
 
     dist.broadcast(torch.tensor([more, meta_bytes], dtype=torch.int64, device=device), group=group, group_src=owner)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from refitkit.engines.fsdp._torch_fsdp2 import (
 )
 from refitkit.errors import RefitError
 from refitkit.offload import HostArena, optimizer_state_tensors
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class FSDPAdapter(EngineAdapter):
         arena: HostArena | None = None,
         keep_grads: bool = False,
         zero_grads: bool = False,
-        pp_group: object | None = None,
+        pp_group: ProcessGroup | None = None,
     ) -> None:
         owner = type(self).__name__
         self.pp_group = pp_group
