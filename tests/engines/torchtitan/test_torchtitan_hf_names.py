@@ -19,11 +19,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize("flavour", ["llama3", "qwen3"])
-@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "tp2"])
-def test_streamed_hf_weights_equal_a_transformers_model_and_its_logits(flavour, tp):
-    results = run_world(hf_ranks.hf_names_match_transformers, 2, flavour, tp, timeout_s=240)
+@pytest.mark.parametrize("world_size, tp", [(2, 1), (2, 2), (4, 2)], ids=["fsdp2", "tp2", "fsdp2xtp2"])
+def test_streamed_hf_weights_equal_a_transformers_model_and_its_logits(flavour, world_size, tp):
+    results = run_world(hf_ranks.hf_names_match_transformers, world_size, flavour, tp, timeout_s=240)
     for rank, result in enumerate(results):
         assert result["placements"], "the model was not sharded"
+        if world_size == 4:  # 2-D: FSDP on top of TP's Shard(0) is a _StridedShard
+            assert any("_StridedShard" in p or "_S(" in p for p in result["placements"]), result["placements"]
         assert result["unexpected"] == [], f"rank {rank}: names transformers does not know: {result['unexpected']}"
         # a tied head is one tensor: transformers lists lm_head.weight, the stream sends it once as embed_tokens
         allowed_missing = ["lm_head.weight"] if result["tied"] else []
