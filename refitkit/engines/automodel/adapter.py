@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,8 @@ from refitkit.engines.fsdp.adapter import FSDPAdapter
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena
 
+logger = logging.getLogger(__name__)
+
 
 class AutomodelAdapter(FSDPAdapter):
     """Offload / reload of an Automodel recipe's ``model_parts`` and optimizers (fsdp2 strategy).
@@ -21,7 +24,9 @@ class AutomodelAdapter(FSDPAdapter):
     rank), so the moving is the FSDP adapter's; this layer accepts Automodel's shapes of the
     trainer state (a part list or an ``AutoPipeline``, a list of optimizers) and streams weights
     under Hugging Face names through the model's own ``state_dict_adapter`` when it has one.
-    ``hf_names=False`` streams the model's native names instead.
+    ``hf_names=False`` streams the model's native names instead. ``pp_group`` (the pipeline
+    process group when the parts are pipeline stages) makes every stage's weights reach every
+    rank of the group; each rank converts what it receives.
     """
 
     def __init__(
@@ -33,13 +38,21 @@ class AutomodelAdapter(FSDPAdapter):
         keep_grads: bool = False,
         zero_grads: bool = False,
         hf_names: bool = True,
+        pp_group: Any = None,
     ) -> None:
         automodel.require_automodel()
         parts = automodel.resolve_model_parts(model_parts)
         optimizer_list = automodel.resolve_optimizers(optimizers)
         _check_optimizers_own_parts(parts, optimizer_list)
-        super().__init__(parts, optimizer_list, arena=arena, keep_grads=keep_grads, zero_grads=zero_grads)
+        super().__init__(
+            parts, optimizer_list, arena=arena, keep_grads=keep_grads, zero_grads=zero_grads, pp_group=pp_group
+        )
         self._to_hf = automodel.hf_converter(parts) if hf_names else None
+        if hf_names and self._to_hf is None:
+            logger.info(
+                "AutomodelAdapter: %s has no state_dict_adapter; named_weights() yields its own FQNs "
+                "(Hugging Face's for transformers classes)", type(parts[0]).__name__,
+            )  # fmt: skip
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights as (Hugging Face name, tensor), one native tensor's worth at a time.

@@ -1,6 +1,6 @@
 """The torch FSDP2 / DTensor calls the FSDP adapter relies on, in one place.
 
-Checked against torch 2.13.0 (``torch.distributed.fsdp.FSDPModule``, ``DTensor.full_tensor``,
+Checked against torch 2.13.0 (``torch.distributed.fsdp.FSDPModule``, DTensor gathers in ``_dtensor_gather``,
 ``DTensor._local_tensor``); the gather also ran on torch 2.11 on the GPU machine.
 """
 
@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from refitkit.engines.fsdp._dtensor_gather import gather_full
 
 
 def reshard_all(module: nn.Module) -> None:
@@ -59,34 +61,13 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def full_tensor(tensor: torch.Tensor, *, name: str = "") -> torch.Tensor:
     """The whole tensor behind a DTensor, gathered from every rank of its mesh (a collective).
 
-    FSDP2's layout (``Shard(0)`` on a 1-D mesh) is gathered with one ``all_gather_into_tensor``
-    on the local shards; ``DTensor.full_tensor()`` would get the same bytes but its dispatch
-    flattens arguments with torch.utils._pytree, whose recursive helper leaves a reference cycle
-    per call (torch 2.13.0) — garbage a GC-free refit must not make. Other layouts use it.
+    Goes through ``gather_full`` for every layout (never ``DTensor.full_tensor()``, whose dispatch
+    leaves a reference cycle per call on torch 2.13.0).
     """
-    from torch.distributed.tensor import Shard
-
-    with torch.no_grad():
-        mesh, placements = tensor.device_mesh, tensor.placements
-        if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
-            return tensor.full_tensor()
-        return _gather_dim0(tensor._local_tensor, mesh.get_group(), tuple(tensor.shape))
-
-
-def _gather_dim0(local: torch.Tensor, group: object, shape: tuple[int, ...]) -> torch.Tensor:
-    """All-gather dim-0 shards laid out like ``torch.chunk`` (the last ranks may hold fewer or no rows)."""
-    import torch.distributed as dist
-
-    world_size = dist.get_world_size(group)
-    rows = -(-shape[0] // world_size) if shape else 0  # ceil: every rank's padded shard
-    padded = local.new_zeros((rows, *shape[1:]))
-    padded[: local.shape[0]].copy_(local)
-    gathered = local.new_empty((rows * world_size, *shape[1:]))
-    dist.all_gather_into_tensor(gathered, padded, group=group)
-    return gathered[: shape[0]]
+    return gather_full(tensor, name=name)
 
 
 def state_dict_entries(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from refitkit.engines.base import (
     as_optimizers,
     check_optimizers_own_params,
 )
+from refitkit.engines.fsdp._pipeline_stages import across_stages
 from refitkit.engines.fsdp._torch_fsdp2 import (
     full_tensor,
     is_dtensor,
@@ -26,6 +28,9 @@ from refitkit.engines.fsdp._torch_fsdp2 import (
 )
 from refitkit.errors import RefitError
 from refitkit.offload import HostArena, optimizer_state_tensors
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +47,8 @@ class FSDPAdapter(EngineAdapter):
     """Offload / reload of FSDP2 models (or plain ``nn.Module``s) and their optimizers.
 
     ``model`` is one module or a list of model parts (pipeline stages); ``optimizer`` one
-    optimizer, a list, or None. Sharded params (DTensors), sharded optimizer states and
+    optimizer, a list, or None; ``pp_group``, the pipeline-parallel process group when the
+    parts are this rank's pipeline stages (see ``named_weights``). Sharded params (DTensors), sharded optimizer states and
     buffers move per storage through ``refitkit.offload``; FSDP modules are resharded first so
     no unsharded all-gather buffer is left behind.
     """
@@ -55,8 +61,10 @@ class FSDPAdapter(EngineAdapter):
         arena: HostArena | None = None,
         keep_grads: bool = False,
         zero_grads: bool = False,
+        pp_group: ProcessGroup | None = None,
     ) -> None:
         owner = type(self).__name__
+        self.pp_group = pp_group
         self.model_parts: list[nn.Module] = as_modules(model, owner=owner)
         self.optimizers: list[torch.optim.Optimizer] = as_optimizers(optimizer, owner=owner)
         if self.optimizers:
@@ -108,19 +116,35 @@ class FSDPAdapter(EngineAdapter):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights and persistent buffers as (state-dict name, tensor), one at a time.
 
-        A sharded param is gathered with ``full_tensor()``, a collective: every rank must iterate
-        the same weights together. The generator keeps no reference to a yielded tensor, so the
-        extra memory at any time is the one full tensor the caller holds.
+        A sharded param is gathered (``gather_full``: one all-gather per sharded mesh dim), a
+        collective: every rank must iterate the same weights together. The generator keeps no
+        reference to a yielded tensor, so the extra memory at any time is the one full tensor
+        the caller holds. With ``pp_group``, every rank of the pipeline group gets every stage's
+        weights (stage by stage, in pipeline-rank order), so one rank can send the whole model.
         """
         if self._states["model"] is DeviceState.OFFLOADED:
             raise RefitError(
                 f"{type(self).__name__}.named_weights(): the model is offloaded; reload(model=True) first"
             )
         self._prepare_offload()
+        if self.pp_group is None:
+            yield from self._local_weights()
+        else:
+            yield from across_stages(self._local_weights(), self.pp_group, self.device)
+
+    def _local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's model parts' full weights (the stream of one pipeline rank)."""
         for part in self.model_parts:
-            for name, tensor in state_dict_entries(part):
-                # no local holds the tensor across the yield: peak extra memory stays one tensor
-                yield clean_fqn(name), (full_tensor(tensor) if is_dtensor(tensor) else tensor.detach())
+            yield from self._full_entries(part)
+
+    def _full_entries(self, part: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """One model part's full weights and persistent buffers, (clean FQN, whole tensor), one at a time.
+
+        The caller checked the model is on the device and resharded it (``named_weights``).
+        """
+        for name, tensor in state_dict_entries(part):
+            # no local holds the tensor across the yield: peak extra memory stays one tensor
+            yield clean_fqn(name), (full_tensor(tensor, name=name) if is_dtensor(tensor) else tensor.detach())
 
 
 def _check_ownership(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], owner: str) -> None:

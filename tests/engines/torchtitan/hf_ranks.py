@@ -1,0 +1,246 @@
+"""Rank functions for TorchTitan's HF-named streaming: torchtitan debug models against `transformers` models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.engines.torchtitan.ranks import _force_sum_reduction, _use_cpu
+from tests.helpers.bits import bits_equal
+
+SEQ_LEN = 16
+
+
+def _trainer_config(flavour: str):
+    if flavour == "llama3":
+        from torchtitan.models.llama3.config_registry import llama3_debugmodel_ce_loss
+
+        return llama3_debugmodel_ce_loss()
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    return qwen3_debugmodel()
+
+
+def build(flavour: str, world_size: int, *, tp: int, n_layers: int = 2, seed: int = 0) -> tuple[nn.Module, object]:
+    """torchtitan's debug model parallelized the way its trainer does it (FSDP2 over the rest of the world).
+
+    CPU adjustments as in ranks.build: device_type "cpu", partial_dtensor backend, causal SDPA
+    instead of flex attention, plain sum reduction for FSDP comms on gloo.
+    """
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    _use_cpu()
+    config = _trainer_config(flavour)
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.tensor_parallel_degree = tp
+    config.parallelism.data_parallel_shard_degree = world_size // tp
+    config.training.seq_len = SEQ_LEN
+    config.training.local_batch_size = 2
+    config.training.mixed_precision_param = "float32"  # compare logits without bf16 rounding
+    config.activation_checkpoint = None
+    config.compile.enable = False
+    model_config = config.model_spec.model
+    model_config.layers = model_config.layers[:n_layers]
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    dist_utils.set_spmd_backend("partial_dtensor")
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    model = config.model_spec.parallelize_fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=config.training,
+        parallelism=config.parallelism,
+        compile_config=config.compile,
+        ac_config=None,
+        dump_folder="/tmp",
+    )
+    _force_sum_reduction(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        # non-trivial norms, so a swapped norm weight would show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.mul_(1.5)
+    sd_adapter = config.model_spec.state_dict_adapter(model_config, None)
+    return model, sd_adapter, model_config
+
+
+def hf_model(flavour: str, model_config) -> nn.Module:
+    """The `transformers` model equivalent to torchtitan's config (fp32, eager attention)."""
+    attention = model_config.layers[0].attention
+    qkv = attention.qkv_linear
+    common = dict(
+        vocab_size=model_config.vocab_size,
+        hidden_size=model_config.dim,
+        intermediate_size=model_config.layers[0].feed_forward.w1.out_features,
+        num_hidden_layers=len(model_config.layers),
+        num_attention_heads=qkv.n_heads,
+        num_key_value_heads=qkv.n_kv_heads,
+        head_dim=qkv.head_dim,
+        rms_norm_eps=model_config.norm.eps,
+        tie_word_embeddings=model_config.enable_weight_tying,
+        attention_bias=False,
+        max_position_embeddings=model_config.max_seq_len,
+    )
+    rope = attention.rope
+    if flavour == "llama3":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        parameters = {
+            "rope_type": "llama3",
+            "rope_theta": float(rope.theta),
+            "factor": float(rope.scaling_factor),
+            "low_freq_factor": float(rope.low_freq_factor),
+            "high_freq_factor": float(rope.high_freq_factor),
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+        config = LlamaConfig(**common, mlp_bias=False, rope_parameters=parameters)
+        cls = LlamaForCausalLM
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": float(rope.theta)})
+        cls = Qwen3ForCausalLM
+    config._attn_implementation = "eager"
+    torch.manual_seed(123)
+    return cls(config).eval()
+
+
+def hf_names_match_transformers(rank: int, world_size: int, flavour: str, tp: int) -> dict:
+    """Stream HF-named weights, load them into a `transformers` model, compare state dicts and logits."""
+    from torch.distributed.tensor import DTensor
+
+    from refitkit.engines.torchtitan import TorchTitanAdapter
+    from refitkit.watchdog import CycleAudit
+
+    model, sd_adapter, model_config = build(flavour, world_size, tp=tp)
+    adapter = TorchTitanAdapter([model], state_dict_adapter=sd_adapter)
+    streamed = {}
+    for name, tensor in adapter.named_weights():
+        if name in streamed:
+            raise AssertionError(f"{name} streamed twice")
+        streamed[name] = tensor.clone()
+    with CycleAudit() as audit:
+        for _ in adapter.named_weights():
+            pass
+    reference = hf_model(flavour, model_config)
+    result = reference.load_state_dict(streamed, strict=False)
+    hf_state = reference.state_dict()
+    tokens = torch.randint(0, model_config.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        titan_logits = model(tokens)
+        if isinstance(titan_logits, DTensor):
+            titan_logits = titan_logits.full_tensor()
+        hf_logits = reference(tokens).logits
+    placements = sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)})
+    return {
+        "streamed": sorted(streamed),
+        "hf_names": sorted(hf_state),
+        "missing": sorted(result.missing_keys),
+        "unexpected": sorted(result.unexpected_keys),
+        "equal": {n: tuple(t.shape) == tuple(hf_state[n].shape) and bits_equal(t, hf_state[n]) for n, t in streamed.items() if n in hf_state},
+        "tied": reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr(),
+        "max_logit_diff": (titan_logits.float() - hf_logits.float()).abs().max().item(),
+        "logit_scale": hf_logits.abs().max().item(),
+        "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
+        "placements": placements,
+    }
+
+
+def build_pipeline(flavour: str, world_size: int, *, pp: int, n_layers: int = 2, seed: int = 0):
+    """torchtitan's debug model split by its own ``pipeline_llm``: one layer a stage, so with
+    ``Interleaved1F1B`` each pipeline rank holds several stages; the rest of the world is FSDP2."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    _use_cpu()
+    config = _trainer_config(flavour)
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.pipeline_parallel_degree = pp
+    config.parallelism.data_parallel_shard_degree = world_size // pp
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    config.parallelism.pipeline_parallel_layers_per_stage = 1
+    config.training.seq_len = SEQ_LEN
+    config.training.local_batch_size = 2 * pp
+    config.training.mixed_precision_param = "float32"
+    config.activation_checkpoint = None
+    config.compile.enable = False
+    model_config = config.model_spec.model
+    model_config.layers = model_config.layers[:n_layers]
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    dist_utils.set_spmd_backend("partial_dtensor")
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    loss_fn = config.loss.build(compile_config=config.compile)
+    _, model_parts, _, _ = config.model_spec.pipelining_fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=config.training,
+        parallelism=config.parallelism,
+        compile_config=config.compile,
+        ac_config=None,
+        dump_folder="/tmp",
+        device=torch.device("cpu"),
+        model_config=model_config,
+        parallelize_fn=config.model_spec.parallelize_fn,
+        loss_fn=loss_fn,
+    )
+    torch.manual_seed(seed + torch.distributed.get_rank())
+    for part in model_parts:
+        _force_sum_reduction(part)
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+    sd_adapter = config.model_spec.state_dict_adapter(model_config, None)
+    pp_group = parallel_dims.get_mesh("pp").get_group()
+    return model_parts, sd_adapter, model_config, pp_group
+
+
+def pipeline_stages_reach_every_rank(rank: int, world_size: int, flavour: str, pp: int) -> dict:
+    """Every pipeline rank streams the whole model under HF names; owners check their stages' bits."""
+    import hashlib
+
+    from refitkit.engines.torchtitan import TorchTitanAdapter
+    from refitkit.watchdog import CycleAudit
+
+    model_parts, sd_adapter, model_config, pp_group = build_pipeline(flavour, world_size, pp=pp)
+    # the reference for this rank's own stages: torchtitan's state dict, gathered, through to_hf
+    own = {}
+    for part in model_parts:
+        full = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in part.state_dict().items()}
+        own.update(sd_adapter.to_hf(full))
+    adapter = TorchTitanAdapter(model_parts, state_dict_adapter=sd_adapter, pp_group=pp_group)
+    digests, own_equal, order = {}, {}, []
+    for name, tensor in adapter.named_weights():
+        if name in digests:
+            raise AssertionError(f"{name} streamed twice")
+        order.append(name)
+        digests[name] = (tuple(tensor.shape), str(tensor.dtype), hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy()).hexdigest())
+        if name in own:
+            own_equal[name] = bits_equal(tensor, own[name])
+    with CycleAudit() as audit:
+        for _ in adapter.named_weights():
+            pass
+    reference = hf_model(flavour, model_config)
+    hf_shapes = {n: tuple(t.shape) for n, t in reference.state_dict().items()}
+    return {
+        "stages": len(model_parts),
+        "own": sorted(own),
+        "own_equal": own_equal,
+        "digests": digests,
+        "order": order,
+        "hf_shapes": hf_shapes,
+        "tied": model_config.enable_weight_tying,
+        "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
+    }
