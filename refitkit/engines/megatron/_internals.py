@@ -83,16 +83,6 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def parallel_sizes(chunk: torch.nn.Module) -> dict[str, int]:
-    """The chunk's tensor / pipeline / expert parallel sizes from its ``config`` (checked: 0.16.1, 0.19.2)."""
-    config = getattr(chunk, "config", None)
-    return {
-        "tensor_model_parallel_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
-        "pipeline_model_parallel_size": int(getattr(config, "pipeline_model_parallel_size", 1) or 1),
-        "expert_model_parallel_size": int(getattr(config, "expert_model_parallel_size", 1) or 1),
-    }
-
-
 def leaf_optimizers(optimizer: object) -> list[Any]:
     """The Megatron optimizers doing the work: a ``ChainedOptimizer``'s ``chained_optimizers``, flattened.
 
