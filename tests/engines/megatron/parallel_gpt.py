@@ -46,12 +46,13 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
     if torch.cuda.is_available():
         torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     _tolerate_missing_transformer_engine()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep,
-    )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            expert_model_parallel_size=layout.ep,
+        )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     moe = dict(
@@ -92,6 +93,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        batch_p2p_comm=False,  # gloo has no batched isend/irecv
         init_method_std=INIT_STD,
         **(moe if layout.moe else {}),
     )
@@ -205,3 +207,87 @@ def hf_config(layout: Layout):
     if layout.family == "llama":
         return transformers.LlamaConfig(**common)
     raise ValueError(f"no HF config for family {layout.family!r} in this test helper")
+
+
+@dataclass
+class Trainer:
+    """DDP-wrapped chunks of one rank, their distributed Adam, and the layout."""
+
+    chunks: list
+    optimizer: object
+    layout: Layout
+
+
+MICROBATCHES = 4
+
+
+def build_trainer(layout: Layout, *, seed: int = 1234) -> Trainer:
+    """``build`` wrapped the way Megatron trainers wrap it: Float16Module, DDP per chunk, distributed Adam."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    chunks = build(layout, seed=seed)
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, Float16Module(config, chunk), disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
+        wrapped,
+    )
+    return Trainer(chunks=wrapped, optimizer=optimizer, layout=layout)
+
+
+def _forward_step(data_iterator, model):
+    device = tiny_gpt.device()
+    tokens, labels = next(data_iterator)
+    positions = torch.arange(tiny_gpt.SEQ, device=device).unsqueeze(0).expand(tiny_gpt.BATCH, -1)
+    causal = torch.triu(torch.ones(tiny_gpt.SEQ, tiny_gpt.SEQ, dtype=torch.bool, device=device), diagonal=1)
+    output = model(tokens.to(device), positions, causal.view(1, 1, tiny_gpt.SEQ, tiny_gpt.SEQ), labels=labels.to(device))
+
+    def loss_func(per_token: torch.Tensor):
+        loss = per_token.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return output, loss_func
+
+
+def train_step(trainer: Trainer, step: int) -> float:
+    """One real Megatron step through its pipeline schedule; returns this rank's summed microbatch loss (0 off the last stage)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    data_rank = parallel_state.get_data_parallel_rank()
+    batches = [tiny_gpt.batch(100 * step + m, data_rank) for m in range(MICROBATCHES)]
+    iterators = [iter(batches) for _ in trainer.chunks]
+    for chunk in trainer.chunks:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=trainer.chunks,
+        num_microbatches=MICROBATCHES,
+        seq_length=tiny_gpt.SEQ,
+        micro_batch_size=tiny_gpt.BATCH,
+        forward_only=False,
+    )
+    ok, _, _ = trainer.optimizer.step()
+    if not ok:
+        raise RuntimeError(f"optimizer step {step} was skipped")
+    return float(sum(item["loss"].item() for item in losses))
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's params by (chunk, name), copied to the CPU: what bit-identity is checked on."""
+    return {
+        f"{index}/{name}": p.detach().to("cpu", copy=True)
+        for index, chunk in enumerate(trainer.chunks)
+        for name, p in chunk.named_parameters()
+    }
