@@ -162,6 +162,7 @@ def forward_logits(chunks: list[torch.nn.Module], layout: Layout) -> torch.Tenso
     output = None
     with torch.no_grad():
         for vp_stage, chunk in enumerate(chunks):
+            chunk.eval()  # MoE with TP refuses to *train* without sequence parallelism; inference is fine
             first = stage == 0 and vp_stage == 0
             last = stage == layout.pp - 1 and vp_stage == len(chunks) - 1
             if not first:
@@ -206,6 +207,9 @@ def hf_config(layout: Layout):
         return transformers.Qwen3Config(**common)
     if layout.family == "llama":
         return transformers.LlamaConfig(**common)
+    if layout.family == "qwen2":
+        common.pop("attention_bias"), common.pop("head_dim")  # Qwen2: q/k/v always biased, head_dim from sizes
+        return transformers.Qwen2Config(**common)
     raise ValueError(f"no HF config for family {layout.family!r} in this test helper")
 
 

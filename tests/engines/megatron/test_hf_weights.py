@@ -86,6 +86,8 @@ LAYOUTS = {
     "pp2-llama-tied": (2, Layout(pp=2, family="llama", tied=True)),
     "pp2-vpp2": (2, Layout(pp=2, vpp=2, num_layers=8, family="qwen3")),
     "ep2-moe": (2, Layout(ep=2, moe=True, family="qwen3_moe", num_layers=2)),
+    "tp2-qwen2-bias": (2, Layout(tp=2, family="qwen2")),
+    "tp2-ep2-moe": (4, Layout(tp=2, ep=2, moe=True, family="qwen3_moe", num_layers=2)),
     "tp2-pp2": (4, Layout(tp=2, pp=2, family="qwen3")),
     "tp2-pp2-vpp2": (4, Layout(tp=2, pp=2, vpp=2, num_layers=8, family="qwen3")),
 }
