@@ -14,7 +14,7 @@ import torch
 
 from tests.engines.megatron import cpu_shim, tiny_gpt
 
-HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, MOE_FFN, EXPERTS, TOPK = 64, 4, 2, 16, 96, 32, 4, 2
+EXPERTS, TOPK = 4, 2
 ROPE_THETA, EPS = 10000.0, 1e-6
 INIT_STD = 0.1  # large enough that a misplaced row moves the logits far more than bf16 rounding
 
@@ -31,6 +31,13 @@ class Layout:
     family: str = "qwen3"
     num_layers: int = 4
     tied: bool = False
+    hidden: int = 64
+    heads: int = 4
+    groups: int = 2
+    head_dim: int = 16
+    ffn: int = 96
+    moe_ffn: int = 32
+    vocab: int = tiny_gpt.VOCAB
 
 
 def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
@@ -57,7 +64,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
     model_parallel_cuda_manual_seed(seed)
     moe = dict(
         num_moe_experts=EXPERTS,
-        moe_ffn_hidden_size=MOE_FFN,
+        moe_ffn_hidden_size=layout.moe_ffn,
         moe_router_topk=TOPK,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -66,11 +73,11 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
     )
     config = TransformerConfig(
         num_layers=layout.num_layers,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        kv_channels=HEAD_DIM,
+        hidden_size=layout.hidden,
+        ffn_hidden_size=layout.ffn,
+        num_attention_heads=layout.heads,
+        num_query_groups=layout.groups,
+        kv_channels=layout.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=EPS,
         gated_linear_unit=True,
@@ -108,7 +115,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
-            vocab_size=tiny_gpt.VOCAB,
+            vocab_size=layout.vocab,
             max_sequence_length=tiny_gpt.SEQ,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -153,12 +160,12 @@ def forward_logits(chunks: list[torch.nn.Module], layout: Layout) -> torch.Tenso
     from megatron.core import parallel_state
 
     device = tiny_gpt.device()
-    tokens, _ = tiny_gpt.batch(0, 0)
+    tokens, _ = tiny_gpt.batch(0, 0, vocab_size=layout.vocab)
     tokens = tokens.to(device)
     positions = torch.arange(tiny_gpt.SEQ, device=device).unsqueeze(0).expand(tiny_gpt.BATCH, -1)
     causal = torch.triu(torch.ones(tiny_gpt.SEQ, tiny_gpt.SEQ, dtype=torch.bool, device=device), diagonal=1)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    hidden_shape = (tiny_gpt.SEQ, tiny_gpt.BATCH, HIDDEN)
+    hidden_shape = (tiny_gpt.SEQ, tiny_gpt.BATCH, layout.hidden)
     output = None
     with torch.no_grad():
         for vp_stage, chunk in enumerate(chunks):
@@ -181,13 +188,13 @@ def hf_config(layout: Layout):
     import transformers
 
     common = dict(
-        vocab_size=tiny_gpt.VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
+        vocab_size=layout.vocab,
+        hidden_size=layout.hidden,
+        intermediate_size=layout.ffn,
         num_hidden_layers=layout.num_layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=GROUPS,
-        head_dim=HEAD_DIM,
+        num_attention_heads=layout.heads,
+        num_key_value_heads=layout.groups,
+        head_dim=layout.head_dim,
         rms_norm_eps=EPS,
         tie_word_embeddings=layout.tied,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
@@ -195,7 +202,7 @@ def hf_config(layout: Layout):
     )
     if layout.family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            moe_intermediate_size=MOE_FFN,
+            moe_intermediate_size=layout.moe_ffn,
             num_experts=EXPERTS,
             num_experts_per_tok=TOPK,
             norm_topk_prob=True,
@@ -268,7 +275,7 @@ def train_step(trainer: Trainer, step: int) -> float:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data_rank = parallel_state.get_data_parallel_rank()
-    batches = [tiny_gpt.batch(100 * step + m, data_rank) for m in range(MICROBATCHES)]
+    batches = [tiny_gpt.batch(100 * step + m, data_rank, vocab_size=trainer.layout.vocab) for m in range(MICROBATCHES)]
     iterators = [iter(batches) for _ in trainer.chunks]
     for chunk in trainer.chunks:
         chunk.zero_grad_buffer()
