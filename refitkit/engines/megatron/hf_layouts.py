@@ -42,8 +42,8 @@ _LAYER = r"decoder\.layers\.(?P<layer>\d+)\."
 _EXPERT = r"mlp\.experts\.local_experts\.(?P<expert>\d+)\."
 _HF_LAYER = "model.layers.{layer}."
 
-# Llama, Qwen2, Qwen3 and Qwen3-MoE share these names; a row whose Megatron name a model lacks
-# (q/k norms, qkv bias, router) never matches, so one table serves the four.
+# Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE share these names; a row whose Megatron name a model
+# lacks (q/k norms, qkv bias, router, shared experts) never matches, so one table serves them all.
 LLAMA_LIKE: tuple[Row, ...] = (
     Row(r"embedding\.word_embeddings\.weight", RENAME, ("model.embed_tokens.weight",)),
     Row(r"decoder\.final_layernorm\.weight", RENAME, ("model.norm.weight",)),
@@ -70,12 +70,20 @@ LLAMA_LIKE: tuple[Row, ...] = (
         (_HF_LAYER + "mlp.experts.{expert}.gate_proj.weight", _HF_LAYER + "mlp.experts.{expert}.up_proj.weight"),
     ),
     Row(_LAYER + _EXPERT + r"linear_fc2\.weight", RENAME, (_HF_LAYER + "mlp.experts.{expert}.down_proj.weight",)),
+    Row(
+        _LAYER + r"mlp\.shared_experts\.linear_fc1\.weight",
+        GATE_UP,
+        (_HF_LAYER + "mlp.shared_expert.gate_proj.weight", _HF_LAYER + "mlp.shared_expert.up_proj.weight"),
+    ),
+    Row(_LAYER + r"mlp\.shared_experts\.linear_fc2\.weight", RENAME, (_HF_LAYER + "mlp.shared_expert.down_proj.weight",)),
+    Row(_LAYER + r"mlp\.shared_experts\.gate_weight", RENAME, (_HF_LAYER + "mlp.shared_expert_gate.weight",)),
 )
 
 FAMILIES: dict[str, tuple[Row, ...]] = {
     "llama": LLAMA_LIKE,
     "qwen2": LLAMA_LIKE,
     "qwen3": LLAMA_LIKE,
+    "qwen2_moe": LLAMA_LIKE,
     "qwen3_moe": LLAMA_LIKE,
 }
 

@@ -38,6 +38,7 @@ class Layout:
     ffn: int = 96
     moe_ffn: int = 32
     vocab: int = tiny_gpt.VOCAB
+    shared_ffn: int | None = None  # Qwen2-MoE's gated shared expert
 
 
 def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
@@ -70,6 +71,10 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
+        # Qwen2-MoE: softmax over all experts, top-k weights not renormalised; Qwen3-MoE renormalises
+        moe_router_pre_softmax=layout.family == "qwen2_moe",
+        moe_shared_expert_intermediate_size=layout.shared_ffn,
+        moe_shared_expert_gate=layout.shared_ffn is not None,
     )
     config = TransformerConfig(
         num_layers=layout.num_layers,
@@ -83,7 +88,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=layout.family == "qwen2",
+        add_qkv_bias=layout.family.startswith("qwen2"),
         qk_layernorm=layout.family.startswith("qwen3"),
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -208,6 +213,19 @@ def hf_config(layout: Layout):
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+            **common,
+        )
+    if layout.family == "qwen2_moe":
+        common.pop("attention_bias"), common.pop("head_dim")
+        return transformers.Qwen2MoeConfig(
+            moe_intermediate_size=layout.moe_ffn,
+            shared_expert_intermediate_size=layout.shared_ffn,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOPK,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            qkv_bias=True,
             **common,
         )
     if layout.family == "qwen3":
