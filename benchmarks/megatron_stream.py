@@ -6,8 +6,8 @@ One GPU, from the repo root (megatron-core on the path, no shim):
 Several GPUs, any TP / PP / EP (one receiver process per streaming rank, on that rank's GPU):
     torchrun --nproc-per-node 2 benchmarks/megatron_stream.py --tp 2
     torchrun --nproc-per-node 2 benchmarks/megatron_stream.py --ep 2 --moe
-Streaming ranks are those with tensor-parallel rank 0 and expert-data-parallel rank 0: together they
-send every weight once per expert-parallel rank (see refitkit.engines.megatron.weights).
+Streaming ranks are those ``refitkit.engines.megatron.is_stream_source()`` picks: one per (pipeline
+stage, expert-parallel rank); the other ranks iterate named_weights() alongside (the gathers).
 """
 
 from __future__ import annotations
@@ -33,19 +33,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _is_streaming_rank() -> bool:
-    from megatron.core import parallel_state
-
-    return (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_expert_data_parallel_rank() == 0
-        and (parallel_state.get_expert_model_parallel_world_size() > 1 or parallel_state.get_data_parallel_rank() == 0)
-    )
-
-
 def run(args: argparse.Namespace) -> dict:
     """Build, train a step, time a bare named_weights() pass and ``--rounds`` streams into a receiver."""
-    from refitkit.engines.megatron import MegatronAdapter
+    from refitkit.engines.megatron import MegatronAdapter, is_stream_source
     from refitkit.transfer import BucketedWeightSender
     from tests.engines.megatron import parallel_gpt
     from tests.engines.megatron.parallel_gpt import Layout
@@ -67,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     pass_s = time.perf_counter() - start
 
-    streaming = _is_streaming_rank()
+    streaming = is_stream_source()
     rows = []
     for round_index in range(args.rounds):
         torch.distributed.barrier()

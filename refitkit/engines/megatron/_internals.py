@@ -218,3 +218,14 @@ def attention_numbers(config: Any) -> tuple[int, int, int]:
 def is_gated(config: Any) -> bool:
     """Whether ``linear_fc1`` holds [gate; up] per TP shard (``TransformerConfig.gated_linear_unit``; checked: 0.16.1, 0.19.2)."""
     return bool(getattr(config, "gated_linear_unit", False))
+
+
+def stream_coordinates() -> dict[str, int]:
+    """This rank's tensor, expert-tensor and expert-data parallel ranks (``parallel_state``; checked: 0.16.1, 0.19.2)."""
+    from megatron.core import parallel_state
+
+    return {
+        "tensor": parallel_state.get_tensor_model_parallel_rank(),
+        "expert_tensor": parallel_state.get_expert_tensor_parallel_rank(),
+        "expert_data": parallel_state.get_expert_data_parallel_rank(),
+    }

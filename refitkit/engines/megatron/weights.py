@@ -5,7 +5,7 @@ the experts its expert-parallel rank owns, each gathered over its tensor-paralle
 expert-TP group for experts). Every rank of a TP group yields the same tensors, so a receiver
 gets every weight once from one sender per (pipeline stage, expert-parallel rank) — e.g. the
 ranks with TP rank 0 and data-parallel rank 0. Experts are never gathered across
-expert-parallel ranks. Names have global layer and expert numbers: Megatron's own
+expert-parallel ranks (``is_stream_source`` picks those senders). Names have global layer and expert numbers: Megatron's own
 (``hf_family=None``) or Hugging Face's (``hf_layouts``).
 """
 
@@ -78,3 +78,14 @@ def iter_full_weights(
             else:
                 yield from hf_layouts.to_hf(name, full, hf_family, shape)
             del full  # bound memory to one gathered tensor while the consumer works on the next
+
+
+def is_stream_source() -> bool:
+    """Whether this rank is the one of its (pipeline stage, expert-parallel rank) that should send its weights.
+
+    Tensor-parallel rank 0, expert-tensor-parallel rank 0 and expert-data-parallel rank 0: the
+    other ranks of the slice hold the same gathered tensors. Every rank must still iterate
+    ``named_weights()`` (the gathers are collectives); only the sources hand the tensors on.
+    Dense weights come once per expert-parallel rank (each sends its stage's dense layers too).
+    """
+    return all(rank == 0 for rank in _internals.stream_coordinates().values())

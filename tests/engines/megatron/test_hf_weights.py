@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 def stream_world(rank: int, world_size: int, layout: Layout) -> dict:
     from megatron.core import parallel_state
 
-    from refitkit.engines.megatron import MegatronAdapter
+    from refitkit.engines.megatron import MegatronAdapter, is_stream_source
     from refitkit.watchdog import CycleAudit
 
     chunks = parallel_gpt.build(layout)
@@ -31,6 +31,7 @@ def stream_world(rank: int, world_size: int, layout: Layout) -> dict:
     return {
         "streamed": streamed,
         "cyclic_objects": audit.report.cyclic_objects,
+        "source": is_stream_source(),
         "logits": parallel_gpt.forward_logits(chunks, layout),
         "coords": (
             parallel_state.get_tensor_model_parallel_rank(),
@@ -121,6 +122,13 @@ def test_named_weights_equal_transformers_model(label: str) -> None:
         assert {r for ranks in owners.values() for r in ranks} == set(range(layout.ep))
 
     assert [r["cyclic_objects"] for r in results] == [0] * world_size
+
+    # one sender per (pipeline stage, expert-parallel rank) delivers every weight
+    sources = [r for r in results if r["source"]]
+    assert sorted((r["coords"][1], r["coords"][2]) for r in sources) == [
+        (stage, expert_rank) for stage in range(layout.pp) for expert_rank in range(layout.ep)
+    ]
+    assert _merge(sources).keys() == streamed.keys()
 
     tokens, _ = tiny_gpt.batch(0, 0)
     with torch.no_grad():
