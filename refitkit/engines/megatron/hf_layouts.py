@@ -102,6 +102,17 @@ def table(family: str) -> list[tuple[re.Pattern[str], Row]]:
     return _COMPILED[family]
 
 
+def check_names(names: list[str], family: str) -> None:
+    """Refuse, before any tensor moves, a model whose parameters the family's table cannot name."""
+    rows = table(family)
+    unnamed = [name for name in names if not any(pattern.match(name) for pattern, _ in rows)]
+    if unnamed:
+        raise InvalidInput(
+            f"{len(unnamed)} Megatron parameter(s) have no Hugging Face name in the {family!r} table, e.g. "
+            f"{unnamed[:3]} (refitkit/engines/megatron/hf_layouts.py); pass hf_family=None for Megatron names"
+        )
+
+
 def split_qkv(full: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Megatron's qkv rows, grouped per key/value group as [q of the group, k, v], into q, k, v (GQA included)."""
     heads_per_group = shape.num_heads // shape.num_query_groups

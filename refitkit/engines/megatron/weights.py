@@ -56,10 +56,34 @@ def _gather(param: torch.Tensor, *, expert: bool, gated: bool) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
+def global_names(chunks: Sequence[torch.nn.Module]) -> list[str]:
+    """The names ``iter_full_weights(hf_family=None)`` will yield on this rank, without touching a tensor."""
+    names = []
+    for chunk in chunks:
+        model = _internals.unwrap_model(chunk)
+        layers, experts = _internals.layer_numbers(model), _internals.expert_numbers(model)
+        names += [
+            _global_name(name, layers, experts)
+            for name, _ in model.named_parameters()
+            if not _internals.is_tied_output_copy(model, name)
+        ]
+    return names
+
+
 def iter_full_weights(
     chunks: Sequence[torch.nn.Module], *, hf_family: str | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every weight this rank's chunks hold, one gathered tensor at a time."""
+    """(name, full tensor) for every weight this rank's chunks hold, one gathered tensor at a time.
+
+    With ``hf_family``, names the table cannot map are refused here, before the first gather:
+    every rank of a TP group holds the same names, so all refuse together and none waits in a collective.
+    """
+    if hf_family is not None:
+        hf_layouts.check_names(global_names(chunks), hf_family)
+    return _iter_full_weights(chunks, hf_family)
+
+
+def _iter_full_weights(chunks: Sequence[torch.nn.Module], hf_family: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     for chunk in chunks:
         model = _internals.unwrap_model(chunk)
         config = model.config

@@ -142,3 +142,31 @@ def test_named_weights_equal_transformers_model(label: str) -> None:
         scale = hf_logits.std().item()
         assert difference.mean().item() < 0.03 * scale, (difference.mean().item(), scale)
         assert difference.max().item() < 0.2 * scale, (difference.max().item(), scale)
+
+
+def refusal_world(rank: int, world_size: int) -> dict:
+    from refitkit.engines.megatron import MegatronAdapter
+    from refitkit.errors import InvalidInput
+
+    trainer = tiny_gpt.build(with_optimizer=False)  # LayerNorm with biases: no Llama/Qwen name for them
+    seen = {}
+    try:
+        MegatronAdapter(trainer.chunks, hf_family="gpt2")
+        seen["family"] = "no error"
+    except InvalidInput as error:
+        seen["family"] = str(error)
+    adapter = MegatronAdapter(trainer.chunks, hf_family="llama")
+    try:
+        adapter.named_weights()  # refused at the call, before a generator exists or a gather runs
+        seen["names"] = "no error"
+    except InvalidInput as error:
+        seen["names"] = str(error)
+    return seen
+
+
+def test_a_model_the_table_cannot_name_is_refused_before_streaming() -> None:
+    (seen,) = run_world(refusal_world, 1, timeout_s=300.0)
+    assert "hf_family='gpt2' has no Megatron -> Hugging Face table; known: ['llama', 'qwen2'" in seen["family"]
+    assert "Megatron parameter(s) have no Hugging Face name in the 'llama' table" in seen["names"]
+    assert "'decoder.layers.0.input_layernorm.bias'" in seen["names"]
+    assert "hf_family=None" in seen["names"]
