@@ -90,6 +90,7 @@ LAYOUTS = {
     "tp2-qwen2-bias": (2, Layout(tp=2, family="qwen2")),
     "tp2-ep2-moe": (4, Layout(tp=2, ep=2, moe=True, family="qwen3_moe", num_layers=2)),
     "tp2-qwen2-moe-shared": (2, Layout(tp=2, moe=True, shared_ffn=48, family="qwen2_moe", num_layers=2)),
+    "pp2-ep2-moe": (4, Layout(pp=2, ep=2, moe=True, family="qwen3_moe", num_layers=4)),
     "tp2-pp2": (4, Layout(tp=2, pp=2, family="qwen3")),
     "tp2-pp2-vpp2": (4, Layout(tp=2, pp=2, vpp=2, num_layers=8, family="qwen3")),
 }

@@ -49,6 +49,7 @@ LAYOUTS = {
     "pp2": (2, Layout(pp=2)),
     "pp2-vpp2": (2, Layout(pp=2, vpp=2, num_layers=8)),
     "ep2-moe": (2, Layout(ep=2, moe=True, family="qwen3_moe", num_layers=2)),
+    "pp2-ep2-moe": (4, Layout(pp=2, ep=2, moe=True, family="qwen3_moe", num_layers=4)),
     "tp2-pp2": (4, Layout(tp=2, pp=2)),
 }
 
