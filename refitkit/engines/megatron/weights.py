@@ -1,13 +1,11 @@
 """Full weights of Megatron model chunks, one at a time: tensor-parallel shards gathered, global names.
 
-What a rank yields: the weights of its own pipeline stage (every virtual chunk it holds), and of
+What a rank yields: the weights of its own pipeline stage (every virtual chunk it holds) and of
 the experts its expert-parallel rank owns, each gathered over its tensor-parallel group (the
-expert-TP group for experts). Every rank of a TP group yields the same tensors, so a receiver
-gets every weight once from one sender per (pipeline stage, expert-parallel rank) — e.g. the
-ranks with TP rank 0 and data-parallel rank 0. Experts are never gathered across
-expert-parallel ranks (``is_stream_source`` picks those senders). Names have global layer and expert numbers: Megatron's own
-(``hf_family=None``) or Hugging Face's (``hf_layouts``).
-"""
+expert-TP group for experts); experts are never gathered across expert-parallel ranks. Every rank
+of a TP group yields the same tensors, so a receiver gets every weight from one sender per
+(pipeline stage, expert-parallel rank): the ranks ``is_stream_source()`` picks. Names carry global
+layer and expert numbers: Megatron's own (``hf_family=None``) or Hugging Face's (``hf_layouts``)."""
 
 from __future__ import annotations
 
