@@ -177,13 +177,15 @@ def forward_logits(chunks: list[torch.nn.Module], layout: Layout) -> torch.Tenso
             chunk.eval()  # MoE with TP refuses to *train* without sequence parallelism; inference is fine
             first = stage == 0 and vp_stage == 0
             last = stage == layout.pp - 1 and vp_stage == len(chunks) - 1
+            # hidden states cross stages through the CPU: the test worlds run on gloo
             if not first:
-                hidden = torch.empty(hidden_shape, dtype=torch.bfloat16, device=device)
+                hidden = torch.empty(hidden_shape, dtype=torch.bfloat16)
                 torch.distributed.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-                chunk.set_input_tensor(hidden)
+                chunk.set_input_tensor(hidden.to(device))
             output = chunk(tokens, positions, causal.view(1, 1, tiny_gpt.SEQ, tiny_gpt.SEQ))
             if not last:
-                torch.distributed.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+                hidden = output.to("cpu").contiguous()
+                torch.distributed.send(hidden, dst=parallel_state.get_pipeline_model_parallel_next_rank())
     is_last_stage = stage == layout.pp - 1
     return output.float().cpu() if is_last_stage else None
 
