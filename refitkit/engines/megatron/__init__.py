@@ -14,10 +14,12 @@ from refitkit.engines.megatron.optimizer import (
     offload_megatron_copy_params,
     offload_megatron_optimizer,
 )
+from refitkit.engines.megatron.weights import is_stream_source
 
 __all__ = [
     "MegatronAdapter",
     "arena_of",
+    "is_stream_source",
     "load_megatron_copy_params",
     "load_megatron_model_to_gpu",
     "load_megatron_optimizer",

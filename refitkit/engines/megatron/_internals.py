@@ -83,16 +83,6 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def parallel_sizes(chunk: torch.nn.Module) -> dict[str, int]:
-    """The chunk's tensor / pipeline / expert parallel sizes from its ``config`` (checked: 0.16.1, 0.19.2)."""
-    config = getattr(chunk, "config", None)
-    return {
-        "tensor_model_parallel_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
-        "pipeline_model_parallel_size": int(getattr(config, "pipeline_model_parallel_size", 1) or 1),
-        "expert_model_parallel_size": int(getattr(config, "expert_model_parallel_size", 1) or 1),
-    }
-
-
 def leaf_optimizers(optimizer: object) -> list[Any]:
     """The Megatron optimizers doing the work: a ``ChainedOptimizer``'s ``chained_optimizers``, flattened.
 
@@ -154,3 +144,88 @@ def inner_optimizer(leaf: Any) -> torch.optim.Optimizer | None:
     if not isinstance(inner, torch.optim.Optimizer):
         raise InvalidInput(f"the inner optimizer of {type(leaf).__name__} is a {type(inner).__name__}, not a torch optimizer")
     return inner
+
+
+def layer_numbers(model: torch.nn.Module) -> list[int]:
+    """Global, 0-based layer numbers of a GPT model chunk's ``decoder.layers``, in order.
+
+    ``TransformerLayer.layer_number`` is 1-based and already offset by the pipeline stage and the
+    virtual-pipeline chunk (checked: 0.16.1, 0.19.2).
+    """
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        return []
+    return [int(layer.layer_number) - 1 for layer in decoder.layers]
+
+
+def expert_numbers(model: torch.nn.Module) -> dict[int, list[int]]:
+    """Per local layer index with an MoE block: the global expert number of each local expert.
+
+    ``MoELayer.local_expert_indices`` (this expert-parallel rank's slice; checked: 0.16.1, 0.19.2).
+    """
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        return {}
+    found = {}
+    for index, layer in enumerate(decoder.layers):
+        indices = getattr(layer.mlp, "local_expert_indices", None)
+        if indices is not None:
+            found[index] = [int(e) for e in indices]
+    return found
+
+
+def is_tied_output_copy(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is the last pipeline stage's copy of a tied embedding (not a weight of its own).
+
+    ``GPTModel.share_embeddings_and_output_weights`` with the embedding on another stage
+    (``pre_process`` False); checked: 0.16.1, 0.19.2.
+    """
+    return (
+        name == "output_layer.weight"
+        and bool(getattr(model, "share_embeddings_and_output_weights", False))
+        and not bool(getattr(model, "pre_process", True))
+    )
+
+
+def tensor_parallel_group(*, expert: bool) -> Any:
+    """The group a parameter's tensor-parallel shards live in: expert-TP for experts, else TP (checked: 0.16.1, 0.19.2)."""
+    from megatron.core import parallel_state
+
+    if expert:
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def partition_dim(param: torch.Tensor) -> int | None:
+    """The dim a tensor-parallel parameter is split along, or None when every TP rank holds it whole.
+
+    ``tensor_model_parallel`` and ``partition_dim`` are set by ``set_tensor_model_parallel_attributes``
+    (checked: 0.16.1, 0.19.2).
+    """
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return int(param.partition_dim)
+
+
+def attention_numbers(config: Any) -> tuple[int, int, int]:
+    """(heads, key/value groups, head size) from a ``TransformerConfig`` (checked: 0.16.1, 0.19.2)."""
+    heads = int(config.num_attention_heads)
+    groups = int(config.num_query_groups or heads)
+    head_dim = int(config.kv_channels or config.hidden_size // heads)
+    return heads, groups, head_dim
+
+
+def is_gated(config: Any) -> bool:
+    """Whether ``linear_fc1`` holds [gate; up] per TP shard (``TransformerConfig.gated_linear_unit``; checked: 0.16.1, 0.19.2)."""
+    return bool(getattr(config, "gated_linear_unit", False))
+
+
+def stream_coordinates() -> dict[str, int]:
+    """This rank's tensor, expert-tensor and expert-data parallel ranks (``parallel_state``; checked: 0.16.1, 0.19.2)."""
+    from megatron.core import parallel_state
+
+    return {
+        "tensor": parallel_state.get_tensor_model_parallel_rank(),
+        "expert_tensor": parallel_state.get_expert_tensor_parallel_rank(),
+        "expert_data": parallel_state.get_expert_data_parallel_rank(),
+    }

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from refitkit.engines.base import DeviceState, EngineAdapter, NamedTensors
-from refitkit.engines.megatron import _internals
+from refitkit.engines.megatron import hf_layouts
 from refitkit.engines.megatron._arenas import shared_arena
 from refitkit.engines.megatron.model import (
     as_chunks,
@@ -19,6 +19,7 @@ from refitkit.engines.megatron.model import (
     regrow_grads,
 )
 from refitkit.engines.megatron.optimizer import copy_param_tensors, drop_main_grads, leaves, state_tensors
+from refitkit.engines.megatron.weights import iter_full_weights
 from refitkit.errors import InvalidInput
 
 
@@ -38,8 +39,12 @@ class MegatronAdapter(EngineAdapter):
         *,
         keep_grads: bool = False,
         zero_grads: bool = False,
+        hf_family: str | None = None,
     ) -> None:
         self.chunks = as_chunks(model_chunks)
+        if hf_family is not None:
+            hf_layouts.table(hf_family)  # an unknown family fails here, not mid-stream
+        self.hf_family = hf_family
         self.optimizer = optimizer
         self._leaves = leaves(optimizer) if optimizer is not None else []
         arena = shared_arena([*self.chunks, *self._leaves])
@@ -77,21 +82,12 @@ class MegatronAdapter(EngineAdapter):
     # --- weights for inference -------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights as (name, tensor), one at a time, named as in the unwrapped GPT model.
+        """Full weights as (name, tensor), one at a time: Hugging Face names with ``hf_family``, else Megatron's.
 
-        Needs data parallelism only (tensor, pipeline and expert parallel size 1): then every
-        rank's param buffer holds the full, all-gathered params after each step.
+        Tensor-parallel shards are gathered (a collective: every rank of the model must iterate
+        to the end, in step). A rank yields its own pipeline stage's layers (numbered for the whole
+        model) and its own experts; see ``refitkit.engines.megatron.weights`` for who streams what.
         """
         if self._states["model"] is not DeviceState.ON_DEVICE:
             raise InvalidInput("MegatronAdapter.named_weights(): the model is offloaded; reload(model=True) first")
-        for index, chunk in enumerate(self.chunks):
-            sizes = _internals.parallel_sizes(chunk)
-            sharded = {knob: size for knob, size in sizes.items() if size != 1}
-            if sharded:
-                raise InvalidInput(
-                    f"MegatronAdapter.named_weights(): models[{index}] is sharded ({sharded}); gathering "
-                    "tensor/pipeline/expert-parallel weights is not supported yet, only data parallelism"
-                )
-        for chunk in self.chunks:
-            for name, param in _internals.unwrap_model(chunk).named_parameters():
-                yield name, param.detach()
+        return iter_full_weights(self.chunks, hf_family=self.hf_family)
