@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -191,21 +192,23 @@ def broadcast(group: Any, tensor: torch.Tensor) -> Any:
 
 
 def await_work(
-    work: Any, group: Any, *, deadline: float, timeout_s: float, where: str, peer: str, store: Any,
-    gave_up: Callable[[Any], None],
+    work: Any, abort_group: Callable[[], None], *, deadline: float, timeout_s: float, where: str, peer: str,
+    store: Any, gave_up: Callable[[Any], None],
 ) -> None:  # fmt: skip
     """Wait for one collective until ``deadline``, asking ``gave_up(store)`` (which raises) every ``STORE_POLL_S``.
 
     Why a poll: a collective has no wait that another condition can interrupt, and NCCL's has no
     timeout at all; on the deadline the group is aborted (NCCL: the communicator, which frees the
     stuck kernel; gloo: its pairs) and TransferTimeout names ``where`` (phase and bucket) and ``peer``.
+    The group is reached through ``abort_group`` only: a traceback that kept it alive would make its
+    owner's thread wait in its destructor (see ``close_group``).
     """
     pause = 0.0001
     next_check = time.monotonic() + STORE_POLL_S
     while not work.is_completed():
         now = time.monotonic()
         if now >= deadline:
-            abort(group)
+            abort_group()
             raise TransferTimeout(
                 f"{where}: no progress from {peer} within timeout_s={timeout_s:g}; the group was aborted "
                 "(peer dead or stuck? raise timeout_s if it is just slow)"
@@ -218,7 +221,7 @@ def await_work(
     try:
         work.wait()
     except RuntimeError as exc:  # gloo: a pair's connection closed or reset
-        abort(group)
+        abort_group()
         gave_up(store)  # a peer that reported why it left is named with its own message
         raise PeerGone(f"{where}: the connection to {peer} broke ({brief(str(exc))}); did it die?") from None
 
@@ -233,14 +236,27 @@ def abort(group: Any) -> None:
         log.debug("aborting a broadcast group failed: %s", exc)
 
 
-def close_group(group: Any, *, failed: bool) -> None:
-    """Tear a session's group down: shut down after success, abort after a failure (nothing pending may block)."""
+def close_group(holder: list[Any], *, failed: bool) -> None:
+    """Tear down the session's group held as ``holder[0]`` (the caller keeps no other reference): shut it
+    down after success; after a failure abort it and let a thread of its own drop it, because gloo's
+    destructor waits for a collective still pending (one a dead or slow peer never matched) until
+    the group's own timeout, ``timeout_s``, and the caller must not wait for that. The thread is not a
+    daemon: a process that exits meanwhile waits for it (at most ``timeout_s``), since gloo terminates
+    a process whose exit interrupts that destructor."""
+    group = holder.pop() if holder else None
     if group is None:
         return
     if failed:
         abort(group)
+        reaper = threading.Thread(target=_drop, args=([group],), name="refitkit-broadcast-reaper", daemon=False)
+        del group
+        reaper.start()
         return
     try:
         group.shutdown()
     except (RuntimeError, NotImplementedError) as exc:
         log.debug("shutting a broadcast group down failed: %s", exc)
+
+
+def _drop(holder: list[Any]) -> None:
+    holder.clear()  # the last reference: the destructor runs (and waits, bounded by the group's timeout) here

@@ -36,6 +36,10 @@ from refitkit.transfer.protocol import (
 
 log = logging.getLogger("refitkit.transfer.broadcast")
 
+# The sender decides (go, or abort naming the missing rank) within timeout_s of its offer; a receiver that
+# joined waits a little longer, so that it hears the sender's reason instead of timing out alongside it.
+GO_GRACE_S = 1.0
+
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
 
 
@@ -78,8 +82,7 @@ class BroadcastWeightReceiver:
         run = _BroadcastReceive(self, on_bucket)
         try:
             stats = run.run()
-        except BaseException as exc:
-            run.report_failure(exc)
+        except BaseException:
             if run.touched:
                 self.weights_version = WeightVersion(self.weights_version.version, run.version)
             raise
@@ -118,9 +121,12 @@ class _BroadcastReceive:
             }))  # fmt: skip
             failed = False
             return TransferStats(bytes=total, tensors=count, buckets=self.seq, seconds=time.perf_counter() - start, ack_wait_s=0.0)
+        except BaseException as exc:  # reported before the group goes, so the sender learns why, not only that
+            self.report_failure(exc)
+            raise
         finally:
-            grp.close_group(self.group, failed=failed)
-            self.group = None
+            holder, self.group = [self.group], None
+            grp.close_group(holder, failed=failed)
 
     # -- handshake --------------------------------------------------------------------------------
 
@@ -163,9 +169,10 @@ class _BroadcastReceive:
             )
         go, off = f"{self.session}/go", f"{self.session}/abort"
         grp.wait_until(
-            lambda: grp.has(self.store, go) or grp.has(self.store, off), deadline=time.monotonic() + self.timeout_s,
+            lambda: grp.has(self.store, go) or grp.has(self.store, off),
+            deadline=time.monotonic() + self.timeout_s + GO_GRACE_S,
             on_timeout=lambda: TransferTimeout(
-                f"handshake: the sender did not start session {self.session} within timeout_s={self.timeout_s:g} "
+                f"handshake: the sender did not start session {self.session} within timeout_s={self.timeout_s:g} (+{GO_GRACE_S:g} s) "
                 f"after receiver rank {self.rank} joined (another receiver missing?)"
             ),
         )  # fmt: skip
@@ -186,7 +193,7 @@ class _BroadcastReceive:
 
     def _await(self, work: Any, what: str) -> None:
         grp.await_work(
-            work, self.group, deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
+            work, lambda: grp.abort(self.group), deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
             where=f"{self.phase.value}: {what} of bucket {self.seq} of session {self.session}",
             peer="the sender (rank 0)", store=self.store, gave_up=self._sender_gave_up,
         )  # fmt: skip

@@ -205,8 +205,8 @@ class _BroadcastSend:
             self.inflight.clear()
             if self.packer is not None:
                 self.packer.detach()
-            grp.close_group(self.group, failed=failed)
-            self.group = None
+            holder, self.group = [self.group], None
+            grp.close_group(holder, failed=failed)
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -292,7 +292,7 @@ class _BroadcastSend:
                 for work in pending:
                     if not isinstance(work, torch.Tensor):
                         grp.await_work(
-                            work, self.group, deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
+                            work, lambda: grp.abort(self.group), deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
                             where=f"{self.phase.value}: bucket {self.seq - 1} of session {self.session}", peer=self.peers,
                             store=self.store, gave_up=self._receiver_failed,
                         )  # fmt: skip
