@@ -170,7 +170,7 @@ class _BroadcastSend:
         self.keys += [f"{self.session}/{kind}/{rank}" for kind in ("join", "status") for rank in range(1, self.world)]
         self.group: Any = None
         self.packer: BucketPacker | None = None
-        self.inflight: dict[int, list[Any]] = {}  # half -> [works, and the tensors they read]
+        self.inflight: dict[int, list[Any]] = {}  # half -> [bucket number, works and the tensors they read]
         self.seq = 0
         self.phase = SessionPhase.HANDSHAKE
         self.peers = f"receiver ranks 1-{self.world - 1}" if self.world > 2 else "receiver rank 1"
@@ -272,7 +272,7 @@ class _BroadcastSend:
         wire = torch.device("cpu") if self.sender.backend == "gloo" else self.sender.device
         header = torch.tensor([len(frame), used], dtype=torch.int64).to(wire)
         meta = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(wire)
-        pending: list[Any] = [header, meta]
+        pending: list[Any] = [self.seq, header, meta]  # the bucket's number, then what its works read
         pending.append(grp.broadcast(self.group, header))
         pending.append(grp.broadcast(self.group, meta))
         if used:
@@ -289,11 +289,12 @@ class _BroadcastSend:
                 pending = self.inflight.pop(half)
                 if self.inflight.get(half ^ 1) is pending:  # a wide bucket occupies both halves
                     self.inflight.pop(half ^ 1)
-                for work in pending:
+                seq = pending[0]
+                for work in pending[1:]:
                     if not isinstance(work, torch.Tensor):
                         grp.await_work(
                             work, lambda: grp.abort(self.group), deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
-                            where=f"{self.phase.value}: bucket {self.seq - 1} of session {self.session}", peer=self.peers,
+                            where=f"{self.phase.value}: bucket {seq} of session {self.session}", peer=self.peers,
                             store=self.store, gave_up=self._receiver_failed,
                         )  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Broadcast receivers for tests: long-lived spawned processes that run one ``receive()`` per command.
 
-A command is ``(rendezvous, secret, rank, mode)``; the answer is ``(error type or None, message,
+A command is ``(rendezvous, secret, rank, mode, timeout_s, device)``; the answer is ``(error type or None, message,
 seconds, digests, weights_version)`` where digests map each name to (dtype, shape, sha256). Modes:
 "ok"; "kill" (SIGKILL itself inside ``on_bucket`` of bucket 1: dies mid-broadcast); "raise"
 (``on_bucket`` raises at bucket 1). One receiver object is kept per (rendezvous, secret, rank), so
@@ -27,8 +27,8 @@ def receiver_server_main(commands: Any, answers: Any) -> None:
         command = commands.get()
         if command is None:
             return
-        rendezvous, secret, rank, mode, timeout_s = command
-        key = (rendezvous, secret, rank)
+        rendezvous, secret, rank, mode, timeout_s, device = command
+        key = (rendezvous, secret, rank, device)
         got: dict[str, Any] = {}
 
         def on_bucket(weights: list, last: bool, state: dict = {"buckets": 0}) -> None:  # noqa: B006
@@ -38,13 +38,17 @@ def receiver_server_main(commands: Any, answers: Any) -> None:
             if state["buckets"] == 2 and mode == "raise":
                 raise RuntimeError("loader refused bucket 1 (test)")
             for name, tensor in weights:
+                if tensor.device.type != device:
+                    raise RuntimeError(f"{name!r} arrived on {tensor.device}, not on {device}")
                 got[name] = digest(tensor)
 
         start = time.monotonic()
         try:
             receiver = receivers.get(key)
             if receiver is None:
-                receiver = receivers[key] = BroadcastWeightReceiver(rendezvous, secret=secret, rank=rank, timeout_s=timeout_s)
+                receiver = receivers[key] = BroadcastWeightReceiver(
+                    rendezvous, secret=secret, rank=rank, device=device, timeout_s=timeout_s
+                )
             receiver.receive(on_bucket)
             error = None, ""
         except Exception as exc:
@@ -65,8 +69,10 @@ class ReceiverProcess:
         if ready != "ready":
             raise RuntimeError(f"receiver server said {ready!r} instead of ready")
 
-    def start(self, rendezvous: str, secret: str, rank: int, mode: str = "ok", timeout_s: float = 3.0) -> None:
-        self.commands.put((rendezvous, secret, rank, mode, timeout_s))
+    def start(
+        self, rendezvous: str, secret: str, rank: int, mode: str = "ok", timeout_s: float = 3.0, device: str = "cpu"
+    ) -> None:
+        self.commands.put((rendezvous, secret, rank, mode, timeout_s, device))
 
     def result(self, timeout_s: float = 60.0) -> tuple:
         return self.answers.get(timeout=timeout_s)

@@ -272,3 +272,23 @@ def test_bad_stream_is_refused_before_the_session(world):
     with pytest.raises(InvalidInput, match="duplicate tensor name 's0'"):
         world.sender.send(stream() + [("s0", torch.zeros(1))], version=1)
     world.fresh_session_lands()
+
+
+@pytest.mark.cuda
+def test_gloo_with_cuda_tensors_on_both_sides():
+    """One GPU: the gloo path with CUDA tensors on both sides (gloo stages them through the host)."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    sender = BroadcastWeightSender(url, secret=SECRET, receivers=1, bucket_bytes=BUCKET, device="cuda", timeout_s=30.0)
+    process = ReceiverProcess()
+    try:
+        weights = [(f"{name}.w", random_tensor(dtype, (7, 13), seed).cuda()) for seed, (name, dtype) in enumerate(SUPPORTED_DTYPES.items())]
+        weights += [("wide", random_tensor(torch.float32, (48, 256), 90).cuda()), ("split", random_tensor(torch.bfloat16, (300, 257), 91).cuda())]
+        want = {name: digest(tensor) for name, tensor in weights}
+        for version, as_given in enumerate((weights, iter(weights)), 1):
+            process.start(url, SECRET, 1, "ok", 30.0, "cuda")
+            sender.send(as_given, version=version)
+            error, message, _, got, landed = process.result()
+            assert error is None, message
+            assert got == want and landed == (version, None)
+    finally:
+        assert process.close() == 0
