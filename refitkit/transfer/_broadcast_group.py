@@ -41,6 +41,7 @@ MIN_SECRET_BYTES = 16
 STORE_POLL_S = 0.02  # how often a wait for a collective asks the store whether the other side gave up
 MAX_OFFER_BYTES = 1 << 16
 BACKENDS = ("gloo", "nccl")
+NCCL_WATCHDOG_SLACK_S = 60.0
 
 
 class PeerGone(TransferTimeout):
@@ -148,6 +149,16 @@ def drop(store: Any, *keys: str) -> None:
             return
 
 
+def drop_session(store: Any, session: str, known: list[str]) -> None:
+    """Delete a finished session's keys (the group's own rendezvous keys included, found by listing), best effort."""
+    try:
+        prefix = f"{PREFIX}{session}/"
+        keys = [key[len(PREFIX):] for key in store.list_keys() if key.startswith(prefix)]
+    except (RuntimeError, OSError, AttributeError):  # a store without list_keys: the keys we know of
+        keys = known
+    drop(store, *keys)
+
+
 def wait_until(found: Callable[[], Any], *, deadline: float, on_timeout: Callable[[], Exception]) -> Any:
     """``found()``'s first truthy result, asked with a growing pause (at most ``STORE_POLL_S``) until ``deadline``."""
     pause = 0.001
@@ -172,7 +183,8 @@ def form_group(store: Any, session: str, rank: int, world: int, backend: str, ti
         if backend == "gloo":
             return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        # NCCL's own watchdog takes the process down when its timeout fires: ours (await_work) must come first.
+        options._timeout = timeout + datetime.timedelta(seconds=NCCL_WATCHDOG_SLACK_S)
         return dist.ProcessGroupNCCL(prefixed, rank, world, options)
     except (RuntimeError, OSError) as exc:
         raise TransferTimeout(

@@ -105,7 +105,7 @@ class BroadcastWeightSender:
         self.host, self.port = grp.parse_rendezvous(rendezvous)
         self._store: Any = grp.connect_store(self.host, self.port, is_master=True, timeout_s=self.timeout_s)
         self._lock = threading.Lock()
-        self._stale: list[str] = []  # the last session's keys, dropped when the next one starts
+        self._stale: tuple[str, list[str]] | None = None  # the last session and its keys, dropped when the next starts
         self.last_timings_s: dict[str, float] = {}
 
     def close(self) -> None:
@@ -145,12 +145,13 @@ class BroadcastWeightSender:
                 f"another send() held the broadcast sender for timeout_s={self.timeout_s:g}; one session at a time"
             )
         try:
-            grp.drop(self._store, *self._stale)
+            if self._stale is not None:  # kept until now: a receiver may still be reading the abort
+                grp.drop_session(self._store, *self._stale)
             run = _BroadcastSend(self, pull, listed, number)
             try:
                 return run.run()
             finally:
-                self._stale = run.keys
+                self._stale = run.session, run.keys
         finally:
             self._lock.release()
 

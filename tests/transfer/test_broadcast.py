@@ -157,6 +157,23 @@ def test_receiver_failure_reaches_sender_with_its_message(world):
     world.fresh_session_lands()
 
 
+def test_sender_generator_raising_mid_stream(world):
+    def weights():
+        yield from stream(count=8)
+        raise ValueError("the trainer's generator broke (test)")
+
+    world.start()
+    seconds, error = world.send(weights(), expect=ValueError)
+    assert seconds < BOUND_S and "generator broke" in str(error)
+    for process in world.receivers.values():
+        told = process.result()
+        assert told[0] == "TransferError" and "ValueError: the trainer's generator broke (test)" in told[1]
+        assert told[2] < TIMEOUT_S - 1.0 and told[4] == (world.landed, world.version)  # 4 buckets applied: incomplete
+    world.fresh_session_lands()
+    assert not [key for key in world.sender._store.list_keys() if key.startswith(grp.PREFIX) and "/pg/" in key
+                and not key.startswith(f"{grp.PREFIX}{world.sender._stale[0]}/")]  # fmt: skip
+
+
 def test_receiver_that_never_joins(world):
     world.start({2: "absent"})
     seconds, error = world.send(stream(), expect=TransferTimeout)
