@@ -21,7 +21,7 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError, Transfer
 from refitkit.transfer import _broadcast_group as grp
 from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver, WeightVersion
 from refitkit.transfer.broadcast_sender import BroadcastWeightSender
-from refitkit.transfer.protocol import SUPPORTED_DTYPES
+from refitkit.transfer.protocol import SUPPORTED_DTYPES, encode
 from tests.transfer.broadcast_peers import ReceiverProcess
 from tests.transfer.peers import digest
 
@@ -238,8 +238,23 @@ def test_garbage_offer_in_the_store(world):
     world.fresh_session_lands()
 
 
-@pytest.mark.parametrize("header", [[40, 0], [1 << 40, 0], [40, 1 << 40]], ids=["undecodable", "huge-meta", "huge-data"])
-def test_garbage_on_the_metadata_channel(world, header):
+HUGE_SPLIT = encode(
+    "bucket", session="garbage0session", seq=0, half=0, wide=False, last=False, nbytes=256,
+    entries=[["huge", "uint8", [1 << 60], 0, 0, 256]],  # the first piece of a 1 EiB tensor
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ([40, 0], ("undecodable frame", "frame is a msgpack")),  # 40 random bytes follow
+        ([1 << 40, 0], ("header announces",)),
+        ([40, 1 << 40], ("header announces",)),
+        ([len(HUGE_SPLIT), 256], ("refusing to allocate",)),
+    ],
+    ids=["undecodable", "huge-meta", "huge-data", "huge-split"],
+)  # fmt: skip
+def test_garbage_on_the_metadata_channel(world, header, expected):
     """A group member (here a hand-made rank 0 holding the secret) broadcasts garbage metadata."""
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
@@ -257,12 +272,14 @@ def test_garbage_on_the_metadata_channel(world, header):
     grp.put(store, f"{session}/go", grp.tag(secret, "go", session))
     group = grp.form_group(store, session, 0, 3, "gloo", TIMEOUT_S)
     works = [grp.broadcast(group, torch.tensor(header, dtype=torch.int64))]
-    if header[0] == 40:
+    if header == [40, 0]:
         works.append(grp.broadcast(group, torch.randint(0, 256, (40,), dtype=torch.uint8)))
+    if header[1] == 256:  # a well-formed frame whose split tensor could never be allocated
+        works.append(grp.broadcast(group, torch.frombuffer(bytearray(HUGE_SPLIT), dtype=torch.uint8)))
+        works.append(grp.broadcast(group, torch.zeros(256, dtype=torch.uint8)))
     for process in world.receivers.values():
         error, message, _, got, version = process.result()
         assert error == "ProtocolError", message
-        expected = ("undecodable frame", "frame is a msgpack") if header == [40, 0] else ("header announces",)
         assert any(text in message for text in expected), message
         assert got == {} and version == (None, None)
     assert time.monotonic() - start < BOUND_S
