@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import msgpack
 import torch
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import InvalidInput, ProtocolError, TransferTimeout
 from refitkit.transfer.protocol import brief
 
 log = logging.getLogger("refitkit.transfer.broadcast")

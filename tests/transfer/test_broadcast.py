@@ -9,7 +9,9 @@ receiver answers its next command), and a fresh session then lands whole on both
 
 from __future__ import annotations
 
+import datetime
 import socket
+import threading
 import time
 
 import msgpack
@@ -200,7 +202,7 @@ def test_wrong_secret_gets_nothing(world):
 def test_forged_join_is_refused_before_any_weight(world):
     """An intruder on the network reads the offer from the (unauthenticated) store and claims rank 2."""
     world.start({2: "absent"})
-    intruder = dist.TCPStore("127.0.0.1", world.port, is_master=False, timeout=__import__("datetime").timedelta(seconds=5))
+    intruder = dist.TCPStore("127.0.0.1", world.port, is_master=False, timeout=datetime.timedelta(seconds=5))
 
     def forge() -> None:
         deadline = time.monotonic() + BOUND_S
@@ -210,8 +212,6 @@ def test_forged_join_is_refused_before_any_weight(world):
             time.sleep(0.01)
         offer = msgpack.unpackb(bytes(intruder.get(grp.PREFIX + "offer"))[: -grp.TAG_BYTES])
         intruder.set(f"{grp.PREFIX}{offer['session']}/join/2", b"x" * grp.TAG_BYTES)
-
-    import threading
 
     forger = threading.Thread(target=forge)
     forger.start()
@@ -226,7 +226,7 @@ def test_forged_join_is_refused_before_any_weight(world):
 
 def test_garbage_offer_in_the_store(world):
     """Garbage where the offer goes: receivers refuse it at once instead of joining or hanging."""
-    store = dist.TCPStore("127.0.0.1", world.port, is_master=False, timeout=__import__("datetime").timedelta(seconds=5))
+    store = dist.TCPStore("127.0.0.1", world.port, is_master=False, timeout=datetime.timedelta(seconds=5))
     store.set(grp.PREFIX + "offer", b"\xc1garbage" * 8)
     start = time.monotonic()
     world.start()
