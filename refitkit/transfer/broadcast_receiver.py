@@ -1,0 +1,269 @@
+"""The engine side of a broadcast sync, and the weight version it serves (see ``broadcast_sender`` for the
+session, the rendezvous and the security model).
+
+``BroadcastWeightReceiver(rendezvous, secret=..., rank=r)`` is one engine worker (rank ``r`` in
+1..N of every session's group). ``receive(on_bucket)`` waits for the sender's next offer, proves it
+knows the secret, joins, and calls ``on_bucket(weights, is_last)`` once per bucket with views of its
+own bucket buffer (valid only during the call: copy what you keep; a tensor larger than the bucket
+arrives reassembled). Everything from the wire is checked before use: the offer's and the sender's
+signatures, the header's sizes against ``MAX_FRAME_BYTES`` and the announced bucket, and the
+metadata with ``protocol``'s own checks; a bad frame is a ``ProtocolError`` and the session ends.
+
+Weight versions: ``weights_version`` says which version the receiver's weights are. A session that
+lands whole sets ``version`` and clears ``incomplete``; one that fails after it handed out its
+first bucket leaves the weights partly updated, so ``incomplete`` holds that session's version
+(and ``clean`` is False) until a later session lands whole. A session that fails before its first
+bucket leaves the weights, and the version, as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
+from refitkit.transfer import _broadcast_group as grp
+from refitkit.transfer._receive_session import _device_memory_bytes
+from refitkit.transfer.broadcast_sender import checked_backend, checked_device
+from refitkit.transfer.phases import SessionPhase, TransferStats, checked_knobs
+from refitkit.transfer.protocol import (
+    MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_pieces, decode, entries_from_wire, expect,
+)  # fmt: skip
+
+log = logging.getLogger("refitkit.transfer.broadcast")
+
+# The sender decides (go, or abort naming the missing rank) within timeout_s of its offer; a receiver that
+# joined waits a little longer, so that it hears the sender's reason instead of timing out alongside it.
+GO_GRACE_S = 1.0
+
+OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    """Which weights a receiver holds: ``version`` of the last session that landed whole (None: none yet), and
+    ``incomplete``, the version of a session that failed part-way since then (None when the weights are clean)."""
+
+    version: int | None = None
+    incomplete: int | None = None
+
+    @property
+    def clean(self) -> bool:
+        """Whether every weight is the one of ``version`` (no failed session touched them since)."""
+        return self.incomplete is None
+
+
+class BroadcastWeightReceiver:
+    """One engine worker of a broadcast sync; one session per ``receive()``."""
+
+    def __init__(
+        self, rendezvous: str | tuple[str, int], *, secret: bytes | str, rank: int,
+        device: str | torch.device = "cpu", backend: str = "gloo", timeout_s: float = 120.0,
+    ) -> None:  # fmt: skip
+        self.timeout_s, _, _ = checked_knobs(timeout_s=timeout_s)
+        self._secret = grp.checked_secret(secret)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise InvalidInput(f"rank={rank!r}; need an int >= 1 (rank 0 is the sender; receivers are 1..receivers)")
+        self.rank = rank
+        self.device = checked_device(device)
+        self.backend = checked_backend(backend, self.device)
+        self.host, self.port = grp.parse_rendezvous(rendezvous)
+        self.weights_version = WeightVersion()
+        self.last_stats: TransferStats | None = None
+        self._last_session: str | None = None  # served (or failed): its offer is not taken twice
+
+    def receive(self, on_bucket: OnBucket) -> TransferStats:
+        """Run the sender's next session, calling ``on_bucket(weights, is_last)`` per bucket; returns after
+        this receiver posted its success (the sender returns once every receiver did)."""
+        run = _BroadcastReceive(self, on_bucket)
+        try:
+            stats = run.run()
+        except BaseException:
+            if run.touched:
+                self.weights_version = WeightVersion(self.weights_version.version, run.version)
+            raise
+        self.weights_version = WeightVersion(run.version, None)
+        self.last_stats = stats
+        return stats
+
+
+class _BroadcastReceive:
+    """One session of a receiver: the store connection, the offer, the group and the bucket buffer."""
+
+    def __init__(self, receiver: BroadcastWeightReceiver, on_bucket: OnBucket) -> None:
+        self.receiver, self.on_bucket = receiver, on_bucket
+        self.secret, self.timeout_s, self.rank = receiver._secret, receiver.timeout_s, receiver.rank
+        self.store: Any = None
+        self.group: Any = None
+        self.session: str | None = None
+        self.version: int | None = None
+        self.touched = False  # on_bucket was called: the engine's weights may be partly updated
+        self.phase = SessionPhase.HANDSHAKE
+        self.seq = 0
+
+    def run(self) -> TransferStats:
+        start = time.perf_counter()
+        failed = True
+        self.store = grp.connect_store(self.receiver.host, self.receiver.port, is_master=False, timeout_s=self.timeout_s)
+        try:
+            offer = self._take_offer()
+            self._join(offer)
+            self.group = grp.form_group(self.store, offer["session"], self.rank, offer["world"], self.receiver.backend, self.timeout_s)
+            self.phase = SessionPhase.STREAMING
+            total, count = self._stream(offer["half_bytes"])
+            self.phase = SessionPhase.RELEASED
+            grp.put(self.store, f"{self.session}/status/{self.rank}", grp.sign(self.secret, "status", {
+                "session": self.session, "ok": True, "message": None,
+            }))  # fmt: skip
+            failed = False
+            return TransferStats(bytes=total, tensors=count, buckets=self.seq, seconds=time.perf_counter() - start, ack_wait_s=0.0)
+        except BaseException as exc:  # reported before the group goes, so the sender learns why, not only that
+            self.report_failure(exc)
+            raise
+        finally:
+            holder, self.group = [self.group], None
+            grp.close_group(holder, failed=failed)
+
+    # -- handshake --------------------------------------------------------------------------------
+
+    def _take_offer(self) -> dict[str, Any]:
+        """The sender's next offer (not one this receiver already served), signature and fields checked."""
+
+        def fresh() -> dict[str, Any] | None:
+            if not grp.has(self.store, "offer"):
+                return None
+            raw = grp.get(self.store, "offer")
+            if len(raw) > grp.MAX_OFFER_BYTES:
+                raise ProtocolError(f"handshake: the offer is {len(raw)} bytes, more than {grp.MAX_OFFER_BYTES}")
+            offer = grp.open_signed(self.secret, "offer", raw, "handshake: the sender's offer")
+            return None if offer.get("session") == self.receiver._last_session else offer
+
+        offer = grp.wait_until(fresh, deadline=time.monotonic() + self.timeout_s, on_timeout=lambda: TransferTimeout(
+            f"handshake: no new session offered at tcp://{self.receiver.host}:{self.receiver.port} within "
+            f"timeout_s={self.timeout_s:g} (receiver rank {self.rank}); is the sender calling send()?"
+        ))  # fmt: skip
+        session, version, world, half = (offer.get(key) for key in ("session", "version", "world", "half_bytes"))
+        if not (
+            type(session) is str and session and type(version) is int and type(world) is int and type(half) is int
+            and 0 < half <= MAX_FRAME_BYTES << 10 and offer.get("backend") == self.receiver.backend
+            and type(offer.get("nonce")) is bytes
+        ):  # fmt: skip
+            raise ProtocolError(f"handshake: malformed offer {brief(offer)} (or backend other than {self.receiver.backend!r})")
+        if not 1 <= self.rank < world:
+            raise InvalidInput(f"receiver rank {self.rank} is not in the sender's group of {world} (ranks 1..{world - 1})")
+        self.session, self.version = session, version
+        self.receiver._last_session = session
+        return offer
+
+    def _join(self, offer: dict[str, Any]) -> None:
+        key = f"{grp.PREFIX}{self.session}/join/{self.rank}"
+        mine = grp.tag(self.secret, "join", self.session, offer["nonce"], self.rank)
+        if bytes(self.store.compare_set(key, "", mine)) != mine:
+            raise TransferError(
+                f"handshake: rank {self.rank} already joined session {self.session}: two receivers with one rank? "
+                "(each engine worker needs its own rank in 1..receivers)"
+            )
+        go, off = f"{self.session}/go", f"{self.session}/abort"
+        grp.wait_until(
+            lambda: grp.has(self.store, go) or grp.has(self.store, off),
+            deadline=time.monotonic() + self.timeout_s + GO_GRACE_S,
+            on_timeout=lambda: TransferTimeout(
+                f"handshake: the sender did not start session {self.session} within timeout_s={self.timeout_s:g} (+{GO_GRACE_S:g} s) "
+                f"after receiver rank {self.rank} joined (another receiver missing?)"
+            ),
+        )  # fmt: skip
+        self._sender_gave_up(self.store)
+        if not grp.hmac.compare_digest(grp.get(self.store, go), grp.tag(self.secret, "go", self.session)):
+            raise ProtocolError(f"handshake: session {self.session}'s go failed the secret check")
+
+    def _sender_gave_up(self, store: Any) -> None:
+        if grp.has(store, f"{self.session}/abort"):
+            fields = grp.open_signed(self.secret, "abort", grp.get(store, f"{self.session}/abort"), "the sender's abort")
+            reason = str(fields.get("reason"))
+            raise TransferError(
+                f"{self.phase.value}: the sender called session {self.session} (version {self.version}) off at bucket "
+                f"{self.seq}: {reason}", remote_message=reason,
+            )  # fmt: skip
+
+    # -- streaming --------------------------------------------------------------------------------
+
+    def _await(self, work: Any, what: str) -> None:
+        grp.await_work(
+            work, lambda: grp.abort(self.group), deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
+            where=f"{self.phase.value}: {what} of bucket {self.seq} of session {self.session}",
+            peer="the sender (rank 0)", store=self.store, gave_up=self._sender_gave_up,
+        )  # fmt: skip
+
+    def _stream(self, half_bytes: int) -> tuple[int, int]:
+        device = self.receiver.device
+        wire = torch.device("cpu") if self.receiver.backend == "gloo" else device
+        buffer = torch.empty(2 * half_bytes, dtype=torch.uint8, device=device)
+        progress: SplitProgress | None = None
+        split: torch.Tensor | None = None  # the split tensor being reassembled
+        total = count = 0
+        while True:
+            header = torch.zeros(2, dtype=torch.int64, device=wire)
+            self._await(grp.broadcast(self.group, header), "the header")
+            meta_bytes, data_bytes = (int(value) for value in header.tolist())
+            if not (0 < meta_bytes <= MAX_FRAME_BYTES and 0 <= data_bytes <= buffer.numel()):
+                raise ProtocolError(
+                    f"streaming: bucket {self.seq}'s header announces {meta_bytes} metadata bytes and {data_bytes} data "
+                    f"bytes; at most {MAX_FRAME_BYTES} and the bucket's {buffer.numel()}"
+                )
+            meta = torch.empty(meta_bytes, dtype=torch.uint8, device=wire)
+            self._await(grp.broadcast(self.group, meta), "the metadata")
+            frame = expect(decode(meta.cpu().numpy().tobytes()), "bucket", session=self.session)
+            _, _, last = bucket_fields(frame, self.seq)
+            if frame.get("nbytes") != data_bytes:
+                raise ProtocolError(f"streaming: bucket {self.seq} says {brief(frame.get('nbytes'))} bytes, its header {data_bytes}")
+            entries = entries_from_wire(frame.get("entries"), capacity=data_bytes)
+            progress = check_split_pieces(entries, progress, last=last)
+            if data_bytes:
+                self._await(grp.broadcast(self.group, buffer[:data_bytes]), "the bytes")
+            weights: list[tuple[str, torch.Tensor]] = []
+            for entry in entries:
+                piece = buffer[entry.offset : entry.offset + entry.nbytes]
+                if entry.whole:
+                    weights.append((entry.name, piece.view(entry.dtype).view(entry.shape)))
+                    continue
+                if entry.start == 0:
+                    if entry.total > _device_memory_bytes(device):
+                        raise ProtocolError(
+                            f"streaming: {entry.name!r} is announced as {entry.total} bytes, more than the "
+                            f"{_device_memory_bytes(device)} bytes of memory of {device}; refusing to allocate it"
+                        )
+                    split = torch.empty(entry.total, dtype=torch.uint8, device=device)
+                if split is None:
+                    raise ProtocolError(f"streaming: {entry.name!r} continues a split tensor that never started")
+                split[entry.start : entry.start + entry.nbytes].copy_(piece)
+                if entry.completes:
+                    weights.append((entry.name, split.view(entry.dtype).view(entry.shape)))
+                    split = None
+            self.touched = True
+            self.on_bucket(weights, last)
+            count += len(weights)
+            total += sum(tensor.nbytes for _, tensor in weights)
+            del weights
+            self.seq += 1
+            if last:
+                return total, count
+
+    # -- failure ----------------------------------------------------------------------------------
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Post this receiver's failure (signed, so that the sender stops at once), best effort."""
+        if self.store is None or self.session is None:
+            return
+        try:
+            message = f"{type(exc).__name__}: {exc}"[:4000]
+            grp.put(self.store, f"{self.session}/status/{self.rank}", grp.sign(self.secret, "status", {
+                "session": self.session, "ok": False, "message": message,
+            }))  # fmt: skip
+            self.store.add(f"{grp.PREFIX}{self.session}/failures", 1)
+        except (RuntimeError, OSError) as late:
+            log.warning("receiver rank %d could not report its failure of session %s: %s", self.rank, self.session, late)

@@ -1,0 +1,87 @@
+"""Broadcast receivers for tests: long-lived spawned processes that run one ``receive()`` per command.
+
+A command is ``(rendezvous, secret, rank, mode, timeout_s, device)``; the answer is ``(error type or None, message,
+seconds, digests, weights_version)`` where digests map each name to (dtype, shape, sha256). Modes:
+"ok"; "kill" (SIGKILL itself inside ``on_bucket`` of bucket 1: dies mid-broadcast); "raise"
+(``on_bucket`` raises at bucket 1). One receiver object is kept per (rendezvous, secret, rank), so
+its weight version carries over from one command to the next, as in an engine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any
+
+from tests.transfer.peers import digest
+
+
+def receiver_server_main(commands: Any, answers: Any) -> None:
+    from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
+
+    receivers: dict[tuple, BroadcastWeightReceiver] = {}
+    answers.put("ready")  # torch is imported: sessions are timed from here on
+    while True:
+        command = commands.get()
+        if command is None:
+            return
+        rendezvous, secret, rank, mode, timeout_s, device = command
+        key = (rendezvous, secret, rank, device)
+        got: dict[str, Any] = {}
+
+        def on_bucket(weights: list, last: bool, state: dict = {"buckets": 0}) -> None:  # noqa: B006
+            state["buckets"] += 1
+            if state["buckets"] == 2 and mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state["buckets"] == 2 and mode == "raise":
+                raise RuntimeError("loader refused bucket 1 (test)")
+            for name, tensor in weights:
+                if tensor.device.type != device:
+                    raise RuntimeError(f"{name!r} arrived on {tensor.device}, not on {device}")
+                got[name] = digest(tensor)
+
+        start = time.monotonic()
+        try:
+            receiver = receivers.get(key)
+            if receiver is None:
+                receiver = receivers[key] = BroadcastWeightReceiver(
+                    rendezvous, secret=secret, rank=rank, device=device, timeout_s=timeout_s
+                )
+            receiver.receive(on_bucket)
+            error = None, ""
+        except Exception as exc:
+            error = type(exc).__name__, str(exc)
+        version = receivers[key].weights_version if key in receivers else None
+        answers.put((*error, time.monotonic() - start, got, None if version is None else (version.version, version.incomplete)))
+
+
+class ReceiverProcess:
+    """One spawned receiver server; ``start`` returns at once, ``result`` waits (bounded) for the outcome."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.commands, self.answers = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=receiver_server_main, args=(self.commands, self.answers), daemon=True)
+        self.process.start()
+        ready = self.answers.get(timeout=120)  # a spawn imports torch: slow on a loaded box, once
+        if ready != "ready":
+            raise RuntimeError(f"receiver server said {ready!r} instead of ready")
+
+    def start(
+        self, rendezvous: str, secret: str, rank: int, mode: str = "ok", timeout_s: float = 3.0, device: str = "cpu"
+    ) -> None:
+        self.commands.put((rendezvous, secret, rank, mode, timeout_s, device))
+
+    def result(self, timeout_s: float = 60.0) -> tuple:
+        return self.answers.get(timeout=timeout_s)
+
+    def close(self) -> int | None:
+        if self.process.is_alive():
+            self.commands.put(None)
+        self.process.join(30)
+        if self.process.is_alive():  # only this test's own child, by its pid
+            self.process.kill()
+            self.process.join(10)
+        return self.process.exitcode
