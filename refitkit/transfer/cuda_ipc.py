@@ -208,18 +208,21 @@ class CudaIpcMapping:
             _check(lib, result, "cuIpcOpenMemHandle")
             # The size is the driver's, not the wire's: a view beyond the allocation would read another one.
             # (At least as large: the driver may round the allocation up; the sender already rounds to pages.)
-            base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            _check(lib, lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer.value), "cuMemGetAddressRange")
-            if base.value != pointer.value or size.value < nbytes:
-                lib.cuIpcCloseMemHandle(pointer.value)
-                raise ProtocolError(
-                    f"cuda_ipc handle announces {nbytes} bytes; the mapped allocation has {size.value} "
-                    f"(at offset {pointer.value - base.value})"
-                )
+            try:
+                base, size = ctypes.c_uint64(), ctypes.c_size_t()
+                _check(lib, lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer.value), "cuMemGetAddressRange")
+                if base.value != pointer.value or size.value < nbytes:
+                    raise ProtocolError(
+                        f"cuda_ipc handle announces {nbytes} bytes; the mapped allocation has {size.value} "
+                        f"(at offset {pointer.value - base.value})"
+                    )
+                self.tensor: torch.Tensor | None
+                self.tensor, self._closed = _wrap(pointer.value, nbytes, self.device, functools.partial(_close, self.device, pointer.value))
+            except BaseException:
+                lib.cuIpcCloseMemHandle(pointer.value)  # opened but never handed out: close it here, or it stays mapped
+                raise
         finally:
             torch.cuda.set_device(previous)
-        self.tensor: torch.Tensor | None
-        self.tensor, self._closed = _wrap(pointer.value, nbytes, self.device, functools.partial(_close, self.device, pointer.value))
 
     def bucket(self, offset: int, used_bytes: int) -> torch.Tensor:
         """The used bytes of one half, read in place from the sender's GPU memory."""
