@@ -21,8 +21,8 @@ from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import connect_receiver
 from refitkit.transfer.phases import SessionPhase, TransferStats
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_pieces, contiguous_strides, decode,
-    encode, entries_from_wire, expect, recv_frame, setup_fields,
+    ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits, check_split_pieces,
+    contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame, setup_fields,
 )  # fmt: skip
 
 from typing import TYPE_CHECKING
@@ -227,11 +227,8 @@ class _ReceiveSession:
             raise ProtocolError("bucket with tensors in a session without a bucket buffer")
         check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
         for entry in entries:
-            if entry.start == 0 and not entry.whole and entry.total > _device_memory_bytes(self.device):
-                raise ProtocolError(
-                    f"{entry.name!r}: split tensor of {entry.total} bytes {entry.shape} is larger than the "
-                    f"{_device_memory_bytes(self.device)} bytes of memory of {self.device}; refusing to allocate it"
-                )
+            if entry.start == 0 and not entry.whole:
+                check_split_fits(entry, self.device)
 
     def _unpack(self, entries: list[Entry], bucket_offset: int) -> list[tuple[str, torch.Tensor]]:
         """Views of the bucket for whole tensors; split ones are copied into place (and handed out once complete)."""
@@ -410,10 +407,3 @@ class _ReceiveSession:
         if len(parts) != 1:
             raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.receiver.endpoint!r}")
         return decode(parts[0])
-
-
-def _device_memory_bytes(device: torch.device) -> int:
-    """All the memory of ``device``: no tensor from the wire larger than this can be reassembled there."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

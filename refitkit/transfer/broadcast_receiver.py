@@ -28,11 +28,11 @@ import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import _broadcast_group as grp
-from refitkit.transfer._receive_session import _device_memory_bytes
-from refitkit.transfer.broadcast_sender import checked_backend, checked_device
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_knobs
+from refitkit.transfer.broadcast_sender import checked_backend
+from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
-    MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_pieces, decode, entries_from_wire, expect,
+    MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_fits, check_split_pieces, decode, entries_from_wire,
+    expect,
 )  # fmt: skip
 
 log = logging.getLogger("refitkit.transfer.broadcast")
@@ -232,11 +232,7 @@ class _BroadcastReceive:
                     weights.append((entry.name, piece.view(entry.dtype).view(entry.shape)))
                     continue
                 if entry.start == 0:
-                    if entry.total > _device_memory_bytes(device):
-                        raise ProtocolError(
-                            f"streaming: {entry.name!r} is announced as {entry.total} bytes, more than the "
-                            f"{_device_memory_bytes(device)} bytes of memory of {device}; refusing to allocate it"
-                        )
+                    check_split_fits(entry, device)
                     split = torch.empty(entry.total, dtype=torch.uint8, device=device)
                 if split is None:
                     raise ProtocolError(f"streaming: {entry.name!r} continues a split tensor that never started")

@@ -46,7 +46,7 @@ import torch
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import _broadcast_group as grp
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_knobs
+from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import ALIGN_BYTES, encode
 
 log = logging.getLogger("refitkit.transfer.broadcast")
@@ -72,18 +72,6 @@ def checked_backend(backend: object, device: torch.device) -> str:
     if backend == "nccl" and device.type != "cuda":
         raise InvalidInput(f"backend='nccl' needs device='cuda' (got {device}); use backend='gloo' on the CPU")
     return backend  # type: ignore[return-value]
-
-
-def checked_device(device: object) -> torch.device:
-    try:
-        checked = torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInput(f"device={device!r} is not a device ({exc}); use cpu or cuda") from None
-    if checked.type not in ("cpu", "cuda"):
-        raise InvalidInput(f"device={device!r}; use cpu or cuda")
-    if checked.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInput(f"device={device!r}, but this process sees no CUDA device; use device='cpu'")
-    return checked
 
 
 class BroadcastWeightSender:

@@ -7,6 +7,8 @@ import enum
 import operator
 from dataclasses import dataclass
 
+import torch
+
 from refitkit._knobs import MAX_TIMEOUT_S, checked_seconds  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
 from refitkit.errors import InvalidInput, TransferError
 
@@ -112,3 +114,16 @@ class TransferStats:
         if self.bytes == 0 or self.seconds <= 0.0:
             return 0.0
         return self.bytes / self.seconds / 1e9
+
+
+def checked_device(device: object) -> torch.device:
+    """``device`` as a torch.device of a kind this process has (cpu, or cuda with CUDA present); else InvalidInput."""
+    try:
+        checked = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInput(f"device={device!r} is not a device ({exc}); use cpu or cuda") from None
+    if checked.type not in ("cpu", "cuda"):
+        raise InvalidInput(f"device={device!r}; use cpu or cuda")
+    if checked.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInput(f"device={device!r}, but this process sees no CUDA device; use device='cpu'")
+    return checked

@@ -38,6 +38,7 @@ Kinds and their fields (R = receiver, S = sender):
 from __future__ import annotations
 
 import functools
+import os
 import reprlib
 import time
 from collections.abc import Sequence
@@ -292,3 +293,21 @@ def timeout_error(phase: SessionPhase, waiting_for: str, peer: str, timeout_s: f
         f"{phase.value}: no {waiting_for} from {peer} within timeout_s={timeout_s:g} "
         f"(peer dead or stuck? raise timeout_s if it is just slow)"
     )
+
+
+def check_split_fits(entry: Entry, device: torch.device) -> None:
+    """ProtocolError unless a split tensor's announced total could be reassembled on ``device`` at all
+    (checked at its first piece, before anything is allocated for it)."""
+    limit = _device_memory_bytes(device)
+    if entry.total > limit:
+        raise ProtocolError(
+            f"{entry.name!r}: split tensor of {entry.total} bytes {entry.shape} is larger than the "
+            f"{limit} bytes of memory of {device}; refusing to allocate it"
+        )
+
+
+def _device_memory_bytes(device: torch.device) -> int:
+    """All the memory of ``device``: no tensor from the wire larger than this can be reassembled there."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -37,7 +37,7 @@ import torch
 from refitkit.errors import InvalidInput, TransferError
 from refitkit.transfer._receive_session import _ReceiveSession
 from refitkit.transfer.endpoint import socket_path
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_knobs
+from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import brief
 
 
@@ -49,14 +49,7 @@ class BucketedWeightReceiver:
 
     def __init__(self, endpoint: str, device: str | torch.device, timeout_s: float = 120.0) -> None:
         self.timeout_s, _, _ = checked_knobs(timeout_s=timeout_s)
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise InvalidInput(f"device={device!r} is not a device ({exc}); the receiver supports cpu and cuda") from None
-        if self.device.type not in ("cpu", "cuda"):
-            raise InvalidInput(f"device={device!r}; the receiver supports cpu and cuda")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidInput(f"device={device!r}, but this process sees no CUDA device; use device='cpu'")
+        self.device = checked_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.endpoint = endpoint
