@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.engines.torchtitan.ranks import _force_sum_reduction, _use_cpu
+from tests.engines.torchtitan.ranks import _force_sum_reduction, _use_cpu, meta_model, parallelize_on_cpu
 from tests.helpers.bits import bits_equal
 
 SEQ_LEN = 16
@@ -27,10 +27,6 @@ def build(flavour: str, world_size: int, *, tp: int, n_layers: int = 2, seed: in
     CPU adjustments as in ranks.build: device_type "cpu", partial_dtensor backend, causal SDPA
     instead of flex attention, plain sum reduction for FSDP comms on gloo.
     """
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
     _use_cpu()
     config = _trainer_config(flavour)
     config.parallelism.spmd_backend = "partial_dtensor"
@@ -41,30 +37,9 @@ def build(flavour: str, world_size: int, *, tp: int, n_layers: int = 2, seed: in
     config.training.mixed_precision_param = "float32"  # compare logits without bf16 rounding
     config.activation_checkpoint = None
     config.compile.enable = False
-    model_config = config.model_spec.model
-    model_config.layers = model_config.layers[:n_layers]
-    for layer in model_config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    dist_utils.set_spmd_backend("partial_dtensor")
-    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-    model_config.update_from_config(config=config)
-    with torch.device("meta"):
-        model = model_config.build()
-    model = config.model_spec.parallelize_fn(
-        model,
-        parallel_dims=parallel_dims,
-        training=config.training,
-        parallelism=config.parallelism,
-        compile_config=config.compile,
-        ac_config=None,
-        dump_folder="/tmp",
-    )
-    _force_sum_reduction(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-        # non-trivial norms, so a swapped norm weight would show
+    model, model_config, parallel_dims = meta_model(config, world_size, n_layers=n_layers)
+    model = parallelize_on_cpu(config, model, parallel_dims, seed=seed)
+    with torch.no_grad():  # non-trivial norms, so a swapped norm weight would show
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.mul_(1.5)
@@ -157,9 +132,6 @@ def hf_names_match_transformers(rank: int, world_size: int, flavour: str, tp: in
 def build_pipeline(flavour: str, world_size: int, *, pp: int, n_layers: int = 2, seed: int = 0):
     """torchtitan's debug model split by its own ``pipeline_llm``: one layer a stage, so with
     ``Interleaved1F1B`` each pipeline rank holds several stages; the rest of the world is FSDP2."""
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common.attention import ScaledDotProductAttention
 
     _use_cpu()
     config = _trainer_config(flavour)
@@ -173,15 +145,7 @@ def build_pipeline(flavour: str, world_size: int, *, pp: int, n_layers: int = 2,
     config.training.mixed_precision_param = "float32"
     config.activation_checkpoint = None
     config.compile.enable = False
-    model_config = config.model_spec.model
-    model_config.layers = model_config.layers[:n_layers]
-    for layer in model_config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    dist_utils.set_spmd_backend("partial_dtensor")
-    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-    model_config.update_from_config(config=config)
-    with torch.device("meta"):
-        model = model_config.build()
+    model, model_config, parallel_dims = meta_model(config, world_size, n_layers=n_layers)
     loss_fn = config.loss.build(compile_config=config.compile)
     _, model_parts, _, _ = config.model_spec.pipelining_fn(
         model,

@@ -19,9 +19,6 @@ def build(world_size: int, *, n_layers: int = 2, seed: int = 0) -> tuple[nn.Modu
     sum reduction (gloo has no PREMUL_SUM); the for-loop AdamW (fused is CUDA-only).
     """
     from torchtitan.components.optimizer import default_adamw
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3.config_registry import llama3_debugmodel_ce_loss
 
     _use_cpu()
@@ -33,22 +30,44 @@ def build(world_size: int, *, n_layers: int = 2, seed: int = 0) -> tuple[nn.Modu
     config.activation_checkpoint = None
     config.optimizer = default_adamw(lr=1e-3, foreach=False)
     config.optimizer.implementation = "for-loop"
-    model_config = config.model_spec.model
+    model, _, parallel_dims = meta_model(config, world_size, n_layers=n_layers)
+    model = parallelize_on_cpu(config, model, parallel_dims, seed=seed)
+    model.train()
+    model_parts = [model]
+    optimizers = config.optimizer.build(model_parts=model_parts)
+    loss_fn = config.loss.build(compile_config=config.compile)
+    return model_parts, optimizers, loss_fn
+
+
+def meta_model(config: object, world_size: int, *, n_layers: int) -> tuple[nn.Module, object, object]:
+    """The model of a torchtitan trainer ``config`` on the meta device (its first ``n_layers``, causal SDPA
+    instead of flex attention), its model config, and the ParallelDims its parallelism gives."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    model_config = config.model_spec.model  # type: ignore[attr-defined]
     model_config.layers = model_config.layers[:n_layers]
     for layer in model_config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     dist_utils.set_spmd_backend("partial_dtensor")
-    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)  # type: ignore[attr-defined]
     model_config.update_from_config(config=config)
     with torch.device("meta"):
         model = model_config.build()
-    model = config.model_spec.parallelize_fn(
+    return model, model_config, parallel_dims
+
+
+def parallelize_on_cpu(config: object, model: nn.Module, parallel_dims: object, *, seed: int) -> nn.Module:
+    """``config``'s parallelize_fn as its trainer runs it, FSDP comms summed (gloo), weights made on the CPU."""
+    spec = config.model_spec  # type: ignore[attr-defined]
+    model = spec.parallelize_fn(
         model,
         parallel_dims=parallel_dims,
-        training=config.training,
-        parallelism=config.parallelism,
-        compile_config=config.compile,
-        ac_config=config.activation_checkpoint,
+        training=config.training,  # type: ignore[attr-defined]
+        parallelism=config.parallelism,  # type: ignore[attr-defined]
+        compile_config=config.compile,  # type: ignore[attr-defined]
+        ac_config=None,
         dump_folder="/tmp",
     )
     _force_sum_reduction(model)
@@ -56,11 +75,7 @@ def build(world_size: int, *, n_layers: int = 2, seed: int = 0) -> tuple[nn.Modu
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    model.train()
-    model_parts = [model]
-    optimizers = config.optimizer.build(model_parts=model_parts)
-    loss_fn = config.loss.build(compile_config=config.compile)
-    return model_parts, optimizers, loss_fn
+    return model
 
 
 def _use_cpu() -> None:
