@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tests.helpers.bits import bits_equal
+from tests.helpers.streams import stream_twice
 
 SEQ = 8
 
@@ -114,7 +115,6 @@ def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str)
     from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
 
     from refitkit.engines.automodel import AutomodelAdapter
-    from refitkit.watchdog import CycleAudit
 
     config = tiny_config() if kind == "moe" else tiny_llama_config()
     model = automodel_moe(config) if kind == "moe" else automodel_llama(config)
@@ -124,14 +124,7 @@ def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str)
     mesh_context = MeshContext.build(FSDP2Config(mp_policy=policy), ParallelismSizes(), world_size=world_size)
     model = parallelize_model(model, mesh_context)
     adapter = AutomodelAdapter([model])
-    streamed = {}
-    for name, tensor in adapter.named_weights():
-        if name in streamed:
-            raise AssertionError(f"{name} streamed twice")
-        streamed[name] = tensor.clone()
-    with CycleAudit() as audit:
-        for _ in adapter.named_weights():
-            pass
+    streamed, cycles = stream_twice(adapter)
     tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         native_logits = model(tokens)
@@ -166,7 +159,7 @@ def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str)
         "experts": sum(".mlp.experts." in n for n in streamed),
         "max_logit_diff": (native_logits.float() - hf_logits.float()).abs().max().item(),
         "logit_scale": hf_logits.abs().max().item(),
-        "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
+        "cyclic": (cycles.cyclic_objects, dict(cycles.by_type)),
         "placements": placements,
         "has_converter": adapter._to_hf is not None,
     }

@@ -7,6 +7,7 @@ from torch import nn
 
 from tests.engines.torchtitan.ranks import _force_sum_reduction, _use_cpu, meta_model, parallelize_on_cpu
 from tests.helpers.bits import bits_equal
+from tests.helpers.streams import stream_twice
 
 SEQ_LEN = 16
 
@@ -93,18 +94,10 @@ def hf_names_match_transformers(rank: int, world_size: int, flavour: str, tp: in
     from torch.distributed.tensor import DTensor
 
     from refitkit.engines.torchtitan import TorchTitanAdapter
-    from refitkit.watchdog import CycleAudit
 
     model, sd_adapter, model_config = build(flavour, world_size, tp=tp)
     adapter = TorchTitanAdapter([model], state_dict_adapter=sd_adapter)
-    streamed = {}
-    for name, tensor in adapter.named_weights():
-        if name in streamed:
-            raise AssertionError(f"{name} streamed twice")
-        streamed[name] = tensor.clone()
-    with CycleAudit() as audit:
-        for _ in adapter.named_weights():
-            pass
+    streamed, cycles = stream_twice(adapter)
     reference = hf_model(flavour, model_config)
     result = reference.load_state_dict(streamed, strict=False)
     hf_state = reference.state_dict()
@@ -124,7 +117,7 @@ def hf_names_match_transformers(rank: int, world_size: int, flavour: str, tp: in
         "tied": reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr(),
         "max_logit_diff": (titan_logits.float() - hf_logits.float()).abs().max().item(),
         "logit_scale": hf_logits.abs().max().item(),
-        "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
+        "cyclic": (cycles.cyclic_objects, dict(cycles.by_type)),
         "placements": placements,
     }
 
