@@ -59,23 +59,27 @@ def run(args: argparse.Namespace) -> dict:
 
     streaming = is_stream_source()
     rows = []
-    for round_index in range(args.rounds):
-        torch.distributed.barrier()
-        if not streaming:
-            for _ in adapter.named_weights():  # the gathers are collectives: every rank iterates
-                pass
-            continue
-        endpoint = f"megatron-stream-{os.getpid()}-{round_index}"
+    endpoint = f"megatron-stream-{os.getpid()}"
+    receiver = None
+    if streaming:
+        # one receiver for every round, started before the first: round 0 pays its start, later rounds only the stream
         with BucketedWeightSender(endpoint, bucket_bytes=args.bucket_mib << 20, transport="cuda_ipc", timeout_s=300.0) as sender:
             receiver = subprocess.Popen(
-                [sys.executable, "-m", "tests.engines.megatron.stream_receiver", endpoint, "-", "300"],
+                [sys.executable, "-m", "tests.engines.megatron.stream_receiver", endpoint, "-", "300", str(args.rounds)],
                 env=child_env(CUDA_VISIBLE_DEVICES=str(torch.cuda.current_device())),
             )
             try:
-                stats = sender.send(adapter.named_weights())
+                for round_index in range(args.rounds):
+                    torch.distributed.barrier()
+                    stats = sender.send(adapter.named_weights())
+                    rows.append({"round": round_index, "bytes": stats.bytes, "seconds": stats.seconds, "gbps": stats.gbps})
             finally:
                 receiver.wait(timeout=300)
-        rows.append({"round": round_index, "bytes": stats.bytes, "seconds": stats.seconds, "gbps": stats.gbps})
+    else:
+        for _ in range(args.rounds):
+            torch.distributed.barrier()
+            for _ in adapter.named_weights():  # the gathers are collectives: every rank iterates
+                pass
     limits = measure_copy_limits(min(pass_bytes, 1 << 30), repeats=5)
     steady = rows[1:] or rows
     stream_gbps = sum(r["bytes"] for r in steady) / sum(r["seconds"] for r in steady) / 1e9 if steady else 0.0
