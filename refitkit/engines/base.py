@@ -22,6 +22,7 @@ from refitkit.errors import InvalidInput
 from refitkit.offload import (
     HostArena,
     MoveStats,
+    Reservation,
     offload_tensors,
     reload_grads,
     reload_tensors,
@@ -199,6 +200,21 @@ class EngineAdapter(abc.ABC):
         return PartBytes(device_bytes=device_bytes, host_bytes=host_bytes)
 
     # --- transitions -----------------------------------------------------------------------
+
+    def prepare(self, *, keep_grads: bool | None = None) -> Reservation:
+        """Size the arena for every part and allocate and pin it in a background thread; returns at once.
+
+        Call it once the storages have their training sizes (e.g. right after the first optimizer
+        step, when the optimizer state exists) and let training run: the first ``offload()`` then
+        waits only for what is not pinned yet (at most the arena's ``reserve_wait_s``), and raises
+        the thread's error if it failed (the arena stays usable). Grads are sized when they will be
+        kept. Storages that appear later get their slots at offload, as without ``prepare()``.
+        """
+        keep = self.keep_grads if keep_grads is None else keep_grads
+        if not isinstance(keep, bool):
+            raise InvalidInput(f"{type(self).__name__}.prepare(): keep_grads= must be a bool, got {keep!r}")
+        named = self._model_tensors() + self._optimizer_tensors() + (self._grads_to_keep() if keep else [])
+        return self.arena.reserve(list(_unique_storages(named)), background=True)
 
     def offload(
         self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
