@@ -6,6 +6,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from refitkit._knobs import checked_seconds
@@ -39,6 +40,8 @@ class Reservation:
         self._arena = arena
         self._fresh = fresh  # (storage key, weak ref, offset, bytes)
         self._handed = handed  # (storage key, weak ref, dead slot's key): reused without allocating
+        # the caller's current device: cudaHostRegister in the thread must run in the same context
+        self._device_index = torch.cuda.current_device() if arena.pinned else None
         self._chunk_index: int | None = None
         self._error: BaseException | None = None
         self._finished = threading.Event()
@@ -58,6 +61,8 @@ class Reservation:
     def _allocate(self) -> None:
         start = time.perf_counter()
         try:
+            if self._device_index is not None:
+                torch.cuda.set_device(self._device_index)  # per thread: a new thread starts on device 0
             if self._fresh:
                 chunk = self._arena._allocate(self.nbytes, len(self._fresh))
                 self._chunk_index = self._arena._append_chunk(chunk)
