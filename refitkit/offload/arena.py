@@ -22,8 +22,6 @@ ALIGNMENT_BYTES = 256  # copy engines like aligned starts; costs < 256 B a stora
 RESERVE_WAIT_S = 600.0  # default bound of an offload's wait for a background reservation (pinning ~0.3 s/GiB)
 
 
-
-
 @dataclass(frozen=True)
 class ViewRecord:
     """What an offloaded tensor looked like, to catch it being replaced or re-viewed before reload."""

@@ -299,10 +299,6 @@ class OffloadCopies:
     started: float
     open: bool = True
 
-    @property
-    def nbytes(self) -> int:
-        return sum(group.storage.nbytes() for group in self.groups) if self.open else 0
-
 
 def _offloadable_groups(tensors: TensorSet) -> tuple[list[_StorageGroup], torch.device | None]:
     """What ``offload_tensors`` checks before the first byte moves, for the split offload."""
