@@ -189,11 +189,40 @@ def plan_megatron_offload(machine: Machine) -> BenchPlan:
     return BenchPlan(script, skip=f"1 layer does not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU")
 
 
+# refit_cycle.py: bf16 params (P bytes), AdamW's two states, grads, the step's temporaries and the receiver's
+# params on the GPU (5 P), plus a 2 GiB bucket and a 2 GiB flat-copy buffer; the arena (3 P) and the flat
+# pinned buffer on the host. On CPU the tiny smoke run: two processes importing torch, a few MB of weights.
+REFIT_CYCLE_CPU_BYTES = 2 * GIB
+REFIT_CYCLE_MODELS = {"8b": QWEN3_8B, "0.6b": QWEN3_0_6B, "tiny": CONFIGS["tiny"]}
+
+
+def refit_cycle_peak(models: tuple[str, ...]) -> tuple[int, int]:
+    """(host bytes, GPU bytes) at refit_cycle.py's peak on a GPU: its largest model's."""
+    weights = max(total_bytes(REFIT_CYCLE_MODELS[m]) for m in models)
+    return CUDA_BASE_BYTES + 3 * weights + 2 * GIB + 256 * MIB, GIB + 5 * weights + 4 * GIB
+
+
+def plan_refit_cycle(machine: Machine) -> BenchPlan:
+    script = "refit_cycle.py"
+    if not machine.has_gpu:
+        if machine.host_bytes < REFIT_CYCLE_CPU_BYTES:
+            return BenchPlan(script, skip=f"the CPU smoke run needs ~{_gib(REFIT_CYCLE_CPU_BYTES)} host, budget {_gib(machine.host_bytes)}")
+        return BenchPlan(script, ("--preset", "tiny", "--device", "cpu", "--rounds", "1"),
+                         note="no GPU: tiny shapes on CPU (a smoke run, not the table's figures)")  # fmt: skip
+    for models in (("8b", "0.6b"), ("0.6b",), ("tiny",)):
+        host, gpu = refit_cycle_peak(models)
+        if host <= machine.host_bytes and gpu <= machine.gpu_bytes:
+            note = "full size" if len(models) == 2 else f"sized to the machine: {models[0]} shapes only"
+            return BenchPlan(script, ("--models", ",".join(models)), note=note)
+    return BenchPlan(script, skip=f"even tiny shapes do not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU")
+
+
 PLANNERS: dict[str, Callable[[Machine], BenchPlan]] = {
     "fsdp_offload": plan_fsdp_offload,
     "megatron_offload": plan_megatron_offload,
     "offload": plan_offload,
     "pinning": plan_pinning,
+    "refit_cycle": plan_refit_cycle,
     "weight_sync": plan_weight_sync,
 }
 

@@ -9,6 +9,11 @@ fails on one rank never leaves another rank inside a collective:
   failure nothing was offloaded: the state stays ON_DEVICE on every rank.
 - ``offload`` + ``flush_device``, then the barrier, which is the same exchange: a rank whose
   offload failed makes every rank raise instead of waiting out ``barrier_timeout_s``.
+- ``overlap=True`` (the default): the optimizer state (and kept grads) start copying to the host
+  on a side stream before the weights stream; the offload phase copies the params, then frees
+  the optimizer state. Nothing is freed before the params are safe on the host, so a failed
+  sync or a failed params offload cancels those copies (waits for them, frees nothing): the
+  state stays ON_DEVICE, exactly as without overlap.
 - ``resume``: the reload, then an exchange, so no rank starts the next step's collectives while
   another one could not get its state back.
 
@@ -25,13 +30,15 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
+from torch.profiler import record_function
+
 from refitkit.errors import InvalidInput
 from refitkit.offload import flush_device
 from refitkit.ranks import RankGroup, abounded_barrier, bounded_barrier
 from refitkit.report import PhaseRecord, RefitReport
 
 if TYPE_CHECKING:
-    from refitkit.engines.base import EngineAdapter
+    from refitkit.engines.base import EngineAdapter, OffloadInFlight
     from refitkit.transfer import BucketedWeightSender
 
 logger = logging.getLogger(__name__)
@@ -72,7 +79,9 @@ class RefitCycle:
     still iterate, since gathering full weights is a collective), offload the adapter, flush the
     device, and line up all ranks. ``resume(step)``: reload the adapter and line up again. Each
     returns a ``RefitReport``; ``arefit`` / ``aresume`` are the same for event loops. It calls
-    ``adapter.offload()`` / ``reload()``, never the ambiguous ``to()``.
+    ``adapter.offload()`` / ``reload()``, never the ambiguous ``to()``. ``overlap``: copy the
+    optimizer state to the host while the weights stream (off: one phase after the other).
+    Every phase is a ``torch.profiler.record_function`` range named ``refitkit.<phase>``.
 
     Making a cycle is collective when ``torch.distributed`` is initialised: every rank of ``group``
     (default: all ranks) makes one, in the same order, which creates the cycle's gloo group.
@@ -86,15 +95,19 @@ class RefitCycle:
         group: Any = None,
         barrier_timeout_s: float = 300.0,
         on_phase: Callable[[str], None] | None = None,
+        overlap: bool = True,
     ) -> None:
-        from refitkit.engines.base import EngineAdapter
+        from refitkit.engines.base import EngineAdapter, OffloadInFlight
 
         if not isinstance(adapter, EngineAdapter):
             raise InvalidInput(f"RefitCycle: adapter must be an EngineAdapter (e.g. FSDPAdapter), got a {type(adapter).__name__}")
         if sender is not None and not callable(getattr(sender, "send", None)):
             raise InvalidInput(f"RefitCycle: sender must have a send(weights) method, got a {type(sender).__name__}")
+        if not isinstance(overlap, bool):
+            raise InvalidInput(f"RefitCycle: overlap= must be a bool, got {overlap!r}")
         self.adapter = adapter
         self.sender = sender
+        self.overlap = overlap
         self.group = group
         self.ranks = RankGroup(group, timeout_s=barrier_timeout_s)
         self.barrier_timeout_s = self.ranks.timeout_s
@@ -105,8 +118,16 @@ class RefitCycle:
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
         failures: list[BaseException] = []
-        records.append(self._timed("sync_weights", origin, self._sync_weights))
-        records.append(self._timed("offload", origin, lambda: _attempt(lambda: self.adapter.offload().total.bytes, failures)))
+        early: list[OffloadInFlight | BaseException] = []
+        if self.overlap:
+            with record_function("refitkit.offload_start"):
+                early.append(_begun(self.adapter))
+        try:
+            records.append(self._timed("sync_weights", origin, self._sync_weights))
+        except BaseException as error:
+            self._cancel(early, error)
+            raise
+        records.append(self._timed("offload", origin, lambda: _attempt(lambda: self._offload(early), failures)))
         records.append(self._timed("flush_device", origin, lambda: _attempt(flush_device, failures)))
         records.append(self._timed("barrier", origin, lambda: self._settle("offload", failures)))
         return RefitReport(step=step, rank=self.ranks.rank, phases=tuple(records))
@@ -139,6 +160,31 @@ class RefitCycle:
 
     # -- phases -----------------------------------------------------------------------------------
 
+    def _offload(self, early: list["OffloadInFlight | BaseException"]) -> int:
+        """The offload phase: the params (whose synchronize also covers the optimizer copies started
+        before the sync), then the optimizer state is freed. A params offload that fails cancels
+        those copies, so the phase stays all-or-nothing as without overlap."""
+        if not early:
+            return self.adapter.offload().total.bytes
+        flight = early[0]
+        if isinstance(flight, BaseException):
+            raise flight  # nothing moved: every part is still on the device
+        rest = {part: part not in flight.parts for part in ("optimizer", "grad")}  # the parts not in flight
+        try:
+            moved = self.adapter.offload(model=True, **rest).total.bytes
+        except BaseException as error:
+            self._cancel(early, error)
+            raise
+        return moved + self.adapter.finish_offload(flight).total.bytes
+
+    def _cancel(self, early: list["OffloadInFlight | BaseException"], error: BaseException) -> None:
+        """A phase failed: wait for the optimizer copies and keep the optimizer state on the device."""
+        if early and not isinstance(early[0], BaseException):
+            try:
+                self.adapter.cancel_offload(early[0])
+            except Exception as cancel_error:
+                error.add_note(f"refitkit: waiting for the optimizer copies after this failure failed too: {cancel_error!r}")
+
     def _sync_weights(self) -> int:
         failures: list[BaseException] = []
         weights = _Weights(iter(self.adapter.named_weights()))
@@ -165,12 +211,21 @@ class RefitCycle:
 
     def _timed(self, name: str, origin: float, fn: Callable[[], int | None]) -> PhaseRecord:
         start = time.perf_counter()
-        moved = fn() or 0
+        with record_function(f"refitkit.{name}"):
+            moved = fn() or 0
         end = time.perf_counter()
         if self.on_phase is not None:
             self.on_phase(name)
         logger.debug("refit phase %s: %.3f ms, %d bytes", name, (end - start) * 1e3, moved)
         return PhaseRecord(name=name, start_s=start - origin, seconds=end - start, bytes=moved)
+
+
+def _begun(adapter: "EngineAdapter") -> "OffloadInFlight | BaseException":
+    """``adapter.begin_offload()``, or its error (raised in the offload phase, whose outcome all ranks exchange)."""
+    try:
+        return adapter.begin_offload()
+    except Exception as error:
+        return error
 
 
 def _attempt(fn: Callable[[], int | None], failures: list[BaseException]) -> int:

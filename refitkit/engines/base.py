@@ -22,11 +22,13 @@ from refitkit.errors import InvalidInput
 from refitkit.offload import (
     HostArena,
     MoveStats,
+    Reservation,
     offload_tensors,
     reload_grads,
     reload_tensors,
 )
 from refitkit.offload.device import local_tensor
+from refitkit.offload.moves import OffloadCopies, cancel_offload, finish_offload, start_offload
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,17 @@ class AdapterMove:
     optimizer: MoveStats
     grad: MoveStats
     total: MoveStats
+
+
+@dataclass
+class OffloadInFlight:
+    """``begin_offload()``'s copies of the optimizer state (and kept grads), not finished yet."""
+
+    parts: list[str]
+    keep_grads: bool
+    optimizer_named: NamedTensors
+    grad_named: NamedTensors
+    copies: OffloadCopies
 
 
 class EngineAdapter(abc.ABC):
@@ -200,6 +213,21 @@ class EngineAdapter(abc.ABC):
 
     # --- transitions -----------------------------------------------------------------------
 
+    def prepare(self, *, keep_grads: bool | None = None) -> Reservation:
+        """Size the arena for every part and allocate and pin it in a background thread; returns at once.
+
+        Call it once the storages have their training sizes (e.g. right after the first optimizer
+        step, when the optimizer state exists) and let training run: the first ``offload()`` then
+        waits only for what is not pinned yet (at most the arena's ``reserve_wait_s``), and raises
+        the thread's error if it failed (the arena stays usable). Grads are sized when they will be
+        kept. Storages that appear later get their slots at offload, as without ``prepare()``.
+        """
+        keep = self.keep_grads if keep_grads is None else keep_grads
+        if not isinstance(keep, bool):
+            raise InvalidInput(f"{type(self).__name__}.prepare(): keep_grads= must be a bool, got {keep!r}")
+        named = self._model_tensors() + self._optimizer_tensors() + (self._grads_to_keep() if keep else [])
+        return self.arena.reserve(list(_unique_storages(named)), background=True)
+
     def offload(
         self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
     ) -> AdapterMove:
@@ -224,6 +252,42 @@ class EngineAdapter(abc.ABC):
             self._grads_kept = keep
         logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
         return self._split(total, model_named, optimizer_named, grad_named)
+
+    def begin_offload(
+        self, *, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
+    ) -> OffloadInFlight:
+        """Start copying the optimizer state (and kept grads) to the arena on a side stream; frees nothing.
+
+        For overlapping those copies with other work (``RefitCycle(overlap=True)`` streams the
+        weights meanwhile). ``finish_offload`` waits for them, frees the storages and marks the
+        parts OFFLOADED; ``cancel_offload`` waits and leaves everything ON_DEVICE. Nothing may
+        write the optimizer state or the grads in between.
+        """
+        keep = self.keep_grads if keep_grads is None else keep_grads
+        wanted = self._pending({"optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
+        if wanted:
+            self._prepare_offload(wanted)
+        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+        grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
+        copies = start_offload(optimizer_named + grad_named, self.arena)
+        return OffloadInFlight(wanted, keep, optimizer_named, grad_named, copies)
+
+    def finish_offload(self, flight: OffloadInFlight) -> AdapterMove:
+        """Wait for ``begin_offload``'s copies (one synchronize), free their storages, mark the parts OFFLOADED."""
+        total = finish_offload(flight.copies)
+        if "grad" in flight.parts and not flight.keep_grads:
+            self._drop_grads()
+        named_by_part = {"optimizer": flight.optimizer_named, "grad": flight.grad_named}
+        for part in flight.parts:
+            self._states[part] = DeviceState.OFFLOADED
+            self._offloaded[part] = self._held_storages(named_by_part[part])
+        if "grad" in flight.parts:
+            self._grads_kept = flight.keep_grads
+        return self._split(total, [], flight.optimizer_named, flight.grad_named)
+
+    def cancel_offload(self, flight: OffloadInFlight) -> None:
+        """Wait for ``begin_offload``'s copies and keep every part on the device, as if it never started."""
+        cancel_offload(flight.copies)
 
     def reload(
         self, *, model: bool = True, optimizer: bool = True, grad: bool = True, zero_grads: bool | None = None

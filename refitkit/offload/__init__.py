@@ -7,6 +7,7 @@ tensor identity; see ``HostArena`` for how host memory is held.
 from refitkit.offload.arena import HostArena
 from refitkit.offload.device import flush_device
 from refitkit.offload.moves import drop_tensors, named_tensors, offload_tensors, regrow_tensors, reload_tensors
+from refitkit.offload.reservation import Reservation, ReserveTimeout
 from refitkit.offload.optimizer import (
     offload_grads,
     offload_optimizer,
@@ -19,6 +20,8 @@ from refitkit.offload.stats import MoveStats
 __all__ = [
     "HostArena",
     "MoveStats",
+    "Reservation",
+    "ReserveTimeout",
     "drop_tensors",
     "flush_device",
     "named_tensors",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -10,11 +12,14 @@ from typing import Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from refitkit._knobs import checked_seconds
 from refitkit.errors import InvalidInput, RefitError
+from refitkit.offload.reservation import Reservation, ReserveTimeout
 
 logger = logging.getLogger(__name__)
 
 ALIGNMENT_BYTES = 256  # copy engines like aligned starts; costs < 256 B a storage
+RESERVE_WAIT_S = 600.0  # default bound of an offload's wait for a background reservation (pinning ~0.3 s/GiB)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,16 @@ def _allocate_chunk(nbytes: int, pinned: bool) -> torch.Tensor:
     return chunk
 
 
+def _layout(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Aligned offsets of storages laid out one after another in one chunk, and the chunk's size."""
+    offsets: list[int] = []
+    total = 0
+    for nbytes in sizes:
+        offsets.append(total)
+        total += _align(nbytes)
+    return offsets, total
+
+
 def _clear_cuda_last_error() -> None:
     """Reset the runtime's per-thread last error after a refused cudaHostRegister.
 
@@ -105,7 +120,7 @@ class HostArena:
     died are reused by new storages that fit.
     """
 
-    def __init__(self, pin_memory: bool | None = None) -> None:
+    def __init__(self, pin_memory: bool | None = None, *, reserve_wait_s: float = RESERVE_WAIT_S) -> None:
         cuda = torch.cuda.is_available()
         if pin_memory and not cuda:
             raise InvalidInput("HostArena(pin_memory=True) needs CUDA; pass pin_memory=None or False on a CPU-only run")
@@ -114,6 +129,10 @@ class HostArena:
         self._slots: dict[int, Slot] = {}
         self.views: dict[int, ViewRecord] = {}  # id(tensor) -> record, while offloaded
         self._dropped: dict[int, tuple[StorageWeakRef, int]] = {}  # freed without a copy: size to regrow
+        self.reserve_wait_s = checked_seconds(reserve_wait_s, "HostArena(reserve_wait_s)")
+        self._pending: list[Reservation] = []  # background reservations not settled yet
+        self._chunks_lock = threading.Lock()  # a background thread appends its chunk
+        self._settle_lock = threading.Lock()  # wait() may run in another thread than the offload
         self._finalizer = weakref.finalize(self, _release_chunks, self._chunks, self.pinned)
 
     @property
@@ -138,43 +157,124 @@ class HostArena:
             return None
         return slot
 
-    def reserve(self, storages: Iterable[torch.UntypedStorage]) -> int:
+    def reserve(
+        self, storages: Iterable[torch.UntypedStorage], *, background: bool = False
+    ) -> int | Reservation:
         """Give every storage without a slot one, sized to its current bytes; returns bytes allocated.
 
         Call ahead of the first offload to take the allocation and pinning off the critical path.
         All or nothing: if the host allocation (or its pinning) fails, the arena is left exactly
         as it was (no slot registered, no dead slot handed out), so a retry cannot give two
         storages the same host bytes.
+
+        ``background=True`` allocates and pins in a worker thread and returns a ``Reservation``
+        at once (``wait(timeout_s)``, ``done()``, ``exception()``), e.g. while training runs. The
+        next offload or synchronous ``reserve`` first waits for it, at most ``reserve_wait_s``,
+        and raises its error if it failed (once; the arena stays usable and as it was).
         """
-        missing: list[torch.UntypedStorage] = []
-        seen: set[int] = set()
-        for storage in storages:
-            key = storage._cdata
-            if key in seen or storage.nbytes() == 0 or self.slot_of(storage) is not None:
-                continue
-            seen.add(key)
-            missing.append(storage)
-            self._rekey_dead(key)
+        if background:
+            return self._reserve_in_background(storages)
+        self._settle_all(self.reserve_wait_s, "HostArena(reserve_wait_s=...)")
+        missing = self._missing(storages, planned=set())
         reused = self._plan_dead_slot_reuse(missing)
         fresh = [storage for storage in missing if storage._cdata not in reused]
-        offsets: list[int] = []
-        total = 0
-        for storage in fresh:
-            offsets.append(total)
-            total += _align(storage.nbytes())
+        offsets, total = _layout(storage.nbytes() for storage in fresh)
         # allocate before touching any bookkeeping: a failure here must leave nothing behind
         chunk = self._allocate(total, len(fresh)) if fresh else None
         for storage in missing:
             slot_key = reused.get(storage._cdata)
             if slot_key is not None:
-                self._hand_over(slot_key, storage)
+                self._hand_over(slot_key, StorageWeakRef(storage), storage._cdata)
         if chunk is not None:
-            chunk_index = len(self._chunks)
-            self._chunks.append(chunk)
+            chunk_index = self._append_chunk(chunk)
             for storage, offset in zip(fresh, offsets):
                 self._slots[storage._cdata] = Slot(chunk_index, offset, storage.nbytes(), StorageWeakRef(storage))
             logger.debug("HostArena: allocated %d bytes for %d new storages", total, len(fresh))
         return total
+
+    def _missing(self, storages: Iterable[torch.UntypedStorage], planned: set[int]) -> list[torch.UntypedStorage]:
+        """The storages (once each, non-empty) that have no slot and are not in a pending reservation."""
+        missing: list[torch.UntypedStorage] = []
+        seen: set[int] = set()
+        for storage in storages:
+            key = storage._cdata
+            if key in seen or key in planned or storage.nbytes() == 0 or self.slot_of(storage) is not None:
+                continue
+            seen.add(key)
+            missing.append(storage)
+            self._rekey_dead(key)
+        return missing
+
+    def _reserve_in_background(self, storages: Iterable[torch.UntypedStorage]) -> Reservation:
+        planned = {key for pending in self._pending for key in pending.keys}
+        missing = self._missing(storages, planned)
+        reused = self._plan_dead_slot_reuse(missing)
+        handed: list[tuple[int, StorageWeakRef, int]] = []
+        for storage in missing:
+            slot_key = reused.get(storage._cdata)
+            if slot_key is not None:
+                # a key no live storage can get, so the promise survives until the reservation settles
+                slot = self._slots.pop(slot_key)
+                self._slots[-id(slot)] = slot
+                handed.append((storage._cdata, StorageWeakRef(storage), -id(slot)))
+        fresh = [storage for storage in missing if storage._cdata not in reused]
+        offsets, total = _layout(storage.nbytes() for storage in fresh)
+        entries = [(s._cdata, StorageWeakRef(s), offset, s.nbytes()) for s, offset in zip(fresh, offsets)]
+        reservation = Reservation(self, entries, handed, total)
+        self._pending.append(reservation)
+        reservation._start()
+        return reservation
+
+    def _settle(self, reservation: Reservation, timeout_s: float, knob: str, bound_s: float | None = None) -> None:
+        """Wait (bounded) for ``reservation``'s thread, then register its slots or raise its failure.
+
+        ``bound_s``: the knob's value when ``timeout_s`` is what is left of it (for the message).
+        """
+        if not reservation._finished.wait(timeout_s):
+            timeout_s = timeout_s if bound_s is None else bound_s
+            raise ReserveTimeout(
+                f"HostArena: the background reservation of {reservation.nbytes} host bytes for "
+                f"{reservation.storages} storages did not finish allocating and pinning within {timeout_s:g} s; "
+                f"nothing of it is registered yet and it keeps running: wait again or raise {knob}"
+            )
+        with self._settle_lock:
+            if reservation in self._pending:
+                self._pending.remove(reservation)
+                if reservation._error is None:
+                    self._commit(reservation)
+        error = reservation._error
+        if error is not None:
+            raise RefitError(
+                f"HostArena.reserve(background=True) failed in its thread ({error}); the arena is as it was "
+                "before that call and stays usable: the next offload allocates on the critical path"
+            ) from error
+
+    def _settle_all(self, timeout_s: float, knob: str) -> None:
+        """Settle every pending background reservation within one deadline; raise the first failure."""
+        deadline = time.monotonic() + timeout_s
+        for reservation in list(self._pending):
+            self._settle(reservation, max(deadline - time.monotonic(), 1e-3), knob, timeout_s)
+
+    def _commit(self, reservation: Reservation) -> None:
+        for key, ref, slot_key in reservation._handed:
+            if ref.expired():
+                continue  # the storage died meanwhile: the dead slot stays free for another
+            self._rekey_dead(key)
+            self._hand_over(slot_key, ref, key)
+        for key, ref, offset, nbytes in reservation._fresh:
+            slot = Slot(reservation._chunk_index or 0, offset, nbytes, ref)
+            if ref.expired():  # its key may belong to a new storage by now: file the slot as dead
+                slot.storage_ref = None
+                self._slots[-id(slot)] = slot
+            else:
+                self._rekey_dead(key)
+                self._slots[key] = slot
+        logger.debug("HostArena: background reservation of %d bytes registered", reservation.nbytes)
+
+    def _append_chunk(self, chunk: torch.Tensor) -> int:
+        with self._chunks_lock:
+            self._chunks.append(chunk)
+            return len(self._chunks) - 1
 
     def _allocate(self, nbytes: int, storages: int) -> torch.Tensor:
         try:
@@ -189,7 +289,8 @@ class HostArena:
 
     def _plan_dead_slot_reuse(self, storages: list[torch.UntypedStorage]) -> dict[int, int]:
         """Which dead slot (by key) each storage can take over, so churn does not grow the arena."""
-        free = [(key, slot.capacity_bytes) for key, slot in self._slots.items() if slot.expired()]
+        promised = {key for pending in self._pending for key in pending.promised}
+        free = [(k, slot.capacity_bytes) for k, slot in self._slots.items() if slot.expired() and k not in promised]
         plan: dict[int, int] = {}
         for storage in storages:
             need = storage.nbytes()
@@ -207,11 +308,11 @@ class HostArena:
             del self._slots[key]
             self._slots[-id(slot)] = slot
 
-    def _hand_over(self, slot_key: int, storage: torch.UntypedStorage) -> None:
+    def _hand_over(self, slot_key: int, ref: StorageWeakRef, key: int) -> None:
         slot = self._slots.pop(slot_key)
-        slot.storage_ref = StorageWeakRef(storage)
+        slot.storage_ref = ref
         slot.holds_data, slot.nbytes = False, 0
-        self._slots[storage._cdata] = slot
+        self._slots[key] = slot
 
     def remember_dropped(self, storage: torch.UntypedStorage) -> None:
         """Note the size of a storage freed without a copy, so it can be regrown later."""
@@ -238,6 +339,12 @@ class HostArena:
 
     def release(self) -> None:
         """Free all host memory now; refuses while any slot still holds offloaded data."""
+        try:
+            self._settle_all(self.reserve_wait_s, "HostArena(reserve_wait_s=...)")
+        except ReserveTimeout:
+            raise
+        except RefitError as error:  # a failed background reservation left nothing to free
+            logger.debug("HostArena.release(): %s", error)
         holding = [slot for slot in self._slots.values() if slot.holds_data and not slot.expired()]
         if holding:
             raise RefitError(
@@ -254,3 +361,4 @@ class HostArena:
             f"HostArena(pinned={self.pinned}, nbytes={self.nbytes}, chunks={self.chunks}, "
             f"held_bytes={self.held_bytes})"
         )
+

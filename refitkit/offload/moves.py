@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import nullcontext
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
@@ -282,3 +283,86 @@ def _normal(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+# --- an offload split in two: copies issued on a side stream now, storages freed later ----------
+
+
+@dataclass
+class OffloadCopies:
+    """Copies issued by ``start_offload`` and not waited for yet: the device storages still hold their bytes."""
+
+    arena: HostArena
+    groups: list[_StorageGroup]
+    device: torch.device | None
+    stream: "torch.cuda.Stream | None"  # the side stream the copies run on (None on the CPU)
+    started: float
+    open: bool = True
+
+
+def _offloadable_groups(tensors: TensorSet) -> tuple[list[_StorageGroup], torch.device | None]:
+    """What ``offload_tensors`` checks before the first byte moves, for the split offload."""
+    groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
+    device = _common_device(groups, "start_offload")
+    if device is not None and device.type == "meta":
+        raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
+    for group in groups:
+        if not group.storage.resizable() or (group.storage.device.type == "cpu" and group.storage.is_shared()):
+            raise InvalidInput(
+                f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
+                "buffer) and cannot be freed in place"
+            )
+    return groups, device
+
+
+def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.Stream | None" = None) -> OffloadCopies:
+    """Issue each unique storage's copy into ``arena`` on a side stream and return at once; frees nothing.
+
+    The side stream first waits for the work already queued on the current stream (e.g. the
+    optimizer step that wrote the state). ``finish_offload`` waits for the copies (one
+    synchronize) and frees the storages; ``cancel_offload`` waits and leaves them on the device.
+    Nothing may write these tensors in between (their copies would be stale).
+    """
+    groups, device = _offloadable_groups(tensors)
+    started = time.perf_counter()
+    if device is None:
+        return OffloadCopies(arena, [], None, None, started)
+    _ensure_slots(arena, groups)  # waits for a background reservation first (bounded)
+    side: torch.cuda.Stream | None = None
+    if device.type == "cuda":
+        side = stream if stream is not None else torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side) if side is not None else nullcontext():
+        for group in groups:
+            slot = arena.slot_of(group.storage)
+            nbytes = group.storage.nbytes()
+            arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=True)
+            slot.nbytes, slot.device = nbytes, group.storage.device
+    return OffloadCopies(arena, groups, device, side, started)
+
+
+def finish_offload(copies: OffloadCopies) -> MoveStats:
+    """Wait for ``start_offload``'s copies, then free the storages: they are offloaded from here on."""
+    if not copies.open:
+        raise InvalidInput("finish_offload: these copies were already finished or cancelled")
+    if copies.stream is not None:
+        copies.stream.synchronize()  # a failure here leaves every storage on the device, untouched
+    copies.open = False
+    moved = 0
+    for group in copies.groups:
+        slot = copies.arena.slot_of(group.storage)
+        _record_views(copies.arena, group)
+        moved += slot.nbytes
+        slot.holds_data = True
+        group.storage.resize_(0)
+    return MoveStats(bytes=moved, storages=len(copies.groups), seconds=time.perf_counter() - copies.started)
+
+
+def cancel_offload(copies: OffloadCopies) -> None:
+    """Wait for ``start_offload``'s copies and keep every storage on the device (the arena holds nothing of them)."""
+    if not copies.open:
+        return
+    copies.open = False
+    if copies.stream is not None:
+        copies.stream.synchronize()  # the host bytes must not be written after this returns
+

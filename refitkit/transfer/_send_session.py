@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from torch.profiler import record_function
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
@@ -50,6 +51,13 @@ class StopRequest(threading.Event):
     def stop(self, reason: str) -> None:
         self.reason = reason
         self.set()
+
+
+def _bucket_range(seq: int) -> record_function:
+    """An open ``torch.profiler`` range (NVTX under ``emit_nvtx``) for bucket ``seq``; the caller closes it."""
+    span = record_function("refitkit.sync.bucket", args=f"seq={seq}")
+    span.__enter__()
+    return span
 
 
 def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
@@ -109,13 +117,20 @@ class _SendSession:
         item = first
         if self.packer is not None:
             pack, next_item, unpacked = self.packer.pack, self._next_item, self.unpacked
-            while item is not None:
-                pack(*item)
-                total_bytes += item[1].nbytes
-                if unpacked:  # announce finished buckets now, not when the next one is full
-                    self._announce_packed()
-                item = next_item()
-            self.packer.finish()
+            seq, span = self.seq, _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
+            try:
+                while item is not None:
+                    pack(*item)
+                    total_bytes += item[1].nbytes
+                    if unpacked:  # announce finished buckets now, not when the next one is full
+                        self._announce_packed()
+                    if self.seq != seq:  # a bucket shipped: its range ends, the next one's begins
+                        span.__exit__(None, None, None)
+                        seq, span = self.seq, _bucket_range(self.seq)
+                    item = next_item()
+                self.packer.finish()
+            finally:
+                span.__exit__(None, None, None)
         else:
             self._send_bucket(0, False, [], True)  # an empty stream: the receiver still learns it ended
         self._mark("stream", began)

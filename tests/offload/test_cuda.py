@@ -231,3 +231,61 @@ def test_adam_state_offload_frees_device_memory():
     assert all(t.untyped_storage().nbytes() == 0 for state in optimizer.state.values() for t in state.values())
     reload_optimizer(optimizer, arena)
     assert torch.cuda.memory_allocated() == before
+
+
+def test_a_background_reservation_pins_for_real_and_serves_the_first_offload():
+    tensors = {f"w{i}": torch.randn(1 << 20, device="cuda") for i in range(3)}
+    expected = {name: t.clone() for name, t in tensors.items()}
+    arena = HostArena()
+    reservation = arena.reserve([t.untyped_storage() for t in tensors.values()], background=True)
+    # the default stream keeps working while the thread pins (what training does meanwhile)
+    busy = sum(float(t.square().sum()) for t in tensors.values())
+    assert reservation.wait(60.0) == arena.nbytes and arena.chunks == 1
+    assert all(chunk.is_pinned() for chunk in arena._chunks)
+    offload_tensors(tensors, arena)
+    assert arena.chunks == 1 and all(t.untyped_storage().nbytes() == 0 for t in tensors.values())
+    reload_tensors(tensors, arena)
+    assert all(torch.equal(tensors[n], expected[n]) for n in tensors) and busy > 0
+    arena.release()
+
+
+def background_pin_refused() -> dict:
+    import os
+    import resource
+
+    from refitkit.errors import RefitError
+
+    _warm_up()
+    a = torch.full((64 * MIB,), 0x11, dtype=torch.uint8, device="cuda")
+    arena = HostArena(pin_memory=True)
+    if os.geteuid() == 0:
+        _drop_ipc_lock_capability()
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    low = 64 << 10 if hard == resource.RLIM_INFINITY else min(64 << 10, hard)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (low, hard))
+    try:
+        reservation = arena.reserve([a.untyped_storage()], background=True)
+        reservation._thread.join(60.0)
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+    if reservation.exception() is None:
+        return {"refused": False}
+    after_failure = (arena.nbytes, arena.chunks, arena.slot_of(a.untyped_storage()) is not None)
+    try:
+        offload_tensors({"a": a}, arena)
+        error = None
+    except RefitError as caught:
+        error = str(caught)
+    torch.ones(1, device="cuda").add_(1)  # the refused register must not poison this thread's next kernel
+    offload_tensors({"a": a}, arena)
+    reload_tensors({"a": a}, arena)
+    return {"refused": True, "error": error, "after_failure": after_failure, "a_intact": bool((a == 0x11).all())}
+
+
+def test_a_background_pin_that_is_refused_surfaces_at_the_offload_and_the_arena_stays_usable():
+    r = run_in_child(background_pin_refused)
+    if not r["refused"]:
+        pytest.skip("cudaHostRegister was not refused under a 64 KiB RLIMIT_MEMLOCK here (capability kept?)")
+    assert r["after_failure"] == (0, 0, False)
+    assert "reserve(background=True) failed in its thread" in r["error"] and "cudaHostRegister" in r["error"], r
+    assert r["a_intact"]
