@@ -107,13 +107,13 @@ class PipelineStages:
             if kind == _DONE:
                 return
             if kind == _FAILED:
-                error_type, message = msgpack.unpackb(payload)
+                error_type, message = _unpack(payload, owner, 2)
                 raise RankFailure(
                     f"pipeline stage stream failed on pipeline rank {owner} (global rank {self.ranks[owner]}) while "
                     f"it streamed its stage's weights: {error_type}: {message}",
                     failures={self.ranks[owner]: f"{error_type}: {message}"},
                 )
-            name, shape, dtype_name = msgpack.unpackb(payload)
+            name, shape, dtype_name = _unpack(payload, owner, 3)
             dtype = getattr(torch, dtype_name, None)
             if not isinstance(dtype, torch.dtype):
                 raise ProtocolError(
@@ -164,7 +164,9 @@ class PipelineStages:
         raw = record.numpy().tobytes()
         kind, size = _PREFIX.unpack_from(raw)
         if kind not in (_DONE, _WEIGHT, _FAILED):
-            raise ProtocolError(f"pipeline stage stream: pipeline rank {owner} sent header kind {kind}; is it running refitkit?")
+            raise ProtocolError(
+                f"pipeline stage stream: pipeline rank {owner} sent header kind {kind}; is it running refitkit?"
+            )
         if size <= _RECORD_BYTES - _PREFIX.size:
             return kind, raw[_PREFIX.size : _PREFIX.size + size]
         rest = torch.empty(size, dtype=torch.uint8)
@@ -239,6 +241,16 @@ def across_stages(
                 if not local_done:
                     _drain(local, exc)
                 raise
+
+
+def _unpack(payload: bytes, owner: int, fields: int) -> list:
+    try:
+        unpacked = msgpack.unpackb(payload)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"pipeline stage stream: pipeline rank {owner} sent an unreadable header ({exc})") from None
+    if not isinstance(unpacked, list) or len(unpacked) != fields:
+        raise ProtocolError(f"pipeline stage stream: pipeline rank {owner} sent a header that is not {fields} fields")
+    return unpacked
 
 
 def _tell_failure(stages: PipelineStages, error: Exception) -> None:

@@ -171,3 +171,20 @@ def stage_rank_stalls(rank: int, world_size: int, pp_timeout_s: float, stall_s: 
             outcome["second_error"] = f"{type(exc).__name__}: {exc}"
     outcome["all_reduce"] = _all_reduce(rank + 1.0)
     return outcome
+
+
+def long_names_cross(rank: int, world_size: int, pp_timeout_s: float) -> dict:
+    """PP2 where stage 1 holds a weight whose header does not fit one header record (a 1500-character name),
+    followed by an ordinary one: both arrive whole, under their names, bit-exact."""
+    stage_index, model, pp_group = _groups(world_size, pg_timeout_s=60.0)
+    long_name = "w" * 1500
+    if stage_index == 1:
+        model.layers[str(LAYERS - 1)].register_parameter(long_name, nn.Parameter(torch.arange(6.0).reshape(2, 3)))
+    adapter = FSDPAdapter(model, pp_group=pp_group, pp_timeout_s=pp_timeout_s)
+    streamed = {name: tensor.clone() for name, tensor in adapter.named_weights()}
+    expected = full_model().state_dict()
+    expected[f"layers.{LAYERS - 1}.{long_name}"] = torch.arange(6.0).reshape(2, 3)
+    return {
+        "names": sorted(streamed) == sorted(expected),
+        "equal": all(bits_equal(streamed[name], expected[name]) for name in expected if name in streamed),
+    }

@@ -66,3 +66,8 @@ def test_a_stage_rank_that_stalls_times_the_others_out_naming_the_knob():
     assert pp_timeout_s - 0.5 < waiting["seconds"] < pp_timeout_s + 3.0, waiting
     assert waiting["second_error"].startswith("RefitError: ") and "make a new adapter" in waiting["second_error"]
     assert waiting["all_reduce"] == stalled["all_reduce"] == 3.0
+
+
+def test_a_header_longer_than_one_record_arrives_whole():
+    for outcome in run_world(pipeline_ranks.long_names_cross, 2, PP_TIMEOUT_S, timeout_s=120):
+        assert outcome == {"names": True, "equal": True}
