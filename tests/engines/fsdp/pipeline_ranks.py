@@ -188,3 +188,42 @@ def long_names_cross(rank: int, world_size: int, pp_timeout_s: float) -> dict:
         "names": sorted(streamed) == sorted(expected),
         "equal": all(bits_equal(streamed[name], expected[name]) for name in expected if name in streamed),
     }
+
+
+def stage_fails_part_way_on_nccl(rank: int, world_size: int, pp_timeout_s: float) -> dict:
+    """PP2 on two GPUs, the tensors over an NCCL pipeline group: stage 1 fails part-way. Both ranks must raise
+    refitkit's errors at once (no NCCL op left waiting for the watchdog to end the process), the NCCL group
+    must still work, and the next refit and stream must be bit-exact."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    pp_group = dist.new_group([0, 1], backend="nccl")
+    model = stage(rank).to(device)
+    first_layer = model.layers[str(0 if rank == 0 else LAYERS // 2)]
+    if rank == 1:
+        first_layer.register_buffer("scale", torch.empty(DIM, device="meta"))
+    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1), pp_group=pp_group, pp_timeout_s=pp_timeout_s)
+    cycle = RefitCycle(adapter, None, barrier_timeout_s=60.0)
+    start = time.monotonic()
+    try:
+        cycle.refit(step=1)
+        outcome: dict = {"error_type": None}
+    except Exception as exc:
+        outcome = {"error_type": type(exc).__name__, "error": str(exc)}
+    outcome["seconds"] = time.monotonic() - start
+    outcome["on_device"] = adapter.state is DeviceState.ON_DEVICE
+    check = torch.tensor([rank + 1.0], device=device)
+    dist.all_reduce(check, group=pp_group)
+    outcome["nccl_all_reduce"] = float(check.item())
+    if rank == 1:
+        del first_layer.scale
+    cycle.refit(step=2)
+    outcome["offloaded"] = adapter.state is DeviceState.OFFLOADED
+    cycle.resume(step=2)
+    streamed = {name: tensor.clone() for name, tensor in adapter.named_weights()}
+    expected = {name: tensor.to(device) for name, tensor in full_model().state_dict().items()}
+    outcome["names"] = sorted(streamed) == sorted(expected)
+    outcome["equal"] = all(bits_equal(streamed[n], expected[n]) for n in expected if n in streamed)
+    cycle.close()
+    return outcome
