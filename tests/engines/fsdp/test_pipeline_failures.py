@@ -63,7 +63,7 @@ def test_a_stage_rank_that_stalls_times_the_others_out_naming_the_knob():
         "the next header from pipeline rank 1 (global rank 1) did not come within pp_timeout_s=3 on rank 0"
         in waiting["error"]
     ), waiting
-    assert pp_timeout_s - 0.5 < waiting["seconds"] < pp_timeout_s + 3.0, waiting
+    assert pp_timeout_s - 0.5 < waiting["seconds"] < pp_timeout_s + 5.0, waiting
     assert waiting["second_error"].startswith("RefitError: ") and "make a new adapter" in waiting["second_error"]
     assert waiting["all_reduce"] == stalled["all_reduce"] == 3.0
 
