@@ -44,7 +44,12 @@ _MESSAGE_CHARS = 900  # a failure's message, cut so that most fit the record
 
 class PipelineStages:
     """The pipeline group of one rank for stage forwarding: tensors on ``group`` (the trainer's),
-    headers on a gloo group of the same ranks made at the first stream, bounded by ``timeout_s``."""
+    headers on a gloo group of the same ranks made at the first stream, bounded by ``timeout_s``.
+
+    Only the pipeline group's ranks make the header group, and torch names such a group from its
+    ranks and the number of groups the process already has: every pipeline rank must have made
+    the same number of process groups before its first stream (a mismatch ends in TransferTimeout).
+    """
 
     def __init__(self, group: ProcessGroup, *, timeout_s: float = 300.0) -> None:
         import torch.distributed as dist
