@@ -39,13 +39,15 @@ class AutomodelAdapter(FSDPAdapter):
         zero_grads: bool = False,
         hf_names: bool = True,
         pp_group: Any = None,
+        pp_timeout_s: float = 300.0,
     ) -> None:
         automodel.require_automodel()
         parts = automodel.resolve_model_parts(model_parts)
         optimizer_list = automodel.resolve_optimizers(optimizers)
         _check_optimizers_own_parts(parts, optimizer_list)
         super().__init__(
-            parts, optimizer_list, arena=arena, keep_grads=keep_grads, zero_grads=zero_grads, pp_group=pp_group
+            parts, optimizer_list, arena=arena, keep_grads=keep_grads, zero_grads=zero_grads, pp_group=pp_group,
+            pp_timeout_s=pp_timeout_s,
         )
         self._to_hf = automodel.hf_converter(parts) if hf_names else None
         if hf_names and self._to_hf is None:

@@ -18,7 +18,7 @@ from refitkit.engines.base import (
     as_optimizers,
     check_optimizers_own_params,
 )
-from refitkit.engines.fsdp._pipeline_stages import across_stages
+from refitkit.engines.fsdp._pipeline_stages import PipelineStages, across_stages
 from refitkit.engines.fsdp._torch_fsdp2 import (
     full_tensor,
     is_dtensor,
@@ -48,7 +48,8 @@ class FSDPAdapter(EngineAdapter):
 
     ``model`` is one module or a list of model parts (pipeline stages); ``optimizer`` one
     optimizer, a list, or None; ``pp_group``, the pipeline-parallel process group when the
-    parts are this rank's pipeline stages (see ``named_weights``). Sharded params (DTensors), sharded optimizer states and
+    parts are this rank's pipeline stages (see ``named_weights``), and ``pp_timeout_s`` how long
+    a rank waits for another pipeline rank's next weight before it gives up. Sharded params (DTensors), sharded optimizer states and
     buffers move per storage through ``refitkit.offload``; FSDP modules are resharded first so
     no unsharded all-gather buffer is left behind.
     """
@@ -62,9 +63,11 @@ class FSDPAdapter(EngineAdapter):
         keep_grads: bool = False,
         zero_grads: bool = False,
         pp_group: ProcessGroup | None = None,
+        pp_timeout_s: float = 300.0,
     ) -> None:
         owner = type(self).__name__
         self.pp_group = pp_group
+        self._stages = PipelineStages(pp_group, timeout_s=pp_timeout_s) if pp_group is not None else None
         self.model_parts: list[nn.Module] = as_modules(model, owner=owner)
         self.optimizers: list[torch.optim.Optimizer] = as_optimizers(optimizer, owner=owner)
         if self.optimizers:
@@ -120,17 +123,19 @@ class FSDPAdapter(EngineAdapter):
         collective: every rank must iterate the same weights together. The generator keeps no
         reference to a yielded tensor, so the extra memory at any time is the one full tensor
         the caller holds. With ``pp_group``, every rank of the pipeline group gets every stage's
-        weights (stage by stage, in pipeline-rank order), so one rank can send the whole model.
+        weights (stage by stage, in pipeline-rank order), so one rank can send the whole model; a
+        stage that fails part-way (or does not come within ``pp_timeout_s``) makes every pipeline
+        rank raise.
         """
         if self._states["model"] is DeviceState.OFFLOADED:
             raise RefitError(
                 f"{type(self).__name__}.named_weights(): the model is offloaded; reload(model=True) first"
             )
         self._prepare_offload()
-        if self.pp_group is None:
+        if self._stages is None:
             yield from self._local_weights()
         else:
-            yield from across_stages(self._local_weights(), self.pp_group, self.device)
+            yield from across_stages(self._local_weights(), self._stages, self.device)
 
     def _local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's model parts' full weights (the stream of one pipeline rank)."""

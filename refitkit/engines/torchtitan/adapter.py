@@ -38,6 +38,7 @@ class TorchTitanAdapter(FSDPAdapter):
         keep_grads: bool = False,
         zero_grads: bool = False,
         pp_group: Any = None,
+        pp_timeout_s: float = 300.0,
     ) -> None:
         titan.require_torchtitan()
         super().__init__(
@@ -47,6 +48,7 @@ class TorchTitanAdapter(FSDPAdapter):
             keep_grads=keep_grads,
             zero_grads=zero_grads,
             pp_group=pp_group,
+            pp_timeout_s=pp_timeout_s,
         )
         self._to_hf = titan.check_state_dict_adapter(state_dict_adapter)
         if self._to_hf is None:
