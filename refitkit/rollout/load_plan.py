@@ -129,38 +129,51 @@ def record_load_plan(
 def _read_recording(
     names: list[tuple[str, tuple[int, ...]]], landed: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]
 ) -> LoadPlan:
-    runs: dict[int, list[tuple[str, torch.Tensor]]] = {}  # source number -> [(param, flat positions it landed at)]
+    elements: dict[int, dict[str, int]] = {}  # source number -> {param: elements of it there}
+    runs: dict[int, tuple[str, int, int]] = {}  # source number -> (param, offset, first position) of its only run
+    scattered: set[int] = set()  # sources whose elements form more than one in-order run in some parameter
     seen_storage: set[int] = set()
     for param_name, data in landed.items():
-        if data.untyped_storage().data_ptr() in seen_storage:  # tied weights: one memory, counted once
+        if data.untyped_storage().data_ptr() in seen_storage:  # tied weights: one memory, read once
             continue
         seen_storage.add(data.untyped_storage().data_ptr())
         flat = data.reshape(-1).cpu()
-        owners = flat >> _POSITION_BITS
-        for number in torch.unique(owners[owners > 0]).tolist():
-            runs.setdefault(number - 1, []).append((param_name, torch.nonzero(owners == number).view(-1)))
+        where = torch.nonzero(flat >= _MAX_ELEMENTS).view(-1)
+        if not where.numel():
+            continue
+        values = flat[where]
+        owners, positions = values >> _POSITION_BITS, values & (_MAX_ELEMENTS - 1)
+        offsets = where - positions  # constant along a run that keeps its source's order
+        cut = (owners[1:] != owners[:-1]) | (offsets[1:] != offsets[:-1]) | (where[1:] != where[:-1] + 1)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(cut).view(-1) + 1])
+        run_owners = owners[starts]
+        numbers, run_counts = torch.unique(run_owners, return_counts=True)
+        owner_runs, owner_counts = torch.unique_consecutive(owners, return_counts=True)  # no sort of every element
+        for number, count in zip(owner_runs.tolist(), owner_counts.tolist()):
+            mine = elements.setdefault(number - 1, {})
+            mine[param_name] = mine.get(param_name, 0) + count
+        scattered.update(number - 1 for number in numbers[run_counts > 1].tolist())
+        single = set(numbers[run_counts == 1].tolist())
+        for start in starts.tolist():
+            number = int(owners[start])
+            if number in single:
+                runs[number - 1] = (param_name, int(offsets[start]), int(positions[start]))
     destinations: dict[str, Destination] = {}
     skipped: dict[str, str] = {}
     for number, (name, shape) in enumerate(names):
-        found = runs.get(number, [])
+        found = elements.get(number, {})
         numel = _numel(shape)
         if not found:
             skipped[name] = "the loader put none of its elements in a parameter (dropped, or held outside parameters)"
-            continue
-        if len(found) > 1:
-            skipped[name] = f"its elements went to several parameters ({', '.join(sorted(p for p, _ in found))})"
-            continue
-        param_name, where = found[0]
-        if where.numel() != numel:
-            skipped[name] = f"{where.numel()} of its {numel} elements landed in {param_name!r} (sharded or padded)"
-            continue
-        offset = int(where[0])
-        flat = landed[param_name].reshape(-1)
-        values = flat[offset : offset + numel].cpu() & (_MAX_ELEMENTS - 1)
-        if int(where[-1]) - offset + 1 != numel or not torch.equal(values, torch.arange(numel, dtype=torch.int64)):
-            skipped[name] = f"its elements landed in {param_name!r} out of order (transposed or repacked)"
-            continue
-        destinations[name] = Destination(param_name, offset, numel, shape, dtypes[param_name])
+        elif len(found) > 1:
+            skipped[name] = f"its elements went to several parameters ({', '.join(sorted(found))})"
+        elif number in scattered:
+            skipped[name] = f"its elements landed in {next(iter(found))!r} out of order (transposed or repacked)"
+        elif found[next(iter(found))] != numel or runs[number][2] != 0:
+            skipped[name] = f"{found[next(iter(found))]} of its {numel} elements landed in {next(iter(found))!r} (sharded or padded)"
+        else:
+            param_name, offset, _ = runs[number]
+            destinations[name] = Destination(param_name, offset, numel, shape, dtypes[param_name])
     log.info("load plan: %d of %d streamed names go direct", len(destinations), len(names))
     return LoadPlan(destinations, skipped)
 
