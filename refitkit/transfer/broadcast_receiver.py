@@ -9,6 +9,11 @@ arrives reassembled). Everything from the wire is checked before use: the offer'
 signatures, the header's sizes against ``MAX_FRAME_BYTES`` and the announced bucket, and the
 metadata with ``protocol``'s own checks; a bad frame is a ``ProtocolError`` and the session ends.
 
+One copy where layouts allow: ``receive(on_bucket, direct=plan)`` with a sender of ``per_tensor=True``
+receives each weight that ``plan`` places (``rollout.load_plan``: a whole parameter or rows of a fused
+one, same dtype and shape) straight into that memory; the others reach ``on_bucket`` as usual.
+``last_direct`` says how the bytes split and which planned names fell back, and why.
+
 Weight versions: ``weights_version`` says which version the receiver's weights are. A session that
 lands whole sets ``version`` and clears ``incomplete``; one that fails after it handed out its
 first bucket leaves the weights partly updated, so ``incomplete`` holds that session's version

@@ -7,7 +7,9 @@ process group of its own for them (gloo on CPU, NCCL on GPU; never the trainer's
 default group) and broadcasts the stream bucket by bucket, packing the next bucket into the other
 half of its buffer while the current one is on the wire. Each bucket is three broadcasts: a header
 (metadata and data sizes), the metadata (msgpack, ``protocol``'s ``bucket`` frame: names, dtypes,
-shapes, offsets, no pickle) and the bucket's bytes. At the end every receiver posts its outcome;
+shapes, offsets, no pickle) and the bucket's bytes (with ``per_tensor=True``, one broadcast per tensor or
+piece instead, so that a receiver with a load plan lands each one in its own memory; see
+``BroadcastWeightReceiver.receive(direct=...)``). At the end every receiver posts its outcome;
 ``send()`` returns once all did, raises ``TransferError`` carrying a receiver's own message if one
 failed, ``TransferTimeout`` naming the phase, bucket and peer if a wait ran past ``timeout_s`` (the
 group is aborted: for NCCL that is the only way out of a stuck collective), and ``PeerGone`` (a

@@ -58,11 +58,11 @@ def engine_digests(engine: ToyEngine) -> dict[str, Any]:
     return {name: digest(param) for name, param in engine.named_parameters()}
 
 
-def receiver_server_main(commands: Any, answers: Any) -> None:
+def receiver_server_main(commands: Any, answers: Any, device: str) -> None:
     from refitkit.rollout.load_plan import record_load_plan
     from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
 
-    engine = ToyEngine()
+    engine = ToyEngine().to(device)
     plan = record_load_plan(engine, lambda weights: toy_load_weights(engine, weights), [(n, s) for n, s in SHAPES.items()])
     bound = plan.bind(engine)
     receivers: dict[tuple, BroadcastWeightReceiver] = {}
@@ -80,7 +80,9 @@ def receiver_server_main(commands: Any, answers: Any) -> None:
         try:
             receiver = receivers.get(key)
             if receiver is None:
-                receiver = receivers[key] = BroadcastWeightReceiver(rendezvous, secret=secret, rank=rank, timeout_s=timeout_s)
+                receiver = receivers[key] = BroadcastWeightReceiver(
+                    rendezvous, secret=secret, rank=rank, device=device, timeout_s=timeout_s
+                )
             receiver.receive(lambda weights, last: toy_load_weights(engine, weights), direct=bound if use_plan else None)
             error = None, ""
         except Exception as exc:
@@ -98,10 +100,10 @@ def receiver_server_main(commands: Any, answers: Any) -> None:
 class DirectReceiverProcess:
     """One spawned toy-engine receiver; ``start`` returns at once, ``result`` waits (bounded) for the outcome."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.commands, self.answers = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=receiver_server_main, args=(self.commands, self.answers), daemon=True)
+        self.process = ctx.Process(target=receiver_server_main, args=(self.commands, self.answers, device), daemon=True)
         self.process.start()
         ready = self.answers.get(timeout=120)
         if ready != "ready":

@@ -179,3 +179,23 @@ def test_a_sender_of_whole_buckets_means_the_bucket_path(receivers):
 def test_per_tensor_is_a_bool():
     with pytest.raises(InvalidInput, match="per_tensor=1; need a bool"):
         BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, per_tensor=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_direct_receive_into_cuda_parameters_over_gloo():
+    """One GPU: the plan recorded on a CUDA engine, the gloo path with CUDA tensors on both sides, landing in place."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    process = DirectReceiverProcess(device="cuda")
+    try:
+        weights = [(name, tensor.cuda()) for name, tensor in toy_weights(seed=4)]
+        want = expected_digests(weights)
+        with BroadcastWeightSender(url, secret=SECRET, receivers=1, bucket_bytes=BUCKET, device="cuda", per_tensor=True, timeout_s=30.0) as sender:
+            process.start(url, SECRET, 1, use_plan=True, timeout_s=30.0)
+            sender.send(weights, version=1)
+        error, message, _, got, version, direct = process.result()
+        assert error is None, message
+        assert got == want and version == (1, None)
+        w_bytes = FFN * HIDDEN * 4
+        assert direct == (sum(t.nbytes for _, t in weights) - w_bytes, 7, w_bytes, {})
+    finally:
+        assert process.close() == 0
