@@ -176,6 +176,32 @@ def test_a_sender_of_whole_buckets_means_the_bucket_path(receivers):
         assert direct[:2] == (0, 0) and direct[2] == sum(tensor.nbytes for _, tensor in weights)
 
 
+def test_a_stream_that_breaks_after_direct_landings_leaves_the_weights_incomplete(receivers):
+    """Weights landed in place count as touched: the receiver's version says incomplete, and the next sync heals it."""
+    weights = toy_weights(seed=5)
+
+    def breaking():
+        yield from weights[:4]  # q, k, v (in place on rank 1) and gate, split across buckets
+        raise RuntimeError("trainer lost a rank (test)")
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    with BroadcastWeightSender(url, secret=SECRET, receivers=2, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S, per_tensor=True) as sender:
+        for rank, process in receivers.items():
+            process.start(url, SECRET, rank, use_plan=rank == 1, timeout_s=TIMEOUT_S)
+        with pytest.raises(RuntimeError, match="trainer lost a rank"):
+            sender.send(breaking(), version=10)
+    for rank, process in receivers.items():
+        error, message, seconds, _, version, direct = process.result()
+        assert error == "TransferError" and "trainer lost a rank (test)" in message, (rank, message)
+        assert seconds < TIMEOUT_S + 2.0
+        assert version[1] == 10  # incomplete: version 10 was partly applied
+        assert (direct[0] >= HEADS_Q * HIDDEN * 4) if rank == 1 else direct[0] == 0  # q at least landed in place
+    answers = sync(receivers, weights, per_tensor=True, version=11)
+    for rank, (error, message, _, got, version, _) in answers.items():
+        assert error is None, message
+        assert got == expected_digests(weights) and version == (11, None)
+
+
 def test_per_tensor_is_a_bool():
     with pytest.raises(InvalidInput, match="per_tensor=1; need a bool"):
         BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, per_tensor=1)  # type: ignore[arg-type]
