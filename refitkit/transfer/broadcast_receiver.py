@@ -9,6 +9,11 @@ arrives reassembled). Everything from the wire is checked before use: the offer'
 signatures, the header's sizes against ``MAX_FRAME_BYTES`` and the announced bucket, and the
 metadata with ``protocol``'s own checks; a bad frame is a ``ProtocolError`` and the session ends.
 
+One copy where layouts allow: ``receive(on_bucket, direct=plan)`` with a sender of ``per_tensor=True``
+receives each weight that ``plan`` places (``rollout.load_plan``: a whole parameter or rows of a fused
+one, same dtype and shape) straight into that memory; the others reach ``on_bucket`` as usual.
+``last_direct`` says how the bytes split and which planned names fell back, and why.
+
 Weight versions: ``weights_version`` says which version the receiver's weights are. A session that
 lands whole sets ``version`` and clears ``incomplete``; one that fails after it handed out its
 first bucket leaves the weights partly updated, so ``incomplete`` holds that session's version
@@ -21,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +47,25 @@ log = logging.getLogger("refitkit.transfer.broadcast")
 GO_GRACE_S = 1.0
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
+# direct(name, dtype, shape): the memory a streamed weight should land in (e.g. a rollout.load_plan.BoundPlan), or None
+Direct = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class DirectStats:
+    """How a ``receive(direct=...)`` session split its bytes: ``direct_bytes`` (``direct_tensors`` tensors) landed
+    straight in the engine's memory, ``bucket_bytes`` went through the bucket to ``on_bucket``; ``fallbacks`` maps
+    each name that had a destination but could not use it to why."""
+
+    direct_bytes: int = 0
+    direct_tensors: int = 0
+    bucket_bytes: int = 0
+    fallbacks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def direct_share(self) -> float:
+        total = self.direct_bytes + self.bucket_bytes
+        return self.direct_bytes / total if total else 0.0
 
 
 @dataclass(frozen=True)
@@ -75,18 +99,26 @@ class BroadcastWeightReceiver:
         self.host, self.port = grp.parse_rendezvous(rendezvous)
         self.weights_version = WeightVersion()
         self.last_stats: TransferStats | None = None
+        self.last_direct: DirectStats | None = None
         self._last_session: str | None = None  # served (or failed): its offer is not taken twice
 
-    def receive(self, on_bucket: OnBucket) -> TransferStats:
+    def receive(self, on_bucket: OnBucket, *, direct: Direct | None = None) -> TransferStats:
         """Run the sender's next session, calling ``on_bucket(weights, is_last)`` per bucket; returns after
-        this receiver posted its success (the sender returns once every receiver did)."""
-        run = _BroadcastReceive(self, on_bucket)
+        this receiver posted its success (the sender returns once every receiver did).
+
+        With ``direct`` (e.g. a bound ``rollout.load_plan`` plan) and a sender with ``per_tensor=True``, a
+        weight for which ``direct(name, dtype, shape)`` gives a contiguous tensor of that dtype, shape and this
+        receiver's device is received straight into it and not handed to ``on_bucket``; any other weight takes
+        the bucket path (a destination that does not fit is logged and listed in ``last_direct.fallbacks``)."""
+        run = _BroadcastReceive(self, on_bucket, direct)
         try:
             stats = run.run()
         except BaseException:
             if run.touched:
                 self.weights_version = WeightVersion(self.weights_version.version, run.version)
             raise
+        finally:
+            self.last_direct = run.direct_stats()
         self.weights_version = WeightVersion(run.version, None)
         self.last_stats = stats
         return stats
@@ -95,8 +127,12 @@ class BroadcastWeightReceiver:
 class _BroadcastReceive:
     """One session of a receiver: the store connection, the offer, the group and the bucket buffer."""
 
-    def __init__(self, receiver: BroadcastWeightReceiver, on_bucket: OnBucket) -> None:
-        self.receiver, self.on_bucket = receiver, on_bucket
+    def __init__(self, receiver: BroadcastWeightReceiver, on_bucket: OnBucket, direct: Direct | None = None) -> None:
+        self.receiver, self.on_bucket, self.direct = receiver, on_bucket, direct
+        self.per_tensor = False  # the sender broadcasts each tensor (piece) on its own: receiving in place is possible
+        self.split_landing: torch.Tensor | None = None  # the bytes of a split tensor landing in place
+        self.direct_bytes = self.direct_tensors = self.bucket_bytes = 0
+        self.fallbacks: dict[str, str] = {}
         self.secret, self.timeout_s, self.rank = receiver._secret, receiver.timeout_s, receiver.rank
         self.store: Any = None
         self.group: Any = None
@@ -156,6 +192,14 @@ class _BroadcastReceive:
             raise ProtocolError(f"handshake: malformed offer {brief(offer)} (or backend other than {self.receiver.backend!r})")
         if not 1 <= self.rank < world:
             raise InvalidInput(f"receiver rank {self.rank} is not in the sender's group of {world} (ranks 1..{world - 1})")
+        if type(offer.get("per_tensor", False)) is not bool:
+            raise ProtocolError(f"handshake: malformed offer {brief(offer)}: per_tensor is not a bool")
+        self.per_tensor = offer.get("per_tensor", False)
+        if self.direct is not None and not self.per_tensor:
+            log.warning(
+                "receiver rank %d: direct= given but session %s's sender sends whole buckets; every weight takes the "
+                "bucket path (BroadcastWeightSender(per_tensor=True) lets planned weights land in place)", self.rank, session,
+            )  # fmt: skip
         self.session, self.version = session, version
         self.receiver._last_session = session
         return offer
@@ -223,10 +267,18 @@ class _BroadcastReceive:
                 raise ProtocolError(f"streaming: bucket {self.seq} says {brief(frame.get('nbytes'))} bytes, its header {data_bytes}")
             entries = entries_from_wire(frame.get("entries"), capacity=data_bytes)
             progress = check_split_pieces(entries, progress, last=last)
-            if data_bytes:
+            landings = self._landings(entries) if self.per_tensor else [None] * len(entries)
+            if data_bytes and self.per_tensor:
+                self._receive_pieces(entries, landings, buffer)
+            elif data_bytes:
                 self._await(grp.broadcast(self.group, buffer[:data_bytes]), "the bytes")
             weights: list[tuple[str, torch.Tensor]] = []
-            for entry in entries:
+            for entry, landing in zip(entries, landings):
+                if landing is not None:  # already in the engine's memory
+                    self.direct_bytes += entry.nbytes
+                    self.direct_tensors += entry.completes
+                    continue
+                self.bucket_bytes += entry.nbytes
                 piece = buffer[entry.offset : entry.offset + entry.nbytes]
                 if entry.whole:
                     weights.append((entry.name, piece.view(entry.dtype).view(entry.shape)))
@@ -248,6 +300,69 @@ class _BroadcastReceive:
             self.seq += 1
             if last:
                 return total, count
+
+    # -- landing in place -------------------------------------------------------------------------
+
+    def _landings(self, entries: list[Any]) -> list[torch.Tensor | None]:
+        """Per entry, the bytes of engine memory it lands in, or None for the bucket path."""
+        landings: list[torch.Tensor | None] = []
+        for entry in entries:
+            if entry.start == 0:
+                target = self._target(entry) if self.direct is not None else None
+                if not entry.whole:
+                    self.split_landing = target
+                landings.append(None if target is None else target[: entry.nbytes])
+            elif self.split_landing is not None:  # a later piece of a split tensor that lands in place
+                landings.append(self.split_landing[entry.start : entry.start + entry.nbytes])
+            else:
+                landings.append(None)
+        return landings
+
+    def _target(self, entry: Any) -> torch.Tensor | None:
+        """``direct``'s destination for ``entry`` as flat bytes, if it fits exactly; else None, noted once a name."""
+        try:
+            target = self.direct(entry.name, entry.dtype, entry.shape)  # type: ignore[misc]
+        except Exception as exc:  # a plan that cannot answer costs the bucket path, never the session
+            return self._fall_back(entry.name, f"direct() raised {type(exc).__name__}: {exc}")
+        if target is None:
+            return None
+        if not isinstance(target, torch.Tensor):
+            return self._fall_back(entry.name, f"direct() gave a {type(target).__name__}, not a tensor")
+        if target.dtype != entry.dtype or tuple(target.shape) != entry.shape:
+            return self._fall_back(
+                entry.name, f"the plan says {target.dtype} {tuple(target.shape)}, the sender sent {entry.dtype} {entry.shape}"
+            )
+        if target.device != self.receiver.device or not target.is_contiguous():
+            return self._fall_back(
+                entry.name, f"the destination is on {target.device} (contiguous={target.is_contiguous()}), the receiver on {self.receiver.device}"
+            )
+        return target.view(-1).view(torch.uint8)
+
+    def _fall_back(self, name: str, reason: str) -> None:
+        if name not in self.fallbacks:
+            log.warning("receiver rank %d: %r takes the bucket path: %s", self.rank, name, reason)
+        self.fallbacks[name] = reason
+        return None
+
+    def _receive_pieces(self, entries: list[Any], landings: list[torch.Tensor | None], buffer: torch.Tensor) -> None:
+        """One broadcast per entry, as the sender cut them, each into its landing or its place in the bucket."""
+        if any(landing is not None for landing in landings):
+            self.touched = True  # the engine's own memory is being written from here on
+        works = []
+        for entry, landing in zip(entries, landings):
+            if entry.nbytes:
+                into = landing if landing is not None else buffer[entry.offset : entry.offset + entry.nbytes]
+                works.append(grp.broadcast(self.group, into))
+        deadline = time.monotonic() + self.timeout_s  # one bound for the bucket's pieces together
+        for work in works:
+            grp.await_work(
+                work, lambda: grp.abort(self.group), deadline=deadline, timeout_s=self.timeout_s,
+                where=f"{self.phase.value}: the bytes of bucket {self.seq} of session {self.session}",
+                peer="the sender (rank 0)", store=self.store, gave_up=self._sender_gave_up,
+            )  # fmt: skip
+
+    def direct_stats(self) -> DirectStats:
+        return DirectStats(self.direct_bytes, self.direct_tensors, self.bucket_bytes, dict(self.fallbacks))
 
     # -- failure ----------------------------------------------------------------------------------
 

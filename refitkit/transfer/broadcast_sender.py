@@ -7,7 +7,9 @@ process group of its own for them (gloo on CPU, NCCL on GPU; never the trainer's
 default group) and broadcasts the stream bucket by bucket, packing the next bucket into the other
 half of its buffer while the current one is on the wire. Each bucket is three broadcasts: a header
 (metadata and data sizes), the metadata (msgpack, ``protocol``'s ``bucket`` frame: names, dtypes,
-shapes, offsets, no pickle) and the bucket's bytes. At the end every receiver posts its outcome;
+shapes, offsets, no pickle) and the bucket's bytes (with ``per_tensor=True``, one broadcast per tensor or
+piece instead, so that a receiver with a load plan lands each one in its own memory; see
+``BroadcastWeightReceiver.receive(direct=...)``). At the end every receiver posts its outcome;
 ``send()`` returns once all did, raises ``TransferError`` carrying a receiver's own message if one
 failed, ``TransferTimeout`` naming the phase, bucket and peer if a wait ran past ``timeout_s`` (the
 group is aborted: for NCCL that is the only way out of a stuck collective), and ``PeerGone`` (a
@@ -47,7 +49,7 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError, Transfer
 from refitkit.transfer import _broadcast_group as grp
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
 from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
-from refitkit.transfer.protocol import ALIGN_BYTES, encode
+from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, encode
 
 log = logging.getLogger("refitkit.transfer.broadcast")
 _END = object()  # the end of a generator of weights
@@ -80,7 +82,7 @@ class BroadcastWeightSender:
     def __init__(
         self, rendezvous: str | tuple[str, int], *, secret: bytes | str, receivers: int,
         bucket_bytes: int = 512 << 20, device: str | torch.device = "cpu", backend: str = "gloo",
-        timeout_s: float = 120.0,
+        timeout_s: float = 120.0, per_tensor: bool = False,
     ) -> None:  # fmt: skip
         self.timeout_s, size, _ = checked_knobs(timeout_s=timeout_s, bucket_bytes=bucket_bytes, min_bucket_bytes=4 * ALIGN_BYTES)
         self.half_bytes = (size or 0) // 2 // ALIGN_BYTES * ALIGN_BYTES
@@ -90,6 +92,11 @@ class BroadcastWeightSender:
         self.receivers = receivers
         self.device = checked_device(device)
         self.backend = checked_backend(backend, self.device)
+        if not isinstance(per_tensor, bool):
+            raise InvalidInput(f"per_tensor={per_tensor!r}; need a bool")
+        # One broadcast per tensor (piece) instead of one per bucket: a receiver with a load plan then lands each
+        # planned tensor straight in its parameter memory (BroadcastWeightReceiver.receive(direct=...)).
+        self.per_tensor = per_tensor
         self.host, self.port = grp.parse_rendezvous(rendezvous)
         self._store: Any = grp.connect_store(self.host, self.port, is_master=True, timeout_s=self.timeout_s)
         self._lock = threading.Lock()
@@ -171,6 +178,7 @@ class _BroadcastSend:
             grp.put(self.store, "offer", grp.sign(self.secret, "offer", {
                 "session": self.session, "version": self.version, "world": self.world,
                 "half_bytes": self.half_bytes, "backend": self.sender.backend, "nonce": self.nonce,
+                "per_tensor": self.sender.per_tensor,
             }))  # fmt: skip
             self._admit()
             began = time.perf_counter()
@@ -264,7 +272,12 @@ class _BroadcastSend:
         pending: list[Any] = [self.seq, header, meta]  # the bucket's number, then what its works read
         pending.append(grp.broadcast(self.group, header))
         pending.append(grp.broadcast(self.group, meta))
-        if used:
+        if used and self.sender.per_tensor:  # the receivers cut the bytes the same way (entries_from_wire)
+            data = packer._typed_buffer(torch.uint8)[start : start + used]
+            for offset, nbytes in _piece_ranges(entries):
+                piece = data[offset : offset + nbytes]
+                pending += [piece, grp.broadcast(self.group, piece)]
+        elif used:
             data = packer._typed_buffer(torch.uint8)[start : start + used]
             pending += [data, grp.broadcast(self.group, data)]
         self.inflight[half] = pending
@@ -320,3 +333,19 @@ class _BroadcastSend:
             if status.get("ok") is not True or status.get("session") != self.session:
                 message = str(status.get("message"))
                 raise TransferError(f"draining: receiver rank {rank} failed: {message}", remote_message=message)
+
+
+def _piece_ranges(entries: list[Any]) -> list[tuple[int, int]]:
+    """(offset, bytes) of each non-empty tensor or piece of a bucket's wire entries, the cut a per-tensor receiver
+    makes from the same entries."""
+    ranges = []
+    for item in entries:
+        if len(item) == 6:
+            nbytes = item[5]
+        else:
+            nbytes = SUPPORTED_DTYPES[item[1]].itemsize
+            for size in item[2]:
+                nbytes *= size
+        if nbytes:
+            ranges.append((item[3], nbytes))
+    return ranges
