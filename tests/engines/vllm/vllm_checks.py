@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from refitkit.transfer import BucketedWeightSender
-from refitkit.transfer.vllm import VllmPushStats, push_weights, tensor_sha256
+from refitkit.rollout.vllm import VllmPushStats, push_weights, tensor_sha256
 from tests.transfer.harness import own_segment_files
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
