@@ -235,7 +235,8 @@ def clean_weight_version(llm: Any) -> int | None:
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's raw bytes (dtype and layout as stored), for bit-exact comparisons."""
-    raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    # A copy: numpy() on a tensor's own CPU storage makes that storage non-resizable (it could no longer be offloaded).
+    raw = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
