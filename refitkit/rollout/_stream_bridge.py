@@ -4,7 +4,8 @@ vLLM loads a whole sync from one iterator (``reload_weights(weights_iterator=...
 broadcast receiver hands out a bucket at a time to a callback. The receiver runs in a helper
 thread; its callback copies each tensor (the bucket's views die when the callback returns) into a
 small queue that the loader's iterator drains. Every wait is bounded; a loader that stops early
-makes the callback raise, so the receiver reports the failure to the sender.
+makes the callback raise (``finish``), so the receiver reports the failure, and the loader's
+reason, to the sender.
 """
 
 from __future__ import annotations
@@ -34,24 +35,25 @@ class ReceiveBridge:
         self._items: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_ITEMS)
         self._stopped = threading.Event()  # the loader gave up: the callback must raise
         self._error: BaseException | None = None
+        self._reason = ""  # why the loader stopped, for the receiver's report to the sender
         self._thread = threading.Thread(target=self._run, args=(receive,), name="refitkit-broadcast-receive", daemon=True)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._thread.start()
-        try:
-            while True:
-                item = self._take()
-                if item is _END:
-                    return
-                self.handed_out += 1
-                yield item
-                item = None
-        finally:
-            self._stopped.set()  # a no-op after the end; otherwise the receiver fails its session at once
+        while True:
+            item = self._take()
+            if item is _END:
+                return
+            self.handed_out += 1
+            yield item
+            item = None
 
-    def finish(self) -> Any:
-        """Wait (bounded) for the receiver thread; re-raise its error; its ``receive()`` result otherwise."""
-        self._stopped.set()
+    def finish(self, loader_error: BaseException | None = None) -> Any:
+        """Stop the receiver if it still runs (its session fails, naming ``loader_error``: why the loader stopped),
+        wait (bounded) for its thread, re-raise its error; its ``receive()`` result otherwise."""
+        if loader_error is not None:
+            self._reason = f": {type(loader_error).__name__}: {loader_error}"
+        self._stopped.set()  # set after the reason: the receiver's thread reads it once it sees the event
         if self._thread.ident is None:  # the loader never asked for a weight: no session was joined
             return None
         self._thread.join(timeout=self.timeout_s + 2 * POLL_S + 1.0)
@@ -81,7 +83,7 @@ class ReceiveBridge:
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self._stopped.is_set():
-                raise TransferError("the engine's loader stopped taking weights before the end of the stream")
+                raise TransferError(f"the engine's loader stopped taking weights before the end of the stream{self._reason}")
             try:
                 self._items.put(item, timeout=POLL_S)
                 return

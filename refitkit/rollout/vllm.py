@@ -103,11 +103,15 @@ class RefitWorkerExtension:
         try:
             try:
                 self.reload_weights(weights_iterator=iter(tracked))  # type: ignore[attr-defined]
-            except BaseException:
+            except BaseException as exc:
                 internals.recover_after_failed_reload(self)
+                try:
+                    bridge.finish(loader_error=exc)  # the sender hears vLLM's reason
+                except BaseException as late:
+                    if late is not exc:  # the stream's own error, raised through the loader: already the cause
+                        exc.add_note(f"refitkit: the broadcast receiver then failed too: {type(late).__name__}: {late}")
                 raise
-            finally:
-                stats = bridge.finish()  # the receiver's own error wins: it says what broke on the wire
+            stats = bridge.finish()  # the loader took the whole stream; the receiver's error (if any) is the news
         except BaseException:
             version = receiver.weights_version.incomplete
             state.failed(state.next_version() if version is None else version, touched=tracked.handed_out > 0)

@@ -95,3 +95,22 @@ def test_a_wrong_secret_on_the_engine_side_is_refused_before_any_weight(engine, 
         assert time.monotonic() - began < 5.0 + 10.0
     assert weight_versions(engine.llm) == [WeightVersion(230, None)]  # nothing arrived: still clean at 230
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs
+
+
+def test_a_loader_that_stops_early_fails_the_session_on_both_sides_and_the_next_one_lands(engine, trainer):
+    broadcast_push(engine, engine.original.named_parameters(), version=240)
+    weights = list(trainer.named_parameters())
+    bogus = ("model.layers.0.mlp.bogus.weight", weights[0][1])
+    began = time.monotonic()
+    with pytest.raises(TransferError) as caught:
+        broadcast_push(engine, iter(weights[:9] + [bogus] + weights[9:]), version=241)
+    assert time.monotonic() - began < 15.0  # reported by the worker, not found by a timeout
+    message = str(caught.value)
+    assert "receiver rank 1 failed" in message  # the sender heard the worker's own report
+    assert "the engine's loader stopped taking weights" in message
+    assert "layers.0.mlp.bogus" in message and "no module or parameter" in message  # vLLM's reason, from the rpc
+    assert weight_versions(engine.llm) == [WeightVersion(240, 241)]
+
+    broadcast_push(engine, engine.original.named_parameters(), version=242)  # the worker's receiver thread ended: no hang
+    assert weight_versions(engine.llm) == [WeightVersion(242, None)]
+    assert prompt_logprobs(engine.llm) == engine.baseline_logprobs
