@@ -113,7 +113,9 @@ class RefitWorkerExtension:
                 raise
             stats = bridge.finish()  # the loader took the whole stream; the receiver's error (if any) is the news
         except BaseException:
-            version = receiver.weights_version.incomplete
+            # The session's version: it broke part-way (incomplete), or it landed and vLLM failed after it.
+            landed = receiver.weights_version.version if receiver.last_stats is not None else None
+            version = receiver.weights_version.incomplete if receiver.weights_version.incomplete is not None else landed
             state.failed(state.next_version() if version is None else version, touched=tracked.handed_out > 0)
             raise
         number = receiver.weights_version.version
