@@ -41,7 +41,7 @@ def engine(tmp_path_factory):
     cuda = torch.cuda.is_available()
     llm = LLM(
         model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
-        worker_extension_cls="refitkit.transfer.vllm.RefitWorkerExtension",
+        worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
         **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
     )  # fmt: skip
     try:

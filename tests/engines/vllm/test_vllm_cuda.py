@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from refitkit.transfer import BucketedWeightSender
-from refitkit.transfer.vllm import push_weights
+from refitkit.rollout.vllm import push_weights
 from tests.engines.vllm.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, TIMEOUT_S, assert_engine_holds, prompt_logprobs, reference_logprobs, worker_info,
@@ -34,3 +34,22 @@ def test_cuda_ipc_push_lands_bit_exactly(engine):
     finally:
         engine.original.to("cpu")
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # the same state as vLLM's own disk load
+
+
+def test_gloo_broadcast_of_cuda_weights_lands_bit_exactly(engine):
+    """One GPU: the gloo path with CUDA tensors on both sides (staged through the host), as a disaggregated run would."""
+    from refitkit.rollout import clean_weight_version, push_weights_broadcast
+    from refitkit.transfer import BroadcastWeightSender
+    from tests.engines.vllm.vllm_checks import SECRET, free_port
+
+    trainer = random_llama(seed=3).to("cuda")
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    with BroadcastWeightSender(
+        rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 20, device="cuda", backend="gloo", timeout_s=TIMEOUT_S
+    ) as sender:  # fmt: skip
+        stats = push_weights_broadcast(engine.llm, sender, trainer.named_parameters(), secret=SECRET, version=900)
+    [worker] = stats.workers
+    assert (worker["version"], worker["complete"], worker["tensors"]) == (900, True, len(list(trainer.parameters())))
+    assert clean_weight_version(engine.llm) == 900
+    assert_engine_holds(engine, trainer)
+    assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)

@@ -10,7 +10,7 @@ import torch
 
 from refitkit.errors import InvalidInput, TransferError
 from refitkit.transfer import BucketedWeightSender
-from refitkit.transfer.vllm import push_weights
+from refitkit.rollout.vllm import push_weights
 from tests.engines.vllm.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, TIMEOUT_S, assert_engine_holds, prompt_logprobs, push, reference_logprobs, worker_info,
@@ -40,7 +40,8 @@ def test_push_replaces_the_weights_vllm_computes_with(engine, trainer):
     assert stats.sender.buckets > 4  # the small bucket really was reused many times
     [worker] = stats.workers
     assert (worker["tensors"], worker["bytes"], worker["buckets"]) == (stats.sender.tensors, sent_bytes, stats.sender.buckets)
-    assert all(isinstance(value, (int, float)) for value in worker.values())  # plain numbers crossed the rpc
+    assert all(isinstance(value, (int, float, bool, list)) or value is None for value in worker.values())  # plain values crossed the rpc
+    assert (worker["complete"], worker["missing"], worker["expected"]) == (True, [], 21)
 
 
 def test_pushing_the_checkpoint_back_restores_vllms_own_load_bit_exactly(engine, trainer):

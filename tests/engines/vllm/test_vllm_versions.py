@@ -1,0 +1,74 @@
+"""Weight versions in a live vLLM engine: a whole push is clean at its version; a partial or failed one is not."""
+
+from __future__ import annotations
+
+import pytest
+
+from refitkit.errors import InvalidInput, TransferError
+from refitkit.rollout import WeightVersion, clean_weight_version, weight_versions
+from tests.engines.vllm.tiny_llama import random_llama
+from tests.engines.vllm.vllm_checks import (
+    LOGPROB_TOLERANCE, assert_engine_holds, prompt_logprobs, push, reference_logprobs, worker_info,
+)  # fmt: skip
+
+pytestmark = pytest.mark.timeout(300)
+
+HF_NAMES = 21  # the tiny Llama checkpoint: embed, 2 x 9 per layer, norm, lm_head
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return random_llama(seed=1)
+
+
+def test_a_whole_push_is_clean_at_the_version_it_carried(engine, trainer):
+    stats = push(engine, trainer.named_parameters(), version=40)
+    assert (stats.workers[0]["version"], stats.workers[0]["complete"], stats.workers[0]["expected"]) == (40, True, HF_NAMES)
+    assert weight_versions(engine.llm) == [WeightVersion(40, None)]
+    assert clean_weight_version(engine.llm) == 40
+
+    push(engine, engine.original.named_parameters())  # no version given: one above any the worker saw
+    assert clean_weight_version(engine.llm) == 41
+
+
+def test_a_partial_push_of_3_of_21_tensors_is_refused_as_incomplete(engine, trainer):
+    push(engine, trainer.named_parameters(), version=50)
+    first_three = list(trainer.named_parameters())[:3]  # embed_tokens, layers.0 q_proj and k_proj: what a new user tries
+
+    with pytest.raises(InvalidInput) as caught:
+        push(engine, first_three, version=51)
+
+    message = str(caught.value)
+    assert "the push delivered 3 of the 21 weights vLLM worker 0 loads" in message
+    assert "'lm_head.weight'" in message and "model.layers.0.self_attn.v_proj.weight" not in message.split("missing")[0]
+    assert "reports version 51 as incomplete" in message
+    assert weight_versions(engine.llm) == [WeightVersion(50, 51)]
+    state = engine.llm.collective_rpc("refit_weight_version")[0]
+    assert (state["clean"], state["received"], state["expected"], len(state["missing"])) == (False, 3, HF_NAMES, 18)
+    assert "model.layers.0.self_attn.v_proj.weight" in state["missing"]
+    assert worker_info(engine.llm)["weights_consistent"] is False
+    with pytest.raises(TransferError, match=r"worker 0's weights are incomplete: sync of version 51 did not land whole; "
+                       r"it did not deliver 18 weights, .* its last whole sync was version 50"):  # fmt: skip
+        clean_weight_version(engine.llm)
+
+    push(engine, trainer.named_parameters(), version=52)  # the next whole push makes it clean again
+    assert clean_weight_version(engine.llm) == 52 and worker_info(engine.llm)["weights_consistent"] is True
+    assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
+    assert_engine_holds(engine, trainer)
+
+
+def test_a_push_that_fails_part_way_is_incomplete_at_its_version(engine, trainer):
+    push(engine, engine.original.named_parameters(), version=60)
+    weights = list(trainer.named_parameters())
+    bogus = ("model.layers.1.self_attn.bogus.weight", weights[0][1])
+    with pytest.raises(TransferError, match="no module or parameter"):
+        push(engine, iter(weights[:12] + [bogus] + weights[12:]), version=61)
+    assert weight_versions(engine.llm) == [WeightVersion(60, 61)]
+
+    with pytest.raises(InvalidInput, match="is a list, not a torch.Tensor"):  # refused whole: the engine saw nothing
+        push(engine, weights[:5] + [("model.norm.weight", [1.0])], version=62)
+    assert weight_versions(engine.llm) == [WeightVersion(60, 61)]  # still the failed push's mark
+
+    push(engine, engine.original.named_parameters(), version=63)
+    assert weight_versions(engine.llm) == [WeightVersion(63, None)]
+    assert prompt_logprobs(engine.llm) == engine.baseline_logprobs

@@ -1,0 +1,75 @@
+"""Weight versions and sync coverage on the engine side (refitkit.rollout.versions), and the old import path."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from refitkit.rollout.versions import EngineWeights, coverage_of
+from refitkit.transfer import WeightVersion
+
+pytestmark = pytest.mark.timeout(60)
+
+NAMES = frozenset(f"model.layers.{layer}.{part}.weight" for layer in range(7) for part in ("q", "k", "v"))  # 21
+
+
+def test_a_whole_sync_makes_the_weights_clean_at_its_version():
+    state = EngineWeights()
+    assert state.version == WeightVersion(None, None) and state.next_version() == 0
+    state.landed(5, coverage_of(set(NAMES), NAMES))
+    assert state.version == WeightVersion(5, None) and state.version.clean
+    assert state.next_version() == 6
+    assert state.as_dict() == {"version": 5, "incomplete": None, "clean": True, "received": 21, "expected": 21, "missing": []}
+
+
+def test_a_partial_sync_is_incomplete_and_names_what_it_missed():
+    state = EngineWeights()
+    state.landed(1, coverage_of(set(NAMES), NAMES))
+    delivered = set(sorted(NAMES)[:3])
+    coverage = coverage_of(delivered, NAMES)
+    state.landed(2, coverage)
+    assert not coverage.complete and len(coverage.missing) == 18
+    assert coverage.describe().startswith("3 of the 21 weights the engine loads (missing 'model.layers.1.k.weight'")
+    assert coverage.describe().endswith("and 10 more)")
+    assert state.version == WeightVersion(1, 2) and not state.version.clean  # the last whole sync was 1; 2 is partial
+    state.landed(3, coverage_of(set(NAMES) - delivered, NAMES))  # the other part does not add up to a whole sync
+    assert state.version == WeightVersion(1, 3)
+    state.landed(4, coverage_of(set(NAMES), NAMES))
+    assert state.version == WeightVersion(4, None)
+
+
+def test_a_failed_sync_marks_incomplete_only_when_it_touched_the_weights():
+    state = EngineWeights()
+    state.landed(0, coverage_of(set(NAMES), NAMES))
+    state.failed(1, touched=False)  # nothing reached the loader: the weights are still version 0
+    assert state.version == WeightVersion(0, None)
+    state.failed(2, touched=True)
+    assert state.version == WeightVersion(0, 2) and state.next_version() == 3
+
+
+def test_unknown_engine_names_leave_coverage_to_the_stream():
+    coverage = coverage_of({"a", "b"}, None)
+    assert coverage.complete and coverage.expected is None and "unknown" in coverage.describe()
+
+
+def test_the_old_import_path_warns_once_and_is_the_same_code():
+    script = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import refitkit.transfer.vllm as old\n"
+        "    from refitkit.transfer.vllm import push_weights\n"
+        "    import refitkit.transfer.vllm\n"
+        "import refitkit.rollout.vllm as new\n"
+        "assert old.RefitWorkerExtension is new.RefitWorkerExtension and push_weights is new.push_weights\n"
+        "print([(w.category.__name__, str(w.message)) for w in caught])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50, check=True)
+    [(category, message)] = ast.literal_eval(result.stdout)
+    assert category == "DeprecationWarning"
+    assert "refitkit.transfer.vllm moved to refitkit.rollout.vllm" in message
+    assert "refitkit.rollout.vllm.RefitWorkerExtension" in message
