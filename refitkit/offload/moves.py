@@ -167,7 +167,36 @@ def reload_tensors(
     ``device``, when given, must be the device the storages were offloaded from: storages keep
     their identity and so their device. Storages already resident are skipped.
     """
-    named = named_tensors(tensors)
+    pending = reload_plan(named_tensors(tensors), arena, device=device)
+    if not pending:
+        return EMPTY_MOVE
+    device = _common_device([g for g, _ in pending], "reload_tensors")
+    start = time.perf_counter()
+    restoring: _StorageGroup | None = None
+    try:
+        for group, slot in pending:
+            restoring = group
+            group.storage.resize_(slot.nbytes)
+            storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, slot.nbytes), non_blocking=non_blocking)
+        restoring = None
+        synchronize(device)
+    except BaseException as error:
+        _roll_back(pending, device)
+        if not isinstance(error, Exception):
+            raise
+        what = f"restoring {restoring.first_name!r}" if restoring is not None else "waiting for the copies"
+        raise RefitError(
+            f"reload_tensors failed while {what} on {device} ({type(error).__name__}: {error}); every storage of "
+            "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
+            "inference engine's KV cache) and call reload again"
+        ) from error
+    return finish_reload(pending, arena, seconds=time.perf_counter() - start)
+
+
+def reload_plan(
+    named: list[tuple[str, torch.Tensor]], arena: HostArena, *, device: torch.device | str | None = None
+) -> list[tuple[_StorageGroup, Slot]]:
+    """The storages a reload must restore, each with its slot; validated before a byte moves."""
     _check_views(arena, named)
     groups = _group_by_storage(named)
     expected = torch.device(device) if device is not None else None
@@ -192,34 +221,17 @@ def reload_tensors(
                 "storages keep their device"
             )
         pending.append((group, slot))
-    if not pending:
-        return EMPTY_MOVE
-    device = _common_device([g for g, _ in pending], "reload_tensors")
-    start = time.perf_counter()
-    restoring: _StorageGroup | None = None
-    try:
-        for group, slot in pending:
-            restoring = group
-            group.storage.resize_(slot.nbytes)
-            storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, slot.nbytes), non_blocking=non_blocking)
-        restoring = None
-        synchronize(device)
-    except BaseException as error:
-        _roll_back(pending, device)
-        if not isinstance(error, Exception):
-            raise
-        what = f"restoring {restoring.first_name!r}" if restoring is not None else "waiting for the copies"
-        raise RefitError(
-            f"reload_tensors failed while {what} on {device} ({type(error).__name__}: {error}); every storage of "
-            "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
-            "inference engine's KV cache) and call reload again"
-        ) from error
+    return pending
+
+
+def finish_reload(pending: list[tuple[_StorageGroup, Slot]], arena: HostArena, *, seconds: float) -> MoveStats:
+    """Release the slots of restored storages (their host bytes may now be overwritten)."""
     moved = 0
     for _, slot in pending:
         slot.holds_data = False
         moved += slot.nbytes
     _forget_views(arena, {group.storage._cdata for group, _ in pending})
-    return MoveStats(bytes=moved, storages=len(pending), seconds=time.perf_counter() - start)
+    return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 
 def _roll_back(pending: list[tuple[_StorageGroup, Slot]], device: torch.device) -> None:

@@ -18,7 +18,13 @@ from refitkit.engines.megatron.model import (
     model_tensors,
     regrow_grads,
 )
-from refitkit.engines.megatron.optimizer import copy_param_tensors, drop_main_grads, leaves, state_tensors
+from refitkit.engines.megatron.optimizer import (
+    copy_param_tensors,
+    drop_main_grads,
+    leaves,
+    state_tensors,
+    step_optimizers,
+)
 from refitkit.engines.megatron.weights import iter_full_weights
 from refitkit.errors import InvalidInput
 
@@ -57,6 +63,9 @@ class MegatronAdapter(EngineAdapter):
 
     def _optimizer_tensors(self) -> NamedTensors:
         return copy_param_tensors(self._leaves, self._leaves) + state_tensors(self._leaves, self._leaves)
+
+    def _step_optimizers(self) -> list[torch.optim.Optimizer]:
+        return step_optimizers(self._leaves)
 
     def _grad_params(self) -> NamedTensors:
         return loose_grads(self.chunks)
