@@ -29,7 +29,7 @@ from refitkit.offload import (
 )
 from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate, wait_before_step
 from refitkit.offload.device import local_tensor
-from refitkit.offload.moves import reload_plan
+from refitkit.offload.moves import named_tensors, reload_plan
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class EngineAdapter(abc.ABC):
         if "grad" in wanted and self._offloaded.get("grad"):
             self._check_not_replaced("grad", self._grads_to_keep())
         # validated before a byte moves, like the rest
-        deferred_plan = reload_plan(optimizer_named, self.arena) if defer else []
+        deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
         if "optimizer" in wanted and self._gate is not None:
             self._gate.remove()  # a failed deferred reload's hooks: this reload replaces it
             self._gate = None
