@@ -152,6 +152,16 @@ class EngineAdapter(abc.ABC):
     def _prepare_offload(self, parts: list[str]) -> None:
         """Bring the engine to a state whose tensors can be enumerated (e.g. FSDP reshard)."""
 
+    def _model_tensors_to_move(self) -> NamedTensors:
+        """The model tensors offload copies and reload restores; an engine may drop and rebuild the rest."""
+        return self._model_tensors()
+
+    def _after_offload(self, parts: list[str]) -> None:
+        """Runs once the offload's copies are done, before the parts are marked OFFLOADED."""
+
+    def _after_reload(self, parts: list[str]) -> None:
+        """Runs once the reload's copies are done (grads too), before the parts are marked ON_DEVICE."""
+
     def _step_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers whose ``step`` first touches the optimizer state (hooked by deferred reloads)."""
         return []
@@ -228,13 +238,14 @@ class EngineAdapter(abc.ABC):
         if not wanted:
             return _empty_move()
         self._prepare_offload(wanted)
-        model_named = self._model_tensors() if "model" in wanted else []
+        model_named = self._model_tensors_to_move() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
         grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
         # one call, so the phase pays one synchronize
         total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
         if "grad" in wanted and not keep:
             self._drop_grads()
+        self._after_offload(wanted)
         named_by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
         for part in wanted:
             self._states[part] = DeviceState.OFFLOADED
@@ -278,7 +289,7 @@ class EngineAdapter(abc.ABC):
                 f"{type(self).__name__}.reload(defer_optimizer=True): this adapter has no optimizer whose step could "
                 "wait for the state; reload without defer_optimizer"
             )
-        model_named = self._model_tensors() if "model" in wanted else []
+        model_named = self._model_tensors_to_move() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
         grad_named = self._grads_to_restore(zero) if "grad" in wanted else []
         if "model" in wanted:
@@ -295,6 +306,7 @@ class EngineAdapter(abc.ABC):
         total = reload_tensors(model_named + ([] if defer else optimizer_named) + grad_named, self.arena)
         if "grad" in wanted:
             self._after_grad_reload(zero)
+        self._after_reload(wanted)
         for part in wanted:
             if part == "optimizer" and defer:
                 continue
