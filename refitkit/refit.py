@@ -116,7 +116,8 @@ class RefitCycle:
 
         ``defer_optimizer``: return once the params and grads are back; the optimizer state arrives
         behind the caller and the optimizer's step waits for it (``adapter.reload(defer_optimizer=True)``).
-        The reload phase's bytes are then those back on return.
+        The reload phase's bytes are then those back on return. A failure of the deferred copies is
+        raised by that rank's optimizer step, after this exchange: the other ranks do not learn of it.
         """
         origin = time.perf_counter()
         failures: list[BaseException] = []

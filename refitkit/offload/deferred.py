@@ -65,7 +65,6 @@ class DeferredReload:
         self._copying = ""  # the tensor the worker is on, for a timeout's message
         self._copied = 0
         self._start = time.perf_counter()
-        self._seconds = 0.0
         self.device = _common_device([group for group, _ in pending], "reload_deferred") if pending else None
         self._stream: torch.cuda.Stream | None = None
         self._event: torch.cuda.Event | None = None
@@ -104,13 +103,13 @@ class DeferredReload:
                 if self._event is not None:
                     self._event.record(self._stream)
             self._state = ArrivalState.ISSUED
-        except Exception as error:
+        except BaseException as error:  # whatever stopped the worker, wait() must not report success
             self._error = self._roll_back(regrown, error)
             self._state = ArrivalState.FAILED
         finally:
             self._issued.set()
 
-    def _roll_back(self, regrown: list[_StorageGroup], error: Exception) -> RefitError:
+    def _roll_back(self, regrown: list[_StorageGroup], error: BaseException) -> RefitError:
         """Free what was regrown once its queued copies are done; the arena keeps every byte."""
         try:
             if self._stream is not None:
@@ -149,8 +148,7 @@ class DeferredReload:
                 # allocated on the side stream, now used on this one: a later free must wait for this stream too
                 storage_as_bytes(group.storage).record_stream(current)
         self._state = ArrivalState.ARRIVED
-        self._seconds = time.perf_counter() - self._start
-        return finish_reload(self._pending, self._arena, seconds=self._seconds)
+        return finish_reload(self._pending, self._arena, seconds=time.perf_counter() - self._start)
 
 
 def reload_deferred(

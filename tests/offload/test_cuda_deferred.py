@@ -58,11 +58,11 @@ def run(defer: bool, *, spin: bool = False, fail_on: str | None = None) -> dict:
             poisoned.append(True)
             side = torch.cuda.current_stream()
             nbytes = adapter.arena.held_bytes
-            poison = torch.full((nbytes // 4 + WIDTH * WIDTH,), float("nan"), device="cuda")
-            del poison  # back to the side stream's pool: the regrown storages are carved from it
+            # freed at once, back to the side stream's pool: the regrown storages are carved from it
+            torch.full((nbytes // 4 + WIDTH * WIDTH,), float("nan"), device="cuda")
             if spin:
                 torch.cuda._sleep(SPIN_CYCLES)  # the copies queue behind this on the side stream
-            assert side is not torch.cuda.default_stream()
+            assert side != torch.cuda.default_stream()  # the copies run on the side stream
         if name == fail_on:
             raise RuntimeError("injected regrow failure")
 

@@ -219,3 +219,23 @@ def test_reload_deferred_restores_bytes_and_wait_is_idempotent():
     assert deferred.state is ArrivalState.ARRIVED and deferred.wait().bytes == 0
     assert all(bits_equal(t, o) for t, o in zip(tensors, originals))
     assert arena.held_bytes == 0
+
+
+def test_aresume_defers_from_its_worker_thread_and_the_step_in_the_caller_waits():
+    import asyncio
+
+    from refitkit.refit import RefitCycle
+
+    reference_losses, reference = serial_run()
+    model, optimizer = make()
+    losses = [train_step(model, optimizer, s) for s in range(2)]
+    adapter = FSDPAdapter(model, optimizer)
+    with RefitCycle(adapter, None, barrier_timeout_s=30.0) as cycle:
+        cycle.refit(step=1)
+        report = asyncio.run(cycle.aresume(1, defer_optimizer=True))
+    assert report.phase("reload").bytes == adapter.state_bytes().model.device_bytes  # params only on return
+    assert adapter.part_states.optimizer is DeviceState.ARRIVING
+    losses += [train_step(model, optimizer, s) for s in range(2, 4)]
+    assert adapter.part_states.optimizer is DeviceState.ON_DEVICE
+    assert losses == reference_losses
+    assert same(snapshot(model, optimizer), reference)
