@@ -104,9 +104,11 @@ class EngineAdapter(abc.ABC):
     overridden per call. ``arena``: share one ``HostArena`` between adapters (default: own one).
     ``deferred_timeout_s``: how long a step (or an adapter call) waits for optimizer state reloaded
     with ``defer_optimizer=True`` before ``DeferredTimeout``; an attribute, also a ``reload()`` knob.
+    ``pack_below_bytes`` (attribute, default 0 = off): see ``offload_tensors``.
     """
 
     deferred_timeout_s: float = 300.0
+    pack_below_bytes: int = 0  # storages below this move in one copy per run of back-to-back slots (0: off)
 
     def __init__(
         self,
@@ -242,7 +244,7 @@ class EngineAdapter(abc.ABC):
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
         grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
         # one call, so the phase pays one synchronize
-        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes)
         if "grad" in wanted and not keep:
             self._drop_grads()
         self._after_offload(wanted)
@@ -303,7 +305,9 @@ class EngineAdapter(abc.ABC):
         if "optimizer" in wanted and self._gate is not None:
             self._gate.remove()  # a failed deferred reload's hooks: this reload replaces it
             self._gate = None
-        total = reload_tensors(model_named + ([] if defer else optimizer_named) + grad_named, self.arena)
+        total = reload_tensors(
+            model_named + ([] if defer else optimizer_named) + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes
+        )
         if "grad" in wanted:
             self._after_grad_reload(zero)
         self._after_reload(wanted)

@@ -11,6 +11,7 @@ from typing import Union
 import torch
 
 from refitkit.errors import InvalidInput, RefitError
+from refitkit.offload._packed import copy_run_to_device, copy_run_to_host, packed_runs
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
 from refitkit.offload.device import local_tensor, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
@@ -106,13 +107,17 @@ def _forget_views(arena: HostArena, keys: set[int]) -> None:
         del arena.views[tensor_id]
 
 
-def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool = True) -> MoveStats:
+def offload_tensors(
+    tensors: TensorSet, arena: HostArena, *, non_blocking: bool = True, pack_below_bytes: int = 0
+) -> MoveStats:
     """Copy each unique storage into ``arena`` and free it on the device (``resize_(0)``).
 
     Tensors keep their identity (same Python objects, same storages, now 0 bytes), so optimizer
     and engine references stay valid. Storages already offloaded to this arena are skipped.
-    Everything is validated before the first byte moves.
+    Everything is validated before the first byte moves. ``pack_below_bytes``: storages smaller
+    than this whose slots lie back to back move as one copy per run (see ``_packed``; 0: off).
     """
+    pack_below_bytes = _checked_pack(pack_below_bytes)
     groups = _group_by_storage(named_tensors(tensors))
     groups = [g for g in groups if g.storage.nbytes() > 0]
     device = _common_device(groups, "offload_tensors")
@@ -130,10 +135,13 @@ def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool 
             )
     start = time.perf_counter()
     _ensure_slots(arena, groups)
-    for group in groups:
-        slot = arena.slot_of(group.storage)
-        nbytes = group.storage.nbytes()
+    moves = [(group, arena.slot_of(group.storage), group.storage.nbytes()) for group in groups]
+    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
+    for run in runs:
+        copy_run_to_host(run, arena, non_blocking=non_blocking)
+    for group, slot, nbytes in singles:
         arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
+    for group, slot, nbytes in moves:
         slot.nbytes, slot.device = nbytes, group.storage.device
         _record_views(arena, group)
     synchronize(device)
@@ -161,23 +169,33 @@ def reload_tensors(
     *,
     device: torch.device | str | None = None,
     non_blocking: bool = True,
+    pack_below_bytes: int = 0,
 ) -> MoveStats:
     """Restore each unique storage from ``arena`` (``resize_`` then copy), in place.
 
     ``device``, when given, must be the device the storages were offloaded from: storages keep
     their identity and so their device. Storages already resident are skipped.
+    ``pack_below_bytes`` as for ``offload_tensors``.
     """
+    pack_below_bytes = _checked_pack(pack_below_bytes)
     pending = reload_plan(named_tensors(tensors), arena, device=device)
     if not pending:
         return EMPTY_MOVE
     device = _common_device([g for g, _ in pending], "reload_tensors")
     start = time.perf_counter()
     restoring: _StorageGroup | None = None
+    moves = [(group, slot, slot.nbytes) for group, slot in pending]
+    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
     try:
-        for group, slot in pending:
+        for run in runs:
+            restoring = run[0][0]
+            for group, slot, nbytes in run:
+                group.storage.resize_(nbytes)
+            copy_run_to_device(run, arena, non_blocking=non_blocking)
+        for group, slot, nbytes in singles:
             restoring = group
-            group.storage.resize_(slot.nbytes)
-            storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, slot.nbytes), non_blocking=non_blocking)
+            group.storage.resize_(nbytes)
+            storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, nbytes), non_blocking=non_blocking)
         restoring = None
         synchronize(device)
     except BaseException as error:
@@ -288,6 +306,12 @@ def regrow_tensors(tensors: TensorSet, arena: HostArena, *, zero: bool = True) -
         nbytes += size
     _forget_views(arena, restored)
     return nbytes
+
+
+def _checked_pack(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"pack_below_bytes={value!r}; need an int >= 0 (0: every storage is copied on its own)")
+    return value
 
 
 def _normal(device: torch.device) -> torch.device:
