@@ -341,8 +341,8 @@ class EngineAdapter(abc.ABC):
     def wait_deferred(self) -> None:
         """Wait (bounded by ``deferred_timeout_s``) for optimizer state reloaded with ``defer_optimizer=True``.
 
-        Raises the deferred reload's failure (a ``RefitError`` naming the tensor) if it failed;
-        a no-op when nothing is arriving.
+        Raises the deferred reload's failure (a ``RefitError`` naming the tensor) if it failed and
+        nothing raised it yet; a no-op when nothing is arriving.
         """
         self._settle_deferred()
 

@@ -123,7 +123,16 @@ class MegatronAdapter(EngineAdapter):
         if "model" in parts and self._dropped:
             drop_tensors(self._dropped, self.arena)
 
-    def reload(self, *, model: bool = True, optimizer: bool = True, defer_optimizer: bool = False, **knobs) -> AdapterMove:
+    def reload(
+        self,
+        *,
+        model: bool = True,
+        optimizer: bool = True,
+        grad: bool = True,
+        zero_grads: bool | None = None,
+        defer_optimizer: bool = False,
+        deferred_timeout_s: float | None = None,
+    ) -> AdapterMove:
         """``EngineAdapter.reload``; with dropped params the optimizer's main params must come back too (not deferred)."""
         if model and self._dropped and self._states["model"] is DeviceState.OFFLOADED:
             main_back = self._states["optimizer"] is DeviceState.ON_DEVICE or optimizer
@@ -133,7 +142,14 @@ class MegatronAdapter(EngineAdapter):
                     "and are rebuilt from the optimizer's main params, so the optimizer must be reloaded with the model, "
                     "not deferred; nothing was restored"
                 )
-        return super().reload(model=model, optimizer=optimizer, defer_optimizer=defer_optimizer, **knobs)
+        return super().reload(
+            model=model,
+            optimizer=optimizer,
+            grad=grad,
+            zero_grads=zero_grads,
+            defer_optimizer=defer_optimizer,
+            deferred_timeout_s=deferred_timeout_s,
+        )
 
     def _after_reload(self, parts: list[str]) -> None:
         if "model" in parts and self._dropped:
