@@ -44,3 +44,7 @@ class RankFailure(RefitError):
     def __init__(self, message: str, *, failures: dict[int, str]) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+class DeferredTimeout(RefitError, TimeoutError):
+    """State reloaded with ``defer_optimizer=True`` did not arrive within ``deferred_timeout_s``; nothing was lost."""

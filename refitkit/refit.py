@@ -132,11 +132,21 @@ class RefitCycle:
         records.append(self._timed("barrier", origin, lambda: self._settle("offload", failures)))
         return RefitReport(step=step, rank=self.ranks.rank, phases=tuple(records))
 
-    def resume(self, step: int) -> RefitReport:
-        """Bring the training state back to the device, then line up; raises on every rank if any failed."""
+    def resume(self, step: int, *, defer_optimizer: bool = False) -> RefitReport:
+        """Bring the training state back to the device, then line up; raises on every rank if any failed.
+
+        ``defer_optimizer``: return once the params and grads are back; the optimizer state arrives
+        behind the caller and the optimizer's step waits for it (``adapter.reload(defer_optimizer=True)``).
+        The reload phase's bytes are then those back on return. A failure of the deferred copies is
+        raised by that rank's optimizer step, after this exchange: the other ranks do not learn of it.
+        """
         origin = time.perf_counter()
         failures: list[BaseException] = []
-        reload_record = self._timed("reload", origin, lambda: _attempt(lambda: self.adapter.reload().total.bytes, failures))
+
+        def reload() -> int:
+            return self.adapter.reload(defer_optimizer=defer_optimizer).total.bytes
+
+        reload_record = self._timed("reload", origin, lambda: _attempt(reload, failures))
         barrier_record = self._timed("barrier", origin, lambda: self._settle("reload", failures))
         return RefitReport(step=step, rank=self.ranks.rank, phases=(reload_record, barrier_record))
 
@@ -144,9 +154,9 @@ class RefitCycle:
         """``refit()`` for event loops: the cycle (copies and collectives) runs in a worker thread."""
         return await asyncio.to_thread(self.refit, step)
 
-    async def aresume(self, step: int) -> RefitReport:
+    async def aresume(self, step: int, *, defer_optimizer: bool = False) -> RefitReport:
         """``resume()`` for event loops: the cycle runs in a worker thread."""
-        return await asyncio.to_thread(self.resume, step)
+        return await asyncio.to_thread(self.resume, step, defer_optimizer=defer_optimizer)
 
     def close(self) -> None:
         """Destroy the cycle's gloo group (every rank closes its cycle); the cycle cannot run afterwards."""

@@ -11,14 +11,15 @@ from __future__ import annotations
 import abc
 import enum
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from refitkit.errors import InvalidInput
+from refitkit._knobs import checked_seconds
+from refitkit.engines._arguments import as_modules, as_optimizers, check_optimizers_own_params  # noqa: F401 (re-exported)
+from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload import (
     HostArena,
     MoveStats,
@@ -27,8 +28,9 @@ from refitkit.offload import (
     reload_grads,
     reload_tensors,
 )
+from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate, wait_before_step
 from refitkit.offload.device import local_tensor
-from refitkit.offload.moves import OffloadCopies, cancel_offload, finish_offload, start_offload
+from refitkit.offload.moves import OffloadCopies, cancel_offload, finish_offload, named_tensors, reload_plan, start_offload
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +40,15 @@ PARTS: tuple[str, ...] = ("model", "optimizer", "grad")
 
 
 class DeviceState(enum.Enum):
-    """Where a part of the training state lives: on its accelerator, or in the host arena."""
+    """Where a part of the training state lives: on its accelerator, or in the host arena.
+
+    ARRIVING: reloaded with ``defer_optimizer=True`` and still being copied back behind the caller;
+    the optimizer's step (or the adapter's next offload / reload, or ``wait_deferred()``) waits for it.
+    """
 
     ON_DEVICE = "on_device"
     OFFLOADED = "offloaded"
+    ARRIVING = "arriving"
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,13 @@ class EngineAdapter(abc.ABC):
     ``zero_grad(set_to_none=True)`` would). ``zero_grads``: on reload, give every trainable param
     a zero grad (default: restore kept grads, leave dropped ones ``None``). Both can be
     overridden per call. ``arena``: share one ``HostArena`` between adapters (default: own one).
+    ``deferred_timeout_s``: how long a step (or an adapter call) waits for optimizer state reloaded
+    with ``defer_optimizer=True`` before ``DeferredTimeout``; an attribute, also a ``reload()`` knob.
+    ``pack_below_bytes`` (attribute, default 0 = off): see ``offload_tensors``.
     """
+
+    deferred_timeout_s: float = 300.0
+    pack_below_bytes: int = 0  # storages below this move in one copy per run of back-to-back slots (0: off)
 
     def __init__(
         self,
@@ -127,6 +140,8 @@ class EngineAdapter(abc.ABC):
         self.zero_grads = zero_grads
         self._states: dict[str, DeviceState] = {part: DeviceState.ON_DEVICE for part in PARTS}
         self._grads_kept = False
+        self._gate: StepGate | None = None  # the optimizer-step hooks of a deferred reload
+        self._deferred_before_copy: BeforeCopy | None = None  # tests hold deferred copies back with it
         # per part, name -> the storage offloaded under it: a tensor replaced while offloaded is caught
         self._offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]] = {}
 
@@ -150,6 +165,20 @@ class EngineAdapter(abc.ABC):
 
     def _prepare_offload(self, parts: list[str]) -> None:
         """Bring the engine to a state whose tensors can be enumerated (e.g. FSDP reshard)."""
+
+    def _model_tensors_to_move(self) -> NamedTensors:
+        """The model tensors offload copies and reload restores; an engine may drop and rebuild the rest."""
+        return self._model_tensors()
+
+    def _after_offload(self, parts: list[str]) -> None:
+        """Runs once the offload's copies are done, before the parts are marked OFFLOADED."""
+
+    def _after_reload(self, parts: list[str]) -> None:
+        """Runs once the reload's copies are done (grads too), before the parts are marked ON_DEVICE."""
+
+    def _step_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose ``step`` first touches the optimizer state (hooked by deferred reloads)."""
+        return []
 
     # --- grads: where an engine keeps them (default: ``param.grad``) ------------------------
 
@@ -175,8 +204,8 @@ class EngineAdapter(abc.ABC):
 
     @property
     def state(self) -> DeviceState:
-        """ON_DEVICE when every part is on the device (a train step can run); otherwise OFFLOADED."""
-        if all(s is DeviceState.ON_DEVICE for s in self._states.values()):
+        """ON_DEVICE when a train step can run: every part on the device or ARRIVING (the step waits for it)."""
+        if all(s in (DeviceState.ON_DEVICE, DeviceState.ARRIVING) for s in self._states.values()):
             return DeviceState.ON_DEVICE
         return DeviceState.OFFLOADED
 
@@ -233,17 +262,19 @@ class EngineAdapter(abc.ABC):
     ) -> AdapterMove:
         """Move the chosen parts to the host arena and free their device storage; idempotent per part."""
         keep = self.keep_grads if keep_grads is None else keep_grads
+        self._settle_deferred()  # bytes still arriving must land before anything leaves again
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
         if not wanted:
             return _empty_move()
         self._prepare_offload(wanted)
-        model_named = self._model_tensors() if "model" in wanted else []
+        model_named = self._model_tensors_to_move() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
         grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
         # one call, so the phase pays one synchronize
-        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes)
         if "grad" in wanted and not keep:
             self._drop_grads()
+        self._after_offload(wanted)
         named_by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
         for part in wanted:
             self._states[part] = DeviceState.OFFLOADED
@@ -290,14 +321,40 @@ class EngineAdapter(abc.ABC):
         cancel_offload(flight.copies)
 
     def reload(
-        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, zero_grads: bool | None = None
+        self,
+        *,
+        model: bool = True,
+        optimizer: bool = True,
+        grad: bool = True,
+        zero_grads: bool | None = None,
+        defer_optimizer: bool = False,
+        deferred_timeout_s: float | None = None,
     ) -> AdapterMove:
-        """Restore the chosen parts from the host arena in place; idempotent per part."""
+        """Restore the chosen parts from the host arena in place; idempotent per part.
+
+        ``defer_optimizer``: return once the params and grads are back; the optimizer state is
+        regrown and copied behind the caller (a side stream on CUDA) and the optimizer's ``step``
+        waits for it, at most ``deferred_timeout_s``. Until then ``part_states.optimizer`` is
+        ARRIVING and ``move.optimizer`` counts the bytes on their way (``move.total`` what is back).
+        """
         zero = self.zero_grads if zero_grads is None else zero_grads
+        if not isinstance(defer_optimizer, bool):
+            raise InvalidInput(f"{type(self).__name__}.reload(): defer_optimizer= must be a bool, got {defer_optimizer!r}")
+        timeout_s = checked_seconds(
+            self.deferred_timeout_s if deferred_timeout_s is None else deferred_timeout_s, "deferred_timeout_s"
+        )
+        self._settle_deferred()
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.OFFLOADED)
         if not wanted:
             return _empty_move()
-        model_named = self._model_tensors() if "model" in wanted else []
+        defer = defer_optimizer and "optimizer" in wanted
+        step_optimizers = self._step_optimizers() if defer else []
+        if defer and not step_optimizers:
+            raise InvalidInput(
+                f"{type(self).__name__}.reload(defer_optimizer=True): this adapter has no optimizer whose step could "
+                "wait for the state; reload without defer_optimizer"
+            )
+        model_named = self._model_tensors_to_move() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
         grad_named = self._grads_to_restore(zero) if "grad" in wanted else []
         if "model" in wanted:
@@ -306,14 +363,67 @@ class EngineAdapter(abc.ABC):
             self._check_not_replaced("optimizer", optimizer_named)
         if "grad" in wanted and self._offloaded.get("grad"):
             self._check_not_replaced("grad", self._grads_to_keep())
-        total = reload_tensors(model_named + optimizer_named + grad_named, self.arena)
+        # validated before a byte moves, like the rest
+        deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
+        if "optimizer" in wanted and self._gate is not None:
+            self._gate.remove()  # a failed deferred reload's hooks: this reload replaces it
+            self._gate = None
+        total = reload_tensors(
+            model_named + ([] if defer else optimizer_named) + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes
+        )
         if "grad" in wanted:
             self._after_grad_reload(zero)
+        self._after_reload(wanted)
         for part in wanted:
+            if part == "optimizer" and defer:
+                continue
             self._states[part] = DeviceState.ON_DEVICE
             self._offloaded.pop(part, None)
-        logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
-        return self._split(total, model_named, optimizer_named, grad_named)
+        if not defer:
+            logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
+            return self._split(total, model_named, optimizer_named, grad_named)
+        deferred = DeferredReload(
+            deferred_plan,
+            self.arena,
+            timeout_s=timeout_s,
+            what=f"{type(self).__name__}'s optimizer state",
+            before_copy=self._deferred_before_copy,
+        )
+        self._states["optimizer"] = DeviceState.ARRIVING
+        self._gate = wait_before_step(
+            deferred, step_optimizers, on_arrival=self._optimizer_arrived, on_failure=self._optimizer_failed
+        )
+        logger.debug(
+            "%s reloaded %s: %d bytes in %.4f s; %d optimizer bytes arriving",
+            type(self).__name__, wanted, total.bytes, total.seconds, deferred.nbytes,
+        )  # fmt: skip
+        moved = self._split(total, model_named, [], grad_named)
+        arriving = MoveStats(bytes=deferred.nbytes, storages=deferred.storages, seconds=0.0)
+        return AdapterMove(model=moved.model, optimizer=arriving, grad=moved.grad, total=total)
+
+    def wait_deferred(self) -> None:
+        """Wait (bounded by ``deferred_timeout_s``) for optimizer state reloaded with ``defer_optimizer=True``.
+
+        Raises the deferred reload's failure (a ``RefitError`` naming the tensor) if it failed and
+        nothing raised it yet; a no-op when nothing is arriving.
+        """
+        self._settle_deferred()
+
+    def _settle_deferred(self) -> None:
+        gate = self._gate
+        if gate is None or gate.reported:
+            return  # nothing arriving, or its failure was raised already (steps keep raising until reload)
+        gate.wait()
+
+    def _optimizer_arrived(self) -> None:
+        self._states["optimizer"] = DeviceState.ON_DEVICE
+        self._offloaded.pop("optimizer", None)
+        self._gate = None
+
+    def _optimizer_failed(self, error: RefitError) -> None:
+        # the bytes are still in the arena (the storages were freed again): a plain reload() retries
+        self._states["optimizer"] = DeviceState.OFFLOADED
+        logger.warning("%s: deferred optimizer reload failed: %s", type(self).__name__, error)
 
     def to(
         self, device: torch.device | str | int, *, model: bool = True, optimizer: bool = True, grad: bool = True
@@ -423,70 +533,3 @@ def _index(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.current_device()
     return 0
-
-
-# --- constructor arguments every adapter shares ----------------------------------------------
-
-
-def as_modules(value: object, *, owner: str, what: str = "model") -> list[nn.Module]:
-    """One module or a non-empty list of them, or an InvalidInput that says what was passed instead."""
-    if isinstance(value, nn.Module):
-        return [value]
-    if isinstance(value, torch.optim.Optimizer):
-        raise InvalidInput(
-            f"{owner}: {what} is a {type(value).__name__} optimizer, not an nn.Module; the model comes first: "
-            f"{owner}({what}, optimizer)"
-        )
-    parts = _as_list(value, owner=owner, what=what, expected="an nn.Module or a list of nn.Modules")
-    if not parts:
-        raise InvalidInput(f"{owner}: {what} is an empty list; pass a module or a non-empty list of model parts")
-    for index, part in enumerate(parts):
-        if not isinstance(part, nn.Module):
-            hint = "; the optimizers go in the second argument" if isinstance(part, torch.optim.Optimizer) else ""
-            raise InvalidInput(f"{owner}: {what} part {index} is a {type(part).__name__}, not an nn.Module{hint}")
-    return parts
-
-
-def as_optimizers(value: object, *, owner: str, what: str = "optimizer") -> list[torch.optim.Optimizer]:
-    """None, one optimizer or a list of them, or an InvalidInput that says what was passed instead."""
-    if value is None:
-        return []
-    if isinstance(value, torch.optim.Optimizer):
-        return [value]
-    if isinstance(value, nn.Module):
-        raise InvalidInput(
-            f"{owner}: {what} is a {type(value).__name__} module, not a torch.optim.Optimizer; the model comes "
-            f"first: {owner}(model, {what})"
-        )
-    optimizers = _as_list(value, owner=owner, what=what, expected="a torch.optim.Optimizer, a list of them, or None")
-    for index, item in enumerate(optimizers):
-        if not isinstance(item, torch.optim.Optimizer):
-            raise InvalidInput(f"{owner}: {what} {index} is a {type(item).__name__}, not a torch.optim.Optimizer")
-    return optimizers
-
-
-def check_optimizers_own_params(
-    params: Iterable[torch.Tensor], optimizers: list[torch.optim.Optimizer], *, owner: str
-) -> None:
-    """Every optimized param must be one of ``params`` (the model's), or its state would move without it.
-
-    Catches an optimizer built on another model, or on the module before it was sharded (FSDP2
-    and friends register new parameter objects).
-    """
-    owned = {id(param) for param in params}
-    for opt_index, optimizer in enumerate(optimizers):
-        for group_index, group in enumerate(optimizer.param_groups):
-            for param_index, param in enumerate(group["params"]):
-                if id(param) not in owned:
-                    raise InvalidInput(
-                        f"{owner}: optimizer {opt_index} param_groups[{group_index}].params[{param_index}] (shape "
-                        f"{tuple(param.shape)}) is not a parameter of the model passed; build the optimizer on "
-                        "this model's parameters (after sharding it), and pass the model first"
-                    )
-
-
-def _as_list(value: object, *, owner: str, what: str, expected: str) -> list:
-    # a str or a dict iterates, but as characters or keys: never what the caller meant
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise InvalidInput(f"{owner}: {what} must be {expected}, got a {type(value).__name__}")
-    return list(value)

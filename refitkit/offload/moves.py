@@ -12,6 +12,7 @@ from typing import Union
 import torch
 
 from refitkit.errors import InvalidInput, RefitError
+from refitkit.offload._packed import copy_run_to_device, copy_run_to_host, packed_runs
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
 from refitkit.offload.device import local_tensor, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
@@ -107,13 +108,17 @@ def _forget_views(arena: HostArena, keys: set[int]) -> None:
         del arena.views[tensor_id]
 
 
-def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool = True) -> MoveStats:
+def offload_tensors(
+    tensors: TensorSet, arena: HostArena, *, non_blocking: bool = True, pack_below_bytes: int = 0
+) -> MoveStats:
     """Copy each unique storage into ``arena`` and free it on the device (``resize_(0)``).
 
     Tensors keep their identity (same Python objects, same storages, now 0 bytes), so optimizer
     and engine references stay valid. Storages already offloaded to this arena are skipped.
-    Everything is validated before the first byte moves.
+    Everything is validated before the first byte moves. ``pack_below_bytes``: storages smaller
+    than this whose slots lie back to back move as one copy per run (see ``_packed``; 0: off).
     """
+    pack_below_bytes = _checked_pack(pack_below_bytes)
     groups = _group_by_storage(named_tensors(tensors))
     groups = [g for g in groups if g.storage.nbytes() > 0]
     device = _common_device(groups, "offload_tensors")
@@ -131,10 +136,13 @@ def offload_tensors(tensors: TensorSet, arena: HostArena, *, non_blocking: bool 
             )
     start = time.perf_counter()
     _ensure_slots(arena, groups)
-    for group in groups:
-        slot = arena.slot_of(group.storage)
-        nbytes = group.storage.nbytes()
+    moves = [(group, arena.slot_of(group.storage), group.storage.nbytes()) for group in groups]
+    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
+    for run in runs:
+        copy_run_to_host(run, arena, non_blocking=non_blocking)
+    for group, slot, nbytes in singles:
         arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
+    for group, slot, nbytes in moves:
         slot.nbytes, slot.device = nbytes, group.storage.device
         _record_views(arena, group)
     synchronize(device)
@@ -162,13 +170,52 @@ def reload_tensors(
     *,
     device: torch.device | str | None = None,
     non_blocking: bool = True,
+    pack_below_bytes: int = 0,
 ) -> MoveStats:
     """Restore each unique storage from ``arena`` (``resize_`` then copy), in place.
 
     ``device``, when given, must be the device the storages were offloaded from: storages keep
     their identity and so their device. Storages already resident are skipped.
+    ``pack_below_bytes`` as for ``offload_tensors``.
     """
-    named = named_tensors(tensors)
+    pack_below_bytes = _checked_pack(pack_below_bytes)
+    pending = reload_plan(named_tensors(tensors), arena, device=device)
+    if not pending:
+        return EMPTY_MOVE
+    device = _common_device([g for g, _ in pending], "reload_tensors")
+    start = time.perf_counter()
+    restoring: _StorageGroup | None = None
+    moves = [(group, slot, slot.nbytes) for group, slot in pending]
+    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
+    try:
+        for run in runs:
+            restoring = run[0][0]
+            for group, slot, nbytes in run:
+                group.storage.resize_(nbytes)
+            copy_run_to_device(run, arena, non_blocking=non_blocking)
+        for group, slot, nbytes in singles:
+            restoring = group
+            group.storage.resize_(nbytes)
+            storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, nbytes), non_blocking=non_blocking)
+        restoring = None
+        synchronize(device)
+    except BaseException as error:
+        _roll_back(pending, device)
+        if not isinstance(error, Exception):
+            raise
+        what = f"restoring {restoring.first_name!r}" if restoring is not None else "waiting for the copies"
+        raise RefitError(
+            f"reload_tensors failed while {what} on {device} ({type(error).__name__}: {error}); every storage of "
+            "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
+            "inference engine's KV cache) and call reload again"
+        ) from error
+    return finish_reload(pending, arena, seconds=time.perf_counter() - start)
+
+
+def reload_plan(
+    named: list[tuple[str, torch.Tensor]], arena: HostArena, *, device: torch.device | str | None = None
+) -> list[tuple[_StorageGroup, Slot]]:
+    """The storages a reload must restore, each with its slot; validated before a byte moves."""
     _check_views(arena, named)
     groups = _group_by_storage(named)
     expected = torch.device(device) if device is not None else None
@@ -193,34 +240,17 @@ def reload_tensors(
                 "storages keep their device"
             )
         pending.append((group, slot))
-    if not pending:
-        return EMPTY_MOVE
-    device = _common_device([g for g, _ in pending], "reload_tensors")
-    start = time.perf_counter()
-    restoring: _StorageGroup | None = None
-    try:
-        for group, slot in pending:
-            restoring = group
-            group.storage.resize_(slot.nbytes)
-            storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, slot.nbytes), non_blocking=non_blocking)
-        restoring = None
-        synchronize(device)
-    except BaseException as error:
-        _roll_back(pending, device)
-        if not isinstance(error, Exception):
-            raise
-        what = f"restoring {restoring.first_name!r}" if restoring is not None else "waiting for the copies"
-        raise RefitError(
-            f"reload_tensors failed while {what} on {device} ({type(error).__name__}: {error}); every storage of "
-            "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
-            "inference engine's KV cache) and call reload again"
-        ) from error
+    return pending
+
+
+def finish_reload(pending: list[tuple[_StorageGroup, Slot]], arena: HostArena, *, seconds: float) -> MoveStats:
+    """Release the slots of restored storages (their host bytes may now be overwritten)."""
     moved = 0
     for _, slot in pending:
         slot.holds_data = False
         moved += slot.nbytes
     _forget_views(arena, {group.storage._cdata for group, _ in pending})
-    return MoveStats(bytes=moved, storages=len(pending), seconds=time.perf_counter() - start)
+    return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 
 def _roll_back(pending: list[tuple[_StorageGroup, Slot]], device: torch.device) -> None:
@@ -277,6 +307,12 @@ def regrow_tensors(tensors: TensorSet, arena: HostArena, *, zero: bool = True) -
         nbytes += size
     _forget_views(arena, restored)
     return nbytes
+
+
+def _checked_pack(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"pack_below_bytes={value!r}; need an int >= 0 (0: every storage is copied on its own)")
+    return value
 
 
 def _normal(device: torch.device) -> torch.device:

@@ -99,6 +99,10 @@ class FSDPAdapter(EngineAdapter):
             named.extend((f"{prefix}{name}", tensor) for name, tensor in optimizer_state_tensors(optimizer))
         return named
 
+    def _step_optimizers(self) -> list[torch.optim.Optimizer]:
+        # torchtitan's OptimizersContainer steps each of these: hooking them covers the container too
+        return list(self.optimizers)
+
     def _grad_params(self) -> NamedTensors:
         named: NamedTensors = []
         seen: set[int] = set()

@@ -229,3 +229,82 @@ def stream_coordinates() -> dict[str, int]:
         "expert_tensor": parallel_state.get_expert_tensor_parallel_rank(),
         "expert_data": parallel_state.get_expert_data_parallel_rank(),
     }
+
+
+def main_param_pairs(leaf: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(model param, this rank's part of it, its fp32 main param) for each float16 param with a main copy.
+
+    ``Float16OptimizerWithFloat16Params``: ``float16_groups`` / ``fp32_from_float16_groups``, whole
+    params. ``DistributedOptimizer``: ``model_float16_groups`` / ``shard_fp32_from_float16_groups``,
+    the part at ``_get_model_param_range_map(param)["param"]`` (what ``_copy_main_params_to_model_params``
+    writes). None main params (the precision-aware optimizer) and other kinds give no pairs.
+    Checked: 0.16.1, 0.19.2.
+    """
+    _, optim = _megatron()
+    if getattr(leaf, "is_stub_optimizer", False):
+        return []
+    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    if isinstance(leaf, optim.DistributedOptimizer):
+        for model_group, main_group in zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                if main_param is None:
+                    return []
+                part = leaf._get_model_param_range_map(model_param)["param"]
+                pairs.append((model_param, model_param.detach().view(-1)[part.start : part.end], main_param))
+    elif isinstance(leaf, optim.Float16OptimizerWithFloat16Params):
+        for model_group, main_group in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                pairs.append((model_param, model_param.detach(), main_param))
+    return pairs
+
+
+def copy_main_params_to_model_params(leaf: Any) -> None:
+    """Megatron's own main -> model param copy, the one its step ends with (checked: 0.16.1, 0.19.2).
+
+    ``MixedPrecisionOptimizer._copy_main_params_to_model_params``: ``copy_`` (round to nearest) of
+    each main param into its model param, or into this rank's part of the DDP param buffer.
+    """
+    if not getattr(leaf, "is_stub_optimizer", False):
+        leaf._copy_main_params_to_model_params()
+
+
+def is_distributed_optimizer(leaf: Any) -> bool:
+    """Whether a leaf shards its main params across the data-parallel ranks (checked: 0.16.1, 0.19.2)."""
+    _, optim = _megatron()
+    return isinstance(leaf, optim.DistributedOptimizer)
+
+
+def gather_params(chunk: torch.nn.Module) -> None:
+    """All-gather the DDP param buffers from every rank's part, now (a collective of the DP group).
+
+    ``DistributedDataParallel.start_param_sync(force_sync=True)``, what the distributed optimizer's
+    step runs without ``overlap_param_gather`` (checked: 0.16.1, 0.19.2).
+    """
+    if is_ddp(chunk):
+        chunk.start_param_sync(force_sync=True)
+
+
+def buffer_params(buffer: Any) -> list[torch.Tensor]:
+    """The params a DDP buffer holds (``_ParamAndGradBuffer.params``; checked: 0.16.1, 0.19.2)."""
+    return list(buffer.params)
+
+
+def overlaps_param_gather(chunk: torch.nn.Module) -> bool:
+    """Whether the DDP chunk gathers params in the next forward (``ddp_config.overlap_param_gather``; checked: 0.16.1, 0.19.2)."""
+    return is_ddp(chunk) and bool(chunk.ddp_config.overlap_param_gather)
+
+
+def optimizer_buffers(leaf: Any) -> list[Any]:
+    """The DDP buffers a distributed optimizer steps on (``DistributedOptimizer.buffers``; checked: 0.16.1, 0.19.2).
+
+    Every param in them is optimized by one of the data-parallel ranks, whose part of the buffer
+    the all-gather of ``start_param_sync`` brings to every rank.
+    """
+    if not is_distributed_optimizer(leaf) or getattr(leaf, "is_stub_optimizer", False):
+        return []
+    return list(leaf.buffers)
+
+
+def data_parallel_group(leaf: Any) -> Any:
+    """The group a distributed optimizer shards its main params over (``.data_parallel_group``; checked: 0.16.1, 0.19.2)."""
+    return leaf.data_parallel_group

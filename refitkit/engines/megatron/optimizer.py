@@ -57,6 +57,18 @@ def state_tensors(members: list[object], all_leaves: list[object]) -> NamedTenso
     return named
 
 
+def step_optimizers(members: list[object]) -> list[torch.optim.Optimizer]:
+    """The inner torch optimizers a deferred reload hooks: the first code of a Megatron step to touch state.
+
+    ``MegatronOptimizer.step`` runs no torch step hooks of its own; before it calls the inner
+    optimizer's ``step`` (``step_with_ready_grads``) it only reads and writes grads
+    (``prepare_grads``, clipping, zero counting), never the fp32 main params or the state, so a
+    pre-hook on each inner optimizer waits exactly in time (megatron-core 0.16.1, 0.19.2).
+    """
+    found = [_internals.inner_optimizer(leaf) for leaf in members]
+    return [inner for inner in found if inner is not None]
+
+
 def drop_main_grads(members: list[object]) -> None:
     """Drop the ``.grad`` of the params the inner optimizer steps on.
 

@@ -1,0 +1,64 @@
+"""Rank functions for rebuild_params_from_main: bf16 params dropped on offload, rebuilt from the fp32 main params."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.engines.megatron import tiny_gpt
+
+
+def _streamed(adapter) -> dict[str, torch.Tensor]:
+    return {name: w.detach().to("cpu", copy=True) for name, w in adapter.named_weights()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k]) for k in a)
+
+
+def rebuild_world(rank: int, world_size: int, use_distributed_optimizer: bool) -> dict:
+    from refitkit.engines import DeviceState
+    from refitkit.engines import megatron as rm
+    from refitkit.engines.megatron.main_params import rebuildable_tensors
+    from refitkit.errors import InvalidInput
+
+    reference = tiny_gpt.build(use_distributed_optimizer=use_distributed_optimizer)
+    reference_losses = [tiny_gpt.train_step(reference, s) for s in range(4)]
+    reference_weights = tiny_gpt.weights(reference)
+
+    trainer = tiny_gpt.build(use_distributed_optimizer=use_distributed_optimizer)
+    losses = [tiny_gpt.train_step(trainer, s) for s in range(2)]
+    adapter = rm.MegatronAdapter(trainer.chunks, trainer.optimizer, rebuild_params_from_main=True)
+    seen: dict = {}
+    dropped = rebuildable_tensors(adapter.chunks, adapter._leaves)
+    seen["dropped_names"] = [n for n, _ in dropped]
+    seen["bf16_bytes"] = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in dropped}.values())
+    seen["bf16_dtypes"] = sorted({str(t.dtype) for _, t in dropped})
+    seen["model_bytes"] = adapter.state_bytes().model.device_bytes
+    before = _streamed(adapter)
+    move = adapter.offload()
+    seen["moved_model_bytes"] = move.model.bytes
+    seen["moved_total"] = move.total.bytes
+    seen["device_bytes_after_offload"] = adapter.state_bytes().device_bytes
+    seen["arena_held"] = adapter.arena.held_bytes
+    for kwargs in ({"optimizer": False}, {"defer_optimizer": True}):
+        try:
+            adapter.reload(**kwargs)
+            seen[f"refused_{sorted(kwargs)[0]}"] = None
+        except InvalidInput as error:
+            seen[f"refused_{sorted(kwargs)[0]}"] = str(error)
+    seen["still_offloaded"] = adapter.state is DeviceState.OFFLOADED and adapter.state_bytes().device_bytes == 0
+    adapter.reload()
+    seen["streamed_equal"] = _equal(_streamed(adapter), before)
+    losses += [tiny_gpt.train_step(trainer, s) for s in range(2, 4)]
+    seen["losses_equal"] = losses == reference_losses
+    seen["weights_equal"] = _equal(tiny_gpt.weights(trainer), reference_weights)
+
+    # a param written outside the optimizer breaks bf16(main) == param: it travels by copy instead
+    param = next(p for n, p in trainer.chunks[0].named_parameters() if p.requires_grad and p.dtype == torch.bfloat16)
+    with torch.no_grad():
+        param.view(-1)[0] = param.view(-1)[0] + 1.0
+    changed = _streamed(adapter)
+    seen["moved_model_bytes_when_changed"] = adapter.offload().model.bytes
+    adapter.reload()
+    seen["changed_kept"] = _equal(_streamed(adapter), changed)
+    return seen
