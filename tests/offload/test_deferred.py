@@ -193,6 +193,28 @@ def test_offload_while_the_state_is_arriving_waits_for_it_first():
     assert same(snapshot(model, optimizer), before)
 
 
+def test_an_overlapped_offload_started_while_the_state_is_arriving_waits_for_it_first():
+    """RefitCycle(overlap=True) starts the optimizer's copies before the sync: right after a deferred
+    resume (no step in between) they must copy the state that arrived, not skip or read it half-copied."""
+    model, optimizer, adapter, _ = offloaded_after_two_steps()
+    adapter.reload()
+    before = snapshot(model, optimizer)
+    adapter.offload()
+    gate = threading.Event()
+    adapter._deferred_before_copy = lambda name: gate.wait(GATE_S)
+    adapter.reload(defer_optimizer=True)
+    threading.Timer(0.2, gate.set).start()  # the copies run only after begin_offload was called
+    flight = adapter.begin_offload()
+    assert "optimizer" in flight.parts
+    adapter.finish_offload(flight)
+    adapter.offload()  # the params
+    assert adapter.part_states.optimizer is DeviceState.OFFLOADED
+    assert adapter.state_bytes().device_bytes == 0
+    assert len(optimizer._optimizer_step_pre_hooks) == 0
+    adapter.reload()
+    assert same(snapshot(model, optimizer), before)
+
+
 def test_deferring_needs_an_optimizer_to_wait_in_and_a_valid_timeout():
     model, _ = make()
     adapter = FSDPAdapter(model)
