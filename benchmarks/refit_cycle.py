@@ -51,6 +51,7 @@ class Mode:
     overlap: bool
     prepare: bool
     defer: bool
+    pack_below: int = 0  # adapter.pack_below_bytes: runs of smaller storages move as one copy
 
 
 MODES = (
@@ -58,6 +59,7 @@ MODES = (
     Mode("overlap", overlap=True, prepare=False, defer=False),
     Mode("overlap+prepare", overlap=True, prepare=True, defer=False),
     Mode("overlap+prepare+defer", overlap=True, prepare=True, defer=True),
+    Mode("overlap+prepare+pack", overlap=True, prepare=True, defer=False, pack_below=4 << 20),
 )
 
 
@@ -159,6 +161,7 @@ def run_mode(mode: Mode, module: ShapedWeights, optimizer, step, sender, peer, d
     from refitkit.refit import RefitCycle
 
     adapter = FSDPAdapter(module, optimizer)  # a fresh arena: the first round allocates (or prepare() did)
+    adapter.pack_below_bytes = mode.pack_below
     baseline_s = statistics.median(_timed(step, device) for _ in range(2))
     result: dict = {"mode": mode.name, "baseline_step_s": baseline_s}
     if mode.prepare:
