@@ -8,7 +8,8 @@ in the background while a train step ran) and then ``--rounds`` steady rounds:
 
 - ``serial``: overlap and deferral off; ``overlap``: optimizer copies during the sync;
 - ``overlap+prepare``: the arena pinned in the background during a train step;
-- ``overlap+prepare+defer``: ``resume(defer_optimizer=True)`` as well (when this refitkit has it).
+- ``overlap+prepare+defer``: ``resume(defer_optimizer=True)`` as well (when this refitkit has it);
+- ``overlap+prepare+pack``: ``adapter.pack_below_bytes = 4 MiB`` (small storages moved in runs).
 
 Measured in the same run: the flat pinned D2H/H2D rates (``benchmarks/limits.py``) and a bare
 ``empty_cache`` of the same segments. Per round: sync, offload, flush, refit and resume times,
