@@ -213,7 +213,9 @@ def bench_model(key: str, device: torch.device, rounds: int, modes: list[Mode], 
     from refitkit.transfer import BucketedWeightSender
 
     config = MODELS[key]
-    heap = [{"i": i} for i in range(heap_objects)]  # a trainer's Python heap: what a full collection would walk
+    # A trainer's Python heap: what a full collection walks. Lists, not {"i": i} dicts: CPython leaves a dict of
+    # ints untracked, so a heap of those is invisible to the collector (and makes every 10th gen-1 pass a full one).
+    heap = [[i] for i in range(heap_objects)]
     module = ShapedWeights(config, device)
     cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-5, fused=cuda, foreach=False)
