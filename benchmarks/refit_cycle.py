@@ -151,6 +151,21 @@ def bare_empty_cache_ms(sizes: list[int], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def bare_regrow_ms(sizes: list[int], device: torch.device) -> float:
+    """What a reload's allocations alone cost: storages of these sizes from an emptied cache (cudaMalloc), no copies."""
+    if device.type != "cuda":
+        return 0.0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    start = time.perf_counter()
+    blocks = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    del blocks
+    torch.cuda.empty_cache()
+    return elapsed * 1e3
+
+
 def _defer_supported() -> bool:
     from refitkit.refit import RefitCycle
 
@@ -260,6 +275,7 @@ def bench_model(key: str, device: torch.device, rounds: int, modes: list[Mode], 
         "model": config.name, "weight_bytes": weight_bytes, "state_bytes": results[-1]["arena_bytes"],
         "intact": bool(intact), "modes": results,
         "bare_empty_cache_ms": bare_empty_cache_ms(results[-1]["segment_sizes"], device),
+        "bare_regrow_ms": bare_regrow_ms(results[-1]["segment_sizes"], device),
     }  # fmt: skip
 
 
@@ -284,6 +300,8 @@ def summarize(model: dict, limits: dict | None) -> list[dict]:
             "first_offload_gbps": first_gbps, "first_offload_x": first_gbps / d2h if d2h else None,
             "offload_gbps": offload_gbps, "offload_x": offload_gbps / d2h if d2h else None,
             "reload_gbps": reload_gbps, "reload_x": reload_gbps / h2d if h2d else None,
+            # the reload's floor: its bytes at the flat H2D rate plus allocating its storages (measured bare)
+            "reload_x_floor": (med("reload_bytes") / (h2d * 1e9) + model["bare_regrow_ms"] / 1e3) / med("reload_s") if h2d and med("reload_s") else None,
             "sync_ms": med("sync_ms"), "flush_ms": med("flush_ms"),
             "flush_x_bare": med("flush_ms") / model["bare_empty_cache_ms"] if model["bare_empty_cache_ms"] else None,
             "refit_s": med("refit_s"), "refit_x_bound": med("refit_s") / bound_s if bound_s else None,
@@ -299,18 +317,19 @@ def _fmt(value: object, spec: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'model':>10} {'mode':>22} {'1st off GB/s':>13} {'off GB/s':>12} {'reload GB/s':>12} {'sync ms':>8} "
+    print(f"{'model':>10} {'mode':>22} {'1st off GB/s':>13} {'off GB/s':>12} {'reload GB/s':>12} {'rl/floor':>8} {'sync ms':>8} "
           f"{'flush ms':>12} {'refit s':>13} {'resume s':>9} {'next step s':>11} {'prep cost s':>11} {'gc 0/1/2':>10}")  # fmt: skip
     for r in rows:
         print(
             f"{r['model']:>10} {r['mode']:>22} {r['first_offload_gbps']:6.1f}={_fmt(r['first_offload_x'], '.2f'):>5}x "
             f"{r['offload_gbps']:6.1f}={_fmt(r['offload_x'], '.2f'):>4}x {r['reload_gbps']:6.1f}={_fmt(r['reload_x'], '.2f'):>4}x "
-            f"{r['sync_ms']:8.1f} {r['flush_ms']:6.1f}={_fmt(r['flush_x_bare'], '.2f'):>4}x "
+            f"{_fmt(r['reload_x_floor'], '.2f'):>8} {r['sync_ms']:8.1f} {r['flush_ms']:6.1f}={_fmt(r['flush_x_bare'], '.2f'):>4}x "
             f"{r['refit_s']:6.3f}={_fmt(r['refit_x_bound'], '.2f'):>5}x {r['resume_s']:9.3f} {r['next_step_s']:11.3f} "
             f"{_fmt(r['step_cost_of_prepare_s'], '.3f'):>11} {'/'.join(map(str, r['gc_by_generation'])):>10}"
         )
     print("x: against the flat pinned D2H (offload) / H2D (reload) rate, the bare empty_cache of the same segments "
-          "(flush), and the longest overlapped phase: max(sync, offload bytes at the flat D2H rate) (refit)")  # fmt: skip
+          "(flush), and the longest overlapped phase: max(sync, offload bytes at the flat D2H rate) (refit); rl/floor: the reload's "
+          "bytes at the flat H2D rate plus the bare allocation of its storages, over the reload's time")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -349,7 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(out["table"])
     for model in out["models"]:
         print(f"{model['model']}: receiver params {'match' if model['intact'] else 'DIFFER FROM'} the trainer's weights; "
-              f"bare empty_cache of the same segments {model['bare_empty_cache_ms']:.1f} ms")  # fmt: skip
+              f"bare empty_cache of the same segments {model['bare_empty_cache_ms']:.1f} ms, "
+              f"bare allocation of them {model['bare_regrow_ms']:.1f} ms")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if not all(model["intact"] for model in out["models"]):
