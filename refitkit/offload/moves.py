@@ -14,7 +14,7 @@ import torch
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload._packed import copy_run_to_device, copy_run_to_host, packed_runs
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
-from refitkit.offload.device import local_tensor, storage_as_bytes, synchronize
+from refitkit.offload.device import local_tensor, reserve_one_segment, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -188,6 +188,7 @@ def reload_tensors(
     moves = [(group, slot, slot.nbytes) for group, slot in pending]
     runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
     try:
+        reserve_one_segment(device, [nbytes for _, _, nbytes in moves])
         for run in runs:
             restoring = run[0][0]
             for group, slot, nbytes in run:
