@@ -74,7 +74,9 @@ def test_memory_allocated_drops_by_the_offloaded_bytes_and_comes_back():
     assert r["free_offloaded"] - r["free_loaded"] >= nbytes, r
     assert abs(r["free_base"] - r["free_offloaded"]) <= DRIVER_SLACK_BYTES, r
     assert r["allocated_offloaded"] == r["allocated_base"], r
-    assert r["allocated_reloaded"] == r["allocated_loaded"], r
+    # the storages are back: as one segment's blocks (512-byte rounding) rather than one segment each, so
+    # the allocator's account may be smaller than before the offload, never below the storage bytes
+    assert nbytes <= r["allocated_reloaded"] - r["allocated_base"] <= r["allocated_loaded"] - r["allocated_base"], r
     assert r["intact"] == [True] * 4
 
 
