@@ -3,23 +3,37 @@
 Engines differ only in how they enumerate their tensors. A subclass supplies four small
 methods (``_model_tensors``, ``_optimizer_tensors``, ``_grad_params``, ``named_weights``) and
 optionally ``_prepare_offload``; this base holds the ``HostArena``, moves everything through
-``refitkit.offload`` and keeps the bookkeeping.
+``refitkit.offload`` and keeps the bookkeeping. The overlapped offload (``_overlap``), the
+deferred optimizer reload (``_deferral``) and the replaced-tensor check (``_replaced``) are
+mixed in from their own modules; the state and report types live in ``_states``.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from refitkit._knobs import checked_seconds
 from refitkit.engines._arguments import as_modules, as_optimizers, check_optimizers_own_params  # noqa: F401 (re-exported)
-from refitkit.errors import InvalidInput, RefitError
+from refitkit.engines._deferral import DeferredOptimizer
+from refitkit.engines._overlap import OffloadInFlight, OverlappedOffload  # noqa: F401 (OffloadInFlight: re-exported)
+from refitkit.engines._replaced import ReplacedTensorGuard
+from refitkit.engines._states import (
+    PARTS,
+    AdapterMove,
+    DeviceState,
+    NamedTensors,
+    PartBytes,
+    PartStates,
+    StateBytes,
+)
+from refitkit.engines._states import empty_move as _empty_move
+from refitkit.engines._states import unique_storages as _unique_storages
+from refitkit.errors import InvalidInput, RefitError  # noqa: F401 (RefitError: importable from here as before the split)
 from refitkit.offload import (
     HostArena,
     MoveStats,
@@ -28,86 +42,14 @@ from refitkit.offload import (
     reload_grads,
     reload_tensors,
 )
-from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate, wait_before_step
+from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate, wait_before_step  # noqa: F401 (as before the split)
 from refitkit.offload.device import local_tensor
-from refitkit.offload.moves import OffloadCopies, cancel_offload, finish_offload, named_tensors, reload_plan, start_offload
+from refitkit.offload.moves import OffloadCopies, cancel_offload, finish_offload, named_tensors, reload_plan, start_offload  # noqa: F401 (as before the split)
 
 logger = logging.getLogger(__name__)
 
-NamedTensors = list[tuple[str, torch.Tensor]]
 
-PARTS: tuple[str, ...] = ("model", "optimizer", "grad")
-
-
-class DeviceState(enum.Enum):
-    """Where a part of the training state lives: on its accelerator, or in the host arena.
-
-    ARRIVING: reloaded with ``defer_optimizer=True`` and still being copied back behind the caller;
-    the optimizer's step (or the adapter's next offload / reload, or ``wait_deferred()``) waits for it.
-    """
-
-    ON_DEVICE = "on_device"
-    OFFLOADED = "offloaded"
-    ARRIVING = "arriving"
-
-
-@dataclass(frozen=True)
-class PartStates:
-    """The state of each part: model (params + buffers), optimizer state, and grads."""
-
-    model: DeviceState
-    optimizer: DeviceState
-    grad: DeviceState
-
-
-@dataclass(frozen=True)
-class PartBytes:
-    """One part's bytes: resident on the device now, and held in the host arena now."""
-
-    device_bytes: int
-    host_bytes: int
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """What ``state_bytes()`` reports: per-part bytes and the arena's allocated host bytes."""
-
-    model: PartBytes
-    optimizer: PartBytes
-    grad: PartBytes
-    arena_bytes: int
-
-    @property
-    def device_bytes(self) -> int:
-        return self.model.device_bytes + self.optimizer.device_bytes + self.grad.device_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        return self.model.host_bytes + self.optimizer.host_bytes + self.grad.host_bytes
-
-
-@dataclass(frozen=True)
-class AdapterMove:
-    """What one ``offload()`` / ``reload()`` call moved, per part and in total."""
-
-    model: MoveStats
-    optimizer: MoveStats
-    grad: MoveStats
-    total: MoveStats
-
-
-@dataclass
-class OffloadInFlight:
-    """``begin_offload()``'s copies of the optimizer state (and kept grads), not finished yet."""
-
-    parts: list[str]
-    keep_grads: bool
-    optimizer_named: NamedTensors
-    grad_named: NamedTensors
-    copies: OffloadCopies
-
-
-class EngineAdapter(abc.ABC):
+class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, abc.ABC):
     """Offload / reload of one engine's training state, with an explicit state per part.
 
     ``keep_grads``: on offload, keep grads by copying them to host (default: drop them, as
@@ -284,43 +226,6 @@ class EngineAdapter(abc.ABC):
         logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
         return self._split(total, model_named, optimizer_named, grad_named)
 
-    def begin_offload(
-        self, *, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
-    ) -> OffloadInFlight:
-        """Start copying the optimizer state (and kept grads) to the arena on a side stream; frees nothing.
-
-        For overlapping those copies with other work (``RefitCycle(overlap=True)`` streams the
-        weights meanwhile). ``finish_offload`` waits for them, frees the storages and marks the
-        parts OFFLOADED; ``cancel_offload`` waits and leaves everything ON_DEVICE. Nothing may
-        write the optimizer state or the grads in between.
-        """
-        keep = self.keep_grads if keep_grads is None else keep_grads
-        self._settle_deferred()  # state still arriving from a deferred reload must land before it is copied out
-        wanted = self._pending({"optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
-        if wanted:
-            self._prepare_offload(wanted)
-        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
-        copies = start_offload(optimizer_named + grad_named, self.arena)
-        return OffloadInFlight(wanted, keep, optimizer_named, grad_named, copies)
-
-    def finish_offload(self, flight: OffloadInFlight) -> AdapterMove:
-        """Wait for ``begin_offload``'s copies (one synchronize), free their storages, mark the parts OFFLOADED."""
-        total = finish_offload(flight.copies)
-        if "grad" in flight.parts and not flight.keep_grads:
-            self._drop_grads()
-        named_by_part = {"optimizer": flight.optimizer_named, "grad": flight.grad_named}
-        for part in flight.parts:
-            self._states[part] = DeviceState.OFFLOADED
-            self._offloaded[part] = self._held_storages(named_by_part[part])
-        if "grad" in flight.parts:
-            self._grads_kept = flight.keep_grads
-        return self._split(total, [], flight.optimizer_named, flight.grad_named)
-
-    def cancel_offload(self, flight: OffloadInFlight) -> None:
-        """Wait for ``begin_offload``'s copies and keep every part on the device, as if it never started."""
-        cancel_offload(flight.copies)
-
     def reload(
         self,
         *,
@@ -366,9 +271,8 @@ class EngineAdapter(abc.ABC):
             self._check_not_replaced("grad", self._grads_to_keep())
         # validated before a byte moves, like the rest
         deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
-        if "optimizer" in wanted and self._gate is not None:
-            self._gate.remove()  # a failed deferred reload's hooks: this reload replaces it
-            self._gate = None
+        if "optimizer" in wanted:
+            self._drop_failed_deferral()
         total = reload_tensors(
             model_named + ([] if defer else optimizer_named) + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes
         )
@@ -383,17 +287,7 @@ class EngineAdapter(abc.ABC):
         if not defer:
             logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
             return self._split(total, model_named, optimizer_named, grad_named)
-        deferred = DeferredReload(
-            deferred_plan,
-            self.arena,
-            timeout_s=timeout_s,
-            what=f"{type(self).__name__}'s optimizer state",
-            before_copy=self._deferred_before_copy,
-        )
-        self._states["optimizer"] = DeviceState.ARRIVING
-        self._gate = wait_before_step(
-            deferred, step_optimizers, on_arrival=self._optimizer_arrived, on_failure=self._optimizer_failed
-        )
+        deferred = self._start_deferred_optimizer(deferred_plan, step_optimizers, timeout_s=timeout_s)
         logger.debug(
             "%s reloaded %s: %d bytes in %.4f s; %d optimizer bytes arriving",
             type(self).__name__, wanted, total.bytes, total.seconds, deferred.nbytes,
@@ -401,30 +295,6 @@ class EngineAdapter(abc.ABC):
         moved = self._split(total, model_named, [], grad_named)
         arriving = MoveStats(bytes=deferred.nbytes, storages=deferred.storages, seconds=0.0)
         return AdapterMove(model=moved.model, optimizer=arriving, grad=moved.grad, total=total)
-
-    def wait_deferred(self) -> None:
-        """Wait (bounded by ``deferred_timeout_s``) for optimizer state reloaded with ``defer_optimizer=True``.
-
-        Raises the deferred reload's failure (a ``RefitError`` naming the tensor) if it failed and
-        nothing raised it yet; a no-op when nothing is arriving.
-        """
-        self._settle_deferred()
-
-    def _settle_deferred(self) -> None:
-        gate = self._gate
-        if gate is None or gate.reported:
-            return  # nothing arriving, or its failure was raised already (steps keep raising until reload)
-        gate.wait()
-
-    def _optimizer_arrived(self) -> None:
-        self._states["optimizer"] = DeviceState.ON_DEVICE
-        self._offloaded.pop("optimizer", None)
-        self._gate = None
-
-    def _optimizer_failed(self, error: RefitError) -> None:
-        # the bytes are still in the arena (the storages were freed again): a plain reload() retries
-        self._states["optimizer"] = DeviceState.OFFLOADED
-        logger.warning("%s: deferred optimizer reload failed: %s", type(self).__name__, error)
 
     def to(
         self, device: torch.device | str | int, *, model: bool = True, optimizer: bool = True, grad: bool = True
@@ -445,41 +315,6 @@ class EngineAdapter(abc.ABC):
                 f"their device across offload; reload with to({str(home)!r}) or reload()"
             )
         return self.reload(model=model, optimizer=optimizer, grad=grad)
-
-    def _held_storages(self, named: NamedTensors) -> dict[str, tuple[int, StorageWeakRef]]:
-        """name -> storage for every tensor whose bytes the arena now holds (O(1) each)."""
-        held: dict[str, tuple[int, StorageWeakRef]] = {}
-        for name, tensor in named:
-            storage = local_tensor(tensor).untyped_storage()
-            slot = self.arena.slot_of(storage)
-            if slot is not None and slot.holds_data:
-                held[name] = (storage._cdata, StorageWeakRef(storage))
-        return held
-
-    def _check_not_replaced(self, part: str, named: NamedTensors) -> None:
-        """Refuse a reload when a name now points at another tensor than the one offloaded under it.
-
-        Restoring the new tensor's neighbours would leave the old one (still referenced, e.g. by the
-        optimizer) at 0 bytes and its bytes stranded in the arena, so nothing is restored.
-        """
-        offloaded = self._offloaded.get(part)
-        if not offloaded:
-            return
-        current = {name: tensor for name, tensor in named}
-        replaced: list[str] = []
-        for name, (key, ref) in offloaded.items():
-            if ref.expired():
-                continue  # nothing references the old storage any more: no bytes left to lose
-            tensor = current.get(name)
-            if tensor is None or local_tensor(tensor).untyped_storage()._cdata != key:
-                replaced.append(name)
-        if replaced:
-            more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
-            raise InvalidInput(
-                f"{type(self).__name__}.reload(): {replaced[0]!r}{more} was replaced or removed while offloaded "
-                f"(e.g. `module.weight = nn.Parameter(...)` or a new optimizer state tensor); its offloaded bytes "
-                "are still in the arena and nothing was restored: put the original tensor back and call reload() again"
-            )
 
     def _pending(self, asked: dict[str, bool], from_state: DeviceState) -> list[str]:
         for part, flag in asked.items():
@@ -502,21 +337,6 @@ class EngineAdapter(abc.ABC):
     def __repr__(self) -> str:
         states = ", ".join(f"{part}={state.name}" for part, state in self._states.items())
         return f"{type(self).__name__}({states}, arena={self.arena!r})"
-
-
-def _unique_storages(named: NamedTensors) -> Iterator[torch.UntypedStorage]:
-    """Each storage behind ``named`` once (views and shards share storages)."""
-    seen: set[int] = set()
-    for _, tensor in named:
-        storage = local_tensor(tensor).untyped_storage()
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            yield storage
-
-
-def _empty_move() -> AdapterMove:
-    empty = MoveStats(bytes=0, storages=0, seconds=0.0)
-    return AdapterMove(model=empty, optimizer=empty, grad=empty, total=empty)
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:
