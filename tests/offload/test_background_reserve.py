@@ -233,3 +233,22 @@ def test_a_storage_that_grew_after_its_background_reservation_does_not_overrun_i
     reload_tensors({"b": b, "a": a}, arena)
     assert torch.equal(a, expected_a)
     assert torch.equal(b, expected_b), "a's copy ran past its reserved slot into b's host bytes"
+
+
+def test_release_after_a_failed_background_reservation_settles_the_later_ones_too():
+    arena = HostArena(pin_memory=False)
+    huge = torch.empty(1 << 50, dtype=torch.uint8, device="meta")  # 1 PiB: the host allocation fails
+    failing = arena.reserve([huge.untyped_storage()], background=True)
+    y = torch.full((256,), 2.0)
+    later = arena.reserve([y.untyped_storage()], background=True)
+    _wait_done(failing)
+    _wait_done(later)
+    arena.release()  # logs the failure; must not leave `later` to register slots in chunks it just freed
+    assert (arena.nbytes, arena.chunks) == (0, 0)
+    z, w = torch.full((256,), 3.0), torch.full((256,), 4.0)
+    offload_tensors({"z": z}, arena)
+    offload_tensors({"w": w}, arena)
+    offload_tensors({"y": y}, arena)
+    reload_tensors({"z": z, "w": w, "y": y}, arena)
+    assert torch.equal(z, torch.full((256,), 3.0)) and torch.equal(y, torch.full((256,), 2.0))
+    assert torch.equal(w, torch.full((256,), 4.0)), "y's stale slot pointed into w's chunk"
