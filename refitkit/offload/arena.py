@@ -250,10 +250,22 @@ class HostArena:
             ) from error
 
     def _settle_all(self, timeout_s: float, knob: str) -> None:
-        """Settle every pending background reservation within one deadline; raise the first failure."""
+        """Settle every pending background reservation within one deadline; raise the first failure.
+
+        A failure does not stop the others from settling: one left pending would register its
+        slots after a ``release()`` into chunk indices that by then belong to other storages.
+        """
         deadline = time.monotonic() + timeout_s
+        first: RefitError | None = None
         for reservation in list(self._pending):
-            self._settle(reservation, max(deadline - time.monotonic(), 1e-3), knob, timeout_s)
+            try:
+                self._settle(reservation, max(deadline - time.monotonic(), 1e-3), knob, timeout_s)
+            except ReserveTimeout:
+                raise
+            except RefitError as error:
+                first = first or error
+        if first is not None:
+            raise first
 
     def _commit(self, reservation: Reservation) -> None:
         for key, ref, slot_key in reservation._handed:

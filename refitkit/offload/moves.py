@@ -157,6 +157,9 @@ def offload_tensors(
 
 def _ensure_slots(arena: HostArena, groups: list[_StorageGroup]) -> None:
     """One allocation for all storages new to the arena (none in a steady round)."""
+    # settle background reservations first: a slot they register was sized when reserved and may be
+    # too small by now, which the check below must see (else the copy runs into the next slot)
+    arena._settle_all(arena.reserve_wait_s, "HostArena(reserve_wait_s=...)")
     for group in groups:
         slot = arena.slot_of(group.storage)
         if slot is not None and slot.capacity_bytes < group.storage.nbytes():

@@ -6,6 +6,8 @@ failure handling are the real ones (a real allocation failure in a spawned child
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -208,3 +210,45 @@ def test_a_background_reservation_that_fails_leaves_the_arena_usable_and_says_so
     assert r["again"] == message, "wait() after the failure must report the same error"
     assert r["a_intact"] and r["small_intact"]
     assert r["arena_nbytes"] == 4096 + 64 * MIB, "the retry reused the dead slot for small and allocated a only"
+
+
+def _wait_done(reservation: Reservation) -> None:
+    """Until the thread finished, WITHOUT settling the reservation (as an offload would find it)."""
+    deadline = time.monotonic() + 30.0
+    while not reservation.done():
+        assert time.monotonic() < deadline, "the reservation thread did not finish within 30 s"
+        time.sleep(0.005)
+
+
+def test_a_storage_that_grew_after_its_background_reservation_does_not_overrun_its_neighbours_slot():
+    a = torch.arange(16, dtype=torch.float32)  # 64 bytes: reserved at that size
+    b = torch.arange(64, dtype=torch.float32) + 1000.0  # its slot lies right after a's
+    arena = HostArena(pin_memory=False)
+    reservation = arena.reserve([a.untyped_storage(), b.untyped_storage()], background=True)
+    _wait_done(reservation)
+    a.resize_(128)  # the storage grows to 512 bytes before the first offload settles the reservation
+    a.copy_(torch.arange(128, dtype=torch.float32) + 5.0)
+    expected_a, expected_b = a.clone(), b.clone()
+    offload_tensors({"b": b, "a": a}, arena)
+    reload_tensors({"b": b, "a": a}, arena)
+    assert torch.equal(a, expected_a)
+    assert torch.equal(b, expected_b), "a's copy ran past its reserved slot into b's host bytes"
+
+
+def test_release_after_a_failed_background_reservation_settles_the_later_ones_too():
+    arena = HostArena(pin_memory=False)
+    huge = torch.empty(1 << 50, dtype=torch.uint8, device="meta")  # 1 PiB: the host allocation fails
+    failing = arena.reserve([huge.untyped_storage()], background=True)
+    y = torch.full((256,), 2.0)
+    later = arena.reserve([y.untyped_storage()], background=True)
+    _wait_done(failing)
+    _wait_done(later)
+    arena.release()  # logs the failure; must not leave `later` to register slots in chunks it just freed
+    assert (arena.nbytes, arena.chunks) == (0, 0)
+    z, w = torch.full((256,), 3.0), torch.full((256,), 4.0)
+    offload_tensors({"z": z}, arena)
+    offload_tensors({"w": w}, arena)
+    offload_tensors({"y": y}, arena)
+    reload_tensors({"z": z, "w": w, "y": y}, arena)
+    assert torch.equal(z, torch.full((256,), 3.0)) and torch.equal(y, torch.full((256,), 2.0))
+    assert torch.equal(w, torch.full((256,), 4.0)), "y's stale slot pointed into w's chunk"
