@@ -164,7 +164,10 @@ def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any
     answers.put({"bytes": nbytes, "tensors": len(weights), "half_bytes": sender.half_bytes})
     while (command := commands.get()) is not None:
         if command[0] == "floor":
-            answers.put({**peer_copy(device, nbytes), **flat_broadcast(args, 0, command[1], nbytes)})
+            copied = peer_copy(device, nbytes)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the copy's 2 x bytes (one on GPU 1) go back before the flat broadcast
+            answers.put({**copied, **flat_broadcast(args, 0, command[1], nbytes)})
             continue
         version = command[1]
         touch(weights, version)
@@ -360,7 +363,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"steady (median of syncs 2..): {s['ms']:.1f} ms, {s['gbps']:.2f} GB/s, {s['vs_flat_bcast']:.2f}x the flat "
           f"broadcast, {s['vs_copy']:.2f}x the copy")  # fmt: skip
     kill = result.get("kill")
-    if kill:
+    if kill and "crash" in kill:
+        print(f"kill case FAILED: {kill['crash']}")
+    elif kill:
         nxt = kill["next_session"]
         print(f"kill: receiver rank 1 SIGKILLed at bucket {kill['bucket']} (exit code {kill['victim_exitcode']}): the sender "
               f"ended in {kill['error_type']} after {kill['seconds']:.2f} s (bound {kill['bound_s']:g} s); other "
@@ -397,7 +402,10 @@ def main() -> int:
         result["floor"] = run.floor()
         summarize(result)
         if args.kill_receiver_at_bucket is not None:
-            result["kill"] = run.kill_case(args.kill_receiver_at_bucket)
+            try:
+                result["kill"] = run.kill_case(args.kill_receiver_at_bucket)
+            except (RuntimeError, TimeoutError) as exc:  # e.g. NCCL's watchdog took the sender down: keep the figures
+                result["kill"] = {"ok": False, "crash": f"{type(exc).__name__}: {exc}"}
     finally:
         run.close()
     print_table(result)
