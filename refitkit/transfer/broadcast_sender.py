@@ -324,10 +324,15 @@ class _BroadcastSend:
             self._receiver_failed(self.store)
             return all(grp.has(self.store, key) for key in keys)
 
-        grp.wait_until(arrived, deadline=time.monotonic() + self.timeout_s, on_timeout=lambda: TransferTimeout(
-            f"draining: not every receiver reported the end of session {self.session} (bucket {self.seq - 1} was the "
-            f"last) within timeout_s={self.timeout_s:g}; raise timeout_s if a loader is only slow"
-        ))  # fmt: skip
+        def silent() -> TransferTimeout:  # name who is missing: over NCCL a dead receiver can leave the stream whole
+            ranks = ", ".join(str(rank) for rank, key in enumerate(keys, 1) if not grp.has(self.store, key))
+            return TransferTimeout(
+                f"draining: receiver rank(s) {ranks} did not report the end of session {self.session} (bucket "
+                f"{self.seq - 1} was the last) within timeout_s={self.timeout_s:g}; dead? (raise timeout_s if a loader "
+                "is only slow)"
+            )
+
+        grp.wait_until(arrived, deadline=time.monotonic() + self.timeout_s, on_timeout=silent)
         for rank, key in enumerate(keys, 1):
             status = grp.open_signed(self.secret, "status", grp.get(self.store, key), f"receiver rank {rank}'s status")
             if status.get("ok") is not True or status.get("session") != self.session:

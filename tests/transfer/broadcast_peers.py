@@ -1,8 +1,9 @@
 """Broadcast receivers for tests: long-lived spawned processes that run one ``receive()`` per command.
 
-A command is ``(rendezvous, secret, rank, mode, timeout_s, device)``; the answer is ``(error type or None, message,
+A command is ``(rendezvous, secret, rank, mode, timeout_s, device, backend)``; the answer is ``(error type or None, message,
 seconds, digests, weights_version)`` where digests map each name to (dtype, shape, sha256). Modes:
-"ok"; "kill" (SIGKILL itself inside ``on_bucket`` of bucket 1: dies mid-broadcast); "raise"
+"ok"; "kill" (SIGKILL itself inside ``on_bucket`` of bucket 1: dies mid-broadcast); "kill-last" (the same inside
+the last bucket's: the whole stream arrived, no status follows); "raise"
 (``on_bucket`` raises at bucket 1). One receiver object is kept per (rendezvous, secret, rank), so
 its weight version carries over from one command to the next, as in an engine.
 """
@@ -14,6 +15,8 @@ import os
 import signal
 import time
 from typing import Any
+
+import torch
 
 from tests.transfer.peers import digest
 
@@ -27,18 +30,21 @@ def receiver_server_main(commands: Any, answers: Any) -> None:
         command = commands.get()
         if command is None:
             return
-        rendezvous, secret, rank, mode, timeout_s, device = command
-        key = (rendezvous, secret, rank, device)
+        rendezvous, secret, rank, mode, timeout_s, device, backend = command
+        key = (rendezvous, secret, rank, device, backend)
+        place = torch.device(device)
+        if place.type == "cuda" and place.index is not None:
+            torch.cuda.set_device(place)  # one GPU per rank (NCCL): this process's GPU
         got: dict[str, Any] = {}
 
         def on_bucket(weights: list, last: bool, state: dict = {"buckets": 0}) -> None:  # noqa: B006
             state["buckets"] += 1
-            if state["buckets"] == 2 and mode == "kill":
+            if (state["buckets"] == 2 and mode == "kill") or (last and mode == "kill-last"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if state["buckets"] == 2 and mode == "raise":
                 raise RuntimeError("loader refused bucket 1 (test)")
             for name, tensor in weights:
-                if tensor.device.type != device:
+                if tensor.device.type != place.type or place.index not in (None, tensor.device.index):
                     raise RuntimeError(f"{name!r} arrived on {tensor.device}, not on {device}")
                 got[name] = digest(tensor)
 
@@ -47,7 +53,7 @@ def receiver_server_main(commands: Any, answers: Any) -> None:
             receiver = receivers.get(key)
             if receiver is None:
                 receiver = receivers[key] = BroadcastWeightReceiver(
-                    rendezvous, secret=secret, rank=rank, device=device, timeout_s=timeout_s
+                    rendezvous, secret=secret, rank=rank, device=device, backend=backend, timeout_s=timeout_s
                 )
             receiver.receive(on_bucket)
             error = None, ""
@@ -70,9 +76,10 @@ class ReceiverProcess:
             raise RuntimeError(f"receiver server said {ready!r} instead of ready")
 
     def start(
-        self, rendezvous: str, secret: str, rank: int, mode: str = "ok", timeout_s: float = 3.0, device: str = "cpu"
-    ) -> None:
-        self.commands.put((rendezvous, secret, rank, mode, timeout_s, device))
+        self, rendezvous: str, secret: str, rank: int, mode: str = "ok", timeout_s: float = 3.0, device: str = "cpu",
+        backend: str = "gloo",
+    ) -> None:  # fmt: skip
+        self.commands.put((rendezvous, secret, rank, mode, timeout_s, device, backend))
 
     def result(self, timeout_s: float = 60.0) -> tuple:
         return self.answers.get(timeout=timeout_s)
