@@ -363,6 +363,11 @@ class HostArena:
                 f"HostArena.release(): {len(holding)} storages ({sum(s.nbytes for s in holding)} bytes) "
                 "are still offloaded here; reload them first"
             )
+        if self.pinned:
+            # A deferred reload's slots are free once its copies are queued, not done: the device must
+            # finish reading the pinned pages before they are unregistered and freed.
+            for device in {slot.device for slot in self._slots.values() if slot.device.type == "cuda"}:
+                torch.cuda.synchronize(device)
         self._slots.clear()
         self.views.clear()
         self._dropped.clear()

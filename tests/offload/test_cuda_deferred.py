@@ -106,3 +106,31 @@ def test_a_deferred_reload_that_fails_on_the_gpu_raises_at_the_step_and_the_retr
     assert failed["state_after_failure"] is DeviceState.OFFLOADED and failed["optimizer_device_bytes"] == 0
     assert failed["losses"] == serial["losses"]
     assert all(bits_equal(failed["state"][k], serial["state"][k]) for k in serial["state"])
+
+
+def test_releasing_the_arena_while_deferred_copies_are_queued_waits_for_them():
+    """wait_deferred() frees the slots once the copies are queued (the host does not wait); releasing the
+    pinned arena right then must not unregister and free pages the side stream has yet to read."""
+    model, optimizer = make()
+    for s in range(2):
+        train_step(model, optimizer, s)
+    expected = snapshot(model, optimizer)
+    adapter = FSDPAdapter(model, optimizer)
+    adapter.offload()
+    flush_device()
+    spun: list[bool] = []
+
+    def before_copy(name: str) -> None:  # in the worker, with the side stream current
+        if not spun:
+            spun.append(True)
+            torch.cuda._sleep(4 * SPIN_CYCLES)  # the copies queue behind ~0.4 s of spin
+    adapter._deferred_before_copy = before_copy
+    adapter.reload(defer_optimizer=True)
+    adapter.wait_deferred()  # the slots are free now; the copies may not have run
+    assert adapter.arena.pinned
+    adapter.arena.release()
+    assert adapter.arena.nbytes == 0
+    torch.cuda.synchronize()
+    got = snapshot(model, optimizer)
+    assert sorted(got) == sorted(expected)
+    assert all(bits_equal(got[k], expected[k]) for k in expected)
