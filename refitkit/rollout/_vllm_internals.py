@@ -83,18 +83,31 @@ def _checkpoint_dir(model: str, revision: str | None) -> str | None:
 
 
 def _safetensors_names(directory: str) -> set[str] | None:
+    """The tensor names of a local safetensors checkpoint (index or file headers); None without safetensors files.
+
+    A malformed index or header is a ValueError naming the file (the caller then leaves coverage unknown).
+    """
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as handle:
-            return set(json.load(handle)["weight_map"])
+            weight_map = json.load(handle)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise ValueError(f"{index}: no weight_map object")
+        return set(weight_map["weight_map"])
     files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
     if not files:
         return None
     names: set[str] = set()
     for name in files:
         with open(os.path.join(directory, name), "rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
+            prefix = handle.read(8)
+            if len(prefix) != 8:
+                raise ValueError(f"{name}: shorter than a safetensors header")
+            (size,) = struct.unpack("<Q", prefix)
             if size > MAX_HEADER_BYTES:
                 raise ValueError(f"{name}: a {size}-byte safetensors header")
-            names.update(key for key in json.loads(handle.read(size)) if key != "__metadata__")
+            header = json.loads(handle.read(size))
+        if not isinstance(header, dict):
+            raise ValueError(f"{name}: its header is not a JSON object")
+        names.update(key for key in header if key != "__metadata__")
     return names

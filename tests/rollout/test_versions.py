@@ -73,3 +73,23 @@ def test_the_old_import_path_warns_once_and_is_the_same_code():
     assert category == "DeprecationWarning"
     assert "refitkit.transfer.vllm moved to refitkit.rollout.vllm" in message
     assert "refitkit.rollout.vllm.RefitWorkerExtension" in message
+
+
+@pytest.mark.parametrize(
+    "files,message",
+    [
+        ({"model.safetensors.index.json": b'{"metadata": {}}'}, "no weight_map object"),
+        ({"model.safetensors.index.json": b"[1, 2]"}, "no weight_map object"),
+        ({"model.safetensors": b"\x05\x00"}, "shorter than a safetensors header"),
+        ({"model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00[]"}, "its header is not a JSON object"),
+        ({"model.safetensors": b"\x04\x00\x00\x00\x00\x00\x00\x00{\"a\""}, "Expecting"),
+    ],
+)
+def test_a_malformed_checkpoint_index_or_header_is_a_value_error_naming_the_file(tmp_path, files, message):
+    """The worker leaves coverage unknown on ValueError/OSError; anything else would fail every sync."""
+    from refitkit.rollout._vllm_internals import _safetensors_names
+
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        _safetensors_names(str(tmp_path))
