@@ -364,8 +364,8 @@ class HostArena:
                 "are still offloaded here; reload them first"
             )
         if self.pinned:
-            # A deferred reload's slots are free once its copies are queued, not done: the device must
-            # finish reading the pinned pages before they are unregistered and freed.
+            # A deferred reload's slots are free once its copies are queued, not done. CUDA does not document
+            # that unregistering pinned pages waits for copies still reading them (on the H200 it did), so wait.
             for device in {slot.device for slot in self._slots.values() if slot.device.type == "cuda"}:
                 torch.cuda.synchronize(device)
         self._slots.clear()
