@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 from torch.profiler import record_function
 
 from refitkit.errors import InvalidInput
@@ -97,7 +98,7 @@ class RefitCycle:
         on_phase: Callable[[str], None] | None = None,
         overlap: bool = True,
     ) -> None:
-        from refitkit.engines.base import EngineAdapter, OffloadInFlight
+        from refitkit.engines.base import EngineAdapter
 
         if not isinstance(adapter, EngineAdapter):
             raise InvalidInput(f"RefitCycle: adapter must be an EngineAdapter (e.g. FSDPAdapter), got a {type(adapter).__name__}")
@@ -152,11 +153,11 @@ class RefitCycle:
 
     async def arefit(self, step: int) -> RefitReport:
         """``refit()`` for event loops: the cycle (copies and collectives) runs in a worker thread."""
-        return await asyncio.to_thread(self.refit, step)
+        return await asyncio.to_thread(_on_callers_device(self.refit), step)
 
     async def aresume(self, step: int, *, defer_optimizer: bool = False) -> RefitReport:
         """``resume()`` for event loops: the cycle runs in a worker thread."""
-        return await asyncio.to_thread(self.resume, step, defer_optimizer=defer_optimizer)
+        return await asyncio.to_thread(_on_callers_device(self.resume), step, defer_optimizer=defer_optimizer)
 
     def close(self) -> None:
         """Destroy the cycle's gloo group (every rank closes its cycle); the cycle cannot run afterwards."""
@@ -236,6 +237,19 @@ def _begun(adapter: "EngineAdapter") -> "OffloadInFlight | BaseException":
         return adapter.begin_offload()
     except Exception as error:
         return error
+
+
+def _on_callers_device(fn: Callable[..., RefitReport]) -> Callable[..., RefitReport]:
+    """``fn`` run with the caller's current CUDA device: a new thread starts on device 0, where the flush and
+    any pinning would otherwise sync and make a context on every rank of a multi-GPU host."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run(*args: Any, **kwargs: Any) -> RefitReport:
+        if device is not None:
+            torch.cuda.set_device(device)
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def _attempt(fn: Callable[[], int | None], failures: list[BaseException]) -> int:

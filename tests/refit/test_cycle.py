@@ -40,3 +40,39 @@ def test_two_fsdp_ranks_refit_with_one_sender_and_a_real_barrier():
     assert sender_rank["sync_bytes"] > 0 and other_rank["sync_bytes"] == 0  # rank 1 only joined the gathers
     assert sender_rank["offloaded"] and other_rank["offloaded"]
     assert sender_rank["loss_finite"] and other_rank["loss_finite"]
+
+
+def _phases_device_in_the_worker_thread() -> dict:
+    """Child process: the caller is on GPU 1; arefit/aresume run their phases in a worker thread."""
+    import asyncio
+
+    from refitkit.engines.fsdp import FSDPAdapter
+    from refitkit.refit import RefitCycle
+
+    torch.cuda.set_device(1)
+    model = torch.nn.Linear(64, 64).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    seen: list[tuple[str, int]] = []
+    cycle = RefitCycle(FSDPAdapter(model, optimizer), None, on_phase=lambda name: seen.append((name, torch.cuda.current_device())))
+
+    async def cycle_once() -> None:
+        await cycle.arefit(1)
+        await cycle.aresume(1)
+
+    asyncio.run(cycle_once())
+    cycle.close()
+    return {"seen": seen, "gpu0_context_bytes": torch.cuda.memory_reserved(0)}
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: the caller on GPU 1")
+def test_arefit_and_aresume_run_on_the_callers_gpu_not_on_gpu_0():
+    from tests.offload.child import run_in_child
+
+    result = run_in_child(_phases_device_in_the_worker_thread)
+    assert {device for _, device in result["seen"]} == {1}, result["seen"]
+    assert [name for name, _ in result["seen"]][-2:] == ["reload", "barrier"]
+    assert result["gpu0_context_bytes"] == 0  # nothing was allocated on GPU 0
