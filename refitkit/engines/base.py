@@ -113,7 +113,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         return self._model_tensors()
 
     def _after_offload(self, parts: list[str]) -> None:
-        """Runs once the offload's copies are done, before the parts are marked OFFLOADED."""
+        """Runs once the offload's copies are done and the parts are marked OFFLOADED (a raise leaves them so)."""
 
     def _after_reload(self, parts: list[str]) -> None:
         """Runs once the reload's copies are done (grads too), before the parts are marked ON_DEVICE."""
@@ -216,13 +216,15 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         total = offload_tensors(model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes)
         if "grad" in wanted and not keep:
             self._drop_grads()
-        self._after_offload(wanted)
+        # marked before the hook: its storages are freed now, so a hook that raises must leave them
+        # OFFLOADED (a reload brings them back) rather than ON_DEVICE with no bytes
         named_by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
         for part in wanted:
             self._states[part] = DeviceState.OFFLOADED
             self._offloaded[part] = self._held_storages(named_by_part[part])
         if "grad" in wanted:
             self._grads_kept = keep
+        self._after_offload(wanted)
         logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
         return self._split(total, model_named, optimizer_named, grad_named)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -61,7 +62,8 @@ class DeferredReload:
         self._before_copy = before_copy
         self._issued = threading.Event()
         self._state = ArrivalState.COPYING if pending else ArrivalState.ISSUED
-        self._error: RefitError | None = None
+        self._failure: str | None = None  # why the reload failed, raised as a fresh RefitError by each wait()
+        self._worker_trace = ""  # the worker's error as text: the object would hold its frame, which holds self
         self._copying = ""  # the tensor the worker is on, for a timeout's message
         self._copied = 0
         self._start = time.perf_counter()
@@ -107,12 +109,18 @@ class DeferredReload:
                     self._event.record(self._stream)
             self._state = ArrivalState.ISSUED
         except BaseException as error:  # whatever stopped the worker, wait() must not report success
-            self._error = self._roll_back(regrown, error)
+            self._roll_back(regrown)
+            self._failure = (
+                f"the deferred reload of {self.what} failed while restoring {self._copying!r} on {self.device} "
+                f"({type(error).__name__}: {error}); every storage of it was freed again and its bytes are still "
+                "in the arena: free device memory (e.g. the inference engine's KV cache) and call reload() again"
+            )
+            self._worker_trace = "".join(traceback.format_exception(error)).rstrip()
             self._state = ArrivalState.FAILED
         finally:
             self._issued.set()
 
-    def _roll_back(self, regrown: list[_StorageGroup], error: BaseException) -> RefitError:
+    def _roll_back(self, regrown: list[_StorageGroup]) -> None:
         """Free what was regrown once its queued copies are done; the arena keeps every byte."""
         try:
             if self._stream is not None:
@@ -120,18 +128,18 @@ class DeferredReload:
         finally:
             for group in regrown:
                 group.storage.resize_(0)
-        failed = RefitError(
-            f"the deferred reload of {self.what} failed while restoring {self._copying!r} on {self.device} "
-            f"({type(error).__name__}: {error}); every storage of it was freed again and its bytes are still in "
-            "the arena: free device memory (e.g. the inference engine's KV cache) and call reload() again"
-        )
-        failed.__cause__ = error
+
+    def _failed(self) -> RefitError:
+        """A fresh error per raise: re-raising one object would grow its traceback by every step's frames."""
+        failed = RefitError(self._failure)
+        failed.add_note(f"refitkit: the deferred reload's worker failed with:\n{self._worker_trace}")
         return failed
 
     def wait(self, timeout_s: float | None = None) -> MoveStats:
         """Wait (bounded) until the storages may be used by the caller's stream; raise the reload's failure.
 
-        Idempotent: after ARRIVED it returns at once; after FAILED it raises the same error again.
+        Idempotent: after ARRIVED it returns at once; after FAILED it raises the same failure again
+        (a new ``RefitError`` each time, with the same message).
         """
         if self._state is ArrivalState.ARRIVED:
             return EMPTY_MOVE
@@ -142,8 +150,8 @@ class DeferredReload:
                 f"arrive within deferred_timeout_s={limit:g} s: {self._copied} copied, still on {self._copying!r}; "
                 "nothing was lost (a later wait continues); raise deferred_timeout_s if the host is that slow"
             )
-        if self._error is not None:
-            raise self._error
+        if self._failure is not None:
+            raise self._failed()
         if self._event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(self._event)  # the GPU orders the step after the copies; the host does not block

@@ -8,6 +8,7 @@ step); the copies run in the deferred reload's worker thread, which a test holds
 from __future__ import annotations
 
 import threading
+import traceback
 
 import pytest
 import torch
@@ -261,3 +262,59 @@ def test_aresume_defers_from_its_worker_thread_and_the_step_in_the_caller_waits(
     assert adapter.part_states.optimizer is DeviceState.ON_DEVICE
     assert losses == reference_losses
     assert same(snapshot(model, optimizer), reference)
+
+
+def _failing_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[int]:
+    """The length of each failing step's formatted error (message, notes, chain and traceback)."""
+    sizes = []
+    for _ in range(steps):
+        try:
+            train_step(model, optimizer, 2)
+        except RefitError as error:
+            sizes.append(len("".join(traceback.format_exception(error))))
+    return sizes
+
+
+def test_a_failed_deferred_reload_and_its_failing_steps_leave_no_reference_cycle_and_the_error_does_not_grow():
+    from refitkit.watchdog import CycleAudit
+
+    model, optimizer, adapter, _ = offloaded_after_two_steps()
+
+    def fail(name: str) -> None:
+        raise RuntimeError("injected: out of device memory")
+
+    with CycleAudit() as audit:
+        adapter._deferred_before_copy = fail
+        adapter.reload(defer_optimizer=True)
+        sizes = _failing_steps(model, optimizer, 4)
+        model.zero_grad(set_to_none=True)  # the failed attempts' backward passes left grads behind
+        adapter._deferred_before_copy = None
+        adapter.reload()  # the retry drops the failed reload's gate: nothing may keep it alive in a cycle
+    assert audit.report is not None and audit.report.clean, audit.report.summary()
+    assert len(sizes) == 4 and len(set(sizes)) == 1, f"the error grows with every raise: {sizes}"
+    train_step(model, optimizer, 2)  # the retried state is whole
+
+
+def test_a_failed_reload_deferred_raises_a_fresh_error_naming_the_cause_each_wait():
+    from refitkit.watchdog import CycleAudit
+
+    tensors = [torch.arange(n, dtype=torch.float32) for n in (3, 5)]
+    arena = HostArena()
+    offload_tensors(tensors, arena)
+
+    def fail(name: str) -> None:
+        raise RuntimeError("injected copy error")
+
+    with CycleAudit() as audit:
+        deferred = reload_deferred(tensors, arena, timeout_s=30.0, what="two tensors", before_copy=fail)
+        texts = []
+        for _ in range(3):
+            try:
+                deferred.wait()
+            except RefitError as error:
+                texts.append("".join(traceback.format_exception(error)))
+        assert deferred.state is ArrivalState.FAILED
+        del deferred
+    assert audit.report is not None and audit.report.clean, audit.report.summary()
+    assert len(texts) == 3 and len(set(texts)) == 1, [len(t) for t in texts]
+    assert "deferred reload of two tensors failed" in texts[0] and "RuntimeError: injected copy error" in texts[0]

@@ -40,6 +40,7 @@ _RECORD_BYTES = 1024  # one header; a longer payload follows in a second broadca
 _PREFIX = struct.Struct("<BI")  # kind, payload bytes
 _DONE, _WEIGHT, _FAILED = 0, 1, 2
 _MESSAGE_CHARS = 900  # a failure's message, cut so that most fit the record
+_MAX_DIMS = 64  # more dims in a weight header is a forged or corrupt one
 
 
 class PipelineStages:
@@ -92,7 +93,8 @@ class PipelineStages:
                 "keep every model part on one device"
             )
         dtype_name = str(tensor.dtype).removeprefix("torch.")
-        self._broadcast(_WEIGHT, msgpack.packb([name, list(tensor.shape), dtype_name]), self.pipeline_rank)
+        nbytes = tensor.numel() * tensor.element_size()  # announced: the receiver checks the shape against it
+        self._broadcast(_WEIGHT, msgpack.packb([name, list(tensor.shape), dtype_name, nbytes]), self.pipeline_rank)
         dist.broadcast(tensor.contiguous(), group=self.group, group_src=self.pipeline_rank)
 
     def send_done(self) -> None:
@@ -118,14 +120,14 @@ class PipelineStages:
                     f"it streamed its stage's weights: {error_type}: {message}",
                     failures={self.ranks[owner]: f"{error_type}: {message}"},
                 )
-            name, shape, dtype_name = _unpack(payload, owner, 3)
-            dtype = getattr(torch, dtype_name, None)
-            if not isinstance(dtype, torch.dtype):
-                raise ProtocolError(
-                    f"pipeline stage stream: pipeline rank {owner} sent {name!r} with unknown dtype {dtype_name!r}; "
-                    "do all ranks run the same torch?"
-                )
-            tensor = torch.empty(shape, dtype=dtype, device=device)
+            name, shape, dtype = _weight_header(payload, owner)
+            try:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            except RuntimeError as exc:  # e.g. out of memory: name the weight and its sender, not just the allocator
+                raise TransferError(
+                    f"pipeline stage stream: no room on {device} for {name!r} {shape} of {dtype} from pipeline rank "
+                    f"{owner}: {exc}"
+                ) from exc
             dist.broadcast(tensor, group=self.group, group_src=owner)
             yield name, tensor
             del tensor
@@ -256,6 +258,30 @@ def _unpack(payload: bytes, owner: int, fields: int) -> list:
     if not isinstance(unpacked, list) or len(unpacked) != fields:
         raise ProtocolError(f"pipeline stage stream: pipeline rank {owner} sent a header that is not {fields} fields")
     return unpacked
+
+
+def _weight_header(payload: bytes, owner: int) -> tuple[str, list[int], torch.dtype]:
+    """(name, shape, dtype) of a weight header, checked before anything is allocated from it."""
+    name, shape, dtype_name, nbytes = _unpack(payload, owner, 4)
+    where = f"pipeline stage stream: pipeline rank {owner} sent"
+    if not isinstance(name, str):
+        raise ProtocolError(f"{where} a weight header whose name is not a string ({type(name).__name__})")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d for d in shape) or len(shape) > _MAX_DIMS:
+        raise ProtocolError(
+            f"{where} {name!r} with shape {str(shape)[:200]}: not a list of at most {_MAX_DIMS} non-negative ints"
+        )
+    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"{where} {name!r} with unknown dtype {dtype_name!r}; do all ranks run the same torch?")
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if type(nbytes) is not int or nbytes != numel * dtype.itemsize:
+        raise ProtocolError(
+            f"{where} {name!r} with shape {shape} of {dtype_name} ({numel * dtype.itemsize} bytes) but announced "
+            f"{nbytes!r} bytes; nothing was allocated"
+        )
+    return name, shape, dtype
 
 
 def _tell_failure(stages: PipelineStages, error: Exception) -> None:

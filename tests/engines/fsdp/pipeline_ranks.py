@@ -227,3 +227,46 @@ def stage_fails_part_way_on_nccl(rank: int, world_size: int, pp_timeout_s: float
     outcome["equal"] = all(bits_equal(streamed[n], expected[n]) for n in expected if n in streamed)
     cycle.close()
     return outcome
+
+
+FORGED_HEADERS = [  # (what, header fields) in the wire format of PipelineStages.send_weight: name, shape, dtype, bytes
+    ("a string shape", ["w", "abc", "float32", 12]),
+    ("a negative dim", ["w", [-1, 3], "float32", 12]),
+    ("a bool dim", ["w", [True, 3], "float32", 12]),
+    ("a float dim", ["w", [2.0, 3], "float32", 24]),
+    ("a name that is no string", [5, [2, 3], "float32", 24]),
+    ("an unknown dtype", ["w", [2, 3], "Tensor", 24]),
+    ("a dtype that is no string", ["w", [2, 3], 7, 24]),
+    ("a huge shape announced small", ["w", [2**31, 2**31], "float32", 24]),
+    ("a shape that disagrees with its bytes", ["w", [2, 3], "float32", 23]),
+    ("too many dims", ["w", [1] * 65, "float32", 4]),
+    ("a huge shape announced whole", ["w", [2**31, 2**30], "float32", 2**63]),  # no room: TransferError
+]
+
+
+def forged_headers(rank: int, world_size: int, pp_timeout_s: float) -> dict:
+    """PP2 over gloo: pipeline rank 1 sends forged weight headers (and no tensors); pipeline rank 0 must raise
+    ProtocolError naming rank 1 for each, before allocating or joining a tensor broadcast."""
+    import msgpack
+    import torch.distributed as dist
+
+    from refitkit.engines.fsdp import _pipeline_stages as ps
+
+    stages = ps.PipelineStages(dist.new_group([0, 1], backend="gloo"), timeout_s=pp_timeout_s)
+    outcomes: dict = {}
+    for what, fields in FORGED_HEADERS:
+        if rank == 1:
+            stages._broadcast(ps._WEIGHT, msgpack.packb(fields), stages.pipeline_rank)
+            continue
+        try:
+            next(stages.receive_from(1, torch.device("cpu")))
+            outcomes[what] = {"error_type": None}
+        except Exception as exc:
+            outcomes[what] = {"error_type": type(exc).__name__, "error": str(exc)}
+    if rank == 1:  # the header group is still in step: a real weight and done go through
+        stages.send_weight("w", torch.arange(6.0).reshape(2, 3), torch.device("cpu"))
+        stages.send_done()
+    else:
+        outcomes["after"] = [(name, tensor.tolist()) for name, tensor in stages.receive_from(1, torch.device("cpu"))]
+    stages.close()
+    return outcomes

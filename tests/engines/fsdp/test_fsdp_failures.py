@@ -207,3 +207,24 @@ def test_an_optimizer_built_before_fully_shard_is_refused():
     (message,) = run_world(optimizer_built_before_sharding, 1, timeout_s=90)
     assert "optimizer 0 param_groups[0].params[0] (shape (37, 12)) is not a parameter of the model passed" in message
     assert "after sharding it" in message
+
+
+def test_an_offload_hook_that_raises_leaves_the_parts_offloaded_and_reload_restores_them_bit_exact():
+    class FailingHook(FSDPAdapter):
+        def _after_offload(self, parts: list[str]) -> None:
+            raise RuntimeError("injected failure in _after_offload")
+
+    model, optimizer = _trained()
+    expected = _snapshot(model, optimizer)
+    adapter = FailingHook(model, optimizer, keep_grads=True)
+    with pytest.raises(RuntimeError, match="injected failure in _after_offload"):
+        adapter.offload()
+    # the copies had freed every storage: ON_DEVICE here would make reload skip them
+    assert adapter.part_states == type(adapter.part_states)(DeviceState.OFFLOADED, DeviceState.OFFLOADED, DeviceState.OFFLOADED)
+    assert adapter.state_bytes().device_bytes == 0 and adapter.arena.held_bytes > 0
+    adapter.reload()
+    assert adapter.state is DeviceState.ON_DEVICE and adapter.arena.held_bytes == 0
+    restored = _snapshot(model, optimizer)
+    assert sorted(restored) == sorted(expected)
+    assert all(torch.equal(restored[k], expected[k]) for k in expected)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # the kept grads came back

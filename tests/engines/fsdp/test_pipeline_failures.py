@@ -71,3 +71,20 @@ def test_a_stage_rank_that_stalls_times_the_others_out_naming_the_knob():
 def test_a_header_longer_than_one_record_arrives_whole():
     for outcome in run_world(pipeline_ranks.long_names_cross, 2, PP_TIMEOUT_S, timeout_s=120):
         assert outcome == {"names": True, "equal": True}
+
+
+def test_a_forged_weight_header_is_a_protocol_error_naming_the_pipeline_rank():
+    receiver, _ = run_world(pipeline_ranks.forged_headers, 2, PP_TIMEOUT_S, timeout_s=120)
+    for what, _fields in pipeline_ranks.FORGED_HEADERS[:-1]:
+        outcome = receiver[what]
+        assert outcome["error_type"] == "ProtocolError", (what, outcome)
+        assert "pipeline rank 1 sent" in outcome["error"], (what, outcome)
+    # a consistent header too large to allocate names the weight and its sender
+    huge = receiver["a huge shape announced whole"]
+    assert huge["error_type"] == "TransferError" and "'w' [2147483648, 1073741824]" in huge["error"], huge
+    assert "from pipeline rank 1" in huge["error"], huge
+    assert "shape" in receiver["a negative dim"]["error"] and "non-negative ints" in receiver["a negative dim"]["error"]
+    assert "unknown dtype 'Tensor'" in receiver["an unknown dtype"]["error"]
+    assert "announced 24 bytes" in receiver["a huge shape announced small"]["error"]
+    # nothing was allocated from a forged header and the header group stayed in step
+    assert receiver["after"] == [("w", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])]

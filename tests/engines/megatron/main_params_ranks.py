@@ -62,3 +62,39 @@ def rebuild_world(rank: int, world_size: int, use_distributed_optimizer: bool) -
     adapter.reload()
     seen["changed_kept"] = _equal(_streamed(adapter), changed)
     return seen
+
+
+def hook_failure_world(rank: int, world_size: int, drop_first: bool) -> dict:
+    """The offload's hook (the bf16 drop) raises after the copies freed every storage: the parts must stay OFFLOADED."""
+    from refitkit.engines import megatron as rm
+
+    class FailingDrop(rm.MegatronAdapter):
+        def _after_offload(self, parts: list[str]) -> None:
+            if drop_first:
+                super()._after_offload(parts)  # the bf16 params are gone too
+            raise RuntimeError("injected failure in _after_offload")
+
+    trainer = tiny_gpt.build(use_distributed_optimizer=True)
+    tiny_gpt.train_step(trainer, 0)
+    adapter = FailingDrop(trainer.chunks, trainer.optimizer, rebuild_params_from_main=True)
+    before = _streamed(adapter)
+    optimizer_before = {k: v.detach().clone() for k, v in adapter._optimizer_tensors()}
+    seen: dict = {}
+    try:
+        adapter.offload()
+        seen["error"] = None
+    except RuntimeError as error:
+        seen["error"] = str(error)
+    seen["parts"] = [getattr(adapter.part_states, p).name for p in ("model", "optimizer", "grad")]
+    seen["device_bytes"] = adapter.state_bytes().device_bytes
+    if seen["parts"] != ["OFFLOADED"] * 3:
+        return seen  # a reload would skip the freed storages and the rest would touch them (a crash)
+    adapter.reload()
+    seen["parts_after_reload"] = [getattr(adapter.part_states, p).name for p in ("model", "optimizer", "grad")]
+    seen["streamed_equal"] = _equal(_streamed(adapter), before)
+    optimizer_after = dict((k, v.detach()) for k, v in adapter._optimizer_tensors())
+    seen["optimizer_equal"] = _equal(optimizer_after, optimizer_before)
+    seen["device_bytes_after_reload"] = adapter.state_bytes().device_bytes
+    seen["model_bytes_after_reload"] = adapter.state_bytes().model.device_bytes
+    tiny_gpt.train_step(trainer, 1)  # the state is whole again: a step runs
+    return seen

@@ -26,3 +26,14 @@ def test_offload_skips_the_bf16_params_and_reload_rebuilds_them_bit_identically(
         assert seen["losses_equal"] and seen["weights_equal"], rank  # 2 more steps as if never offloaded
         assert seen["moved_model_bytes_when_changed"] == seen["model_bytes"], rank  # copied, not dropped
         assert seen["changed_kept"], rank
+
+
+@pytest.mark.parametrize("drop_first", [True, False], ids=["hook-raises-after-drop", "hook-raises-before-drop"])
+def test_a_raising_offload_hook_leaves_the_parts_offloaded_and_reload_restores_them(drop_first):
+    (seen,) = run_world(main_params_ranks.hook_failure_world, 1, drop_first, timeout_s=240)
+    assert seen["error"] == "injected failure in _after_offload"
+    # the copies freed every storage before the hook ran: ON_DEVICE with 0 bytes would make reload skip them
+    assert seen["parts"] == ["OFFLOADED"] * 3
+    assert seen["parts_after_reload"] == ["ON_DEVICE"] * 3
+    assert seen["device_bytes_after_reload"] > 0 and seen["model_bytes_after_reload"] > 0
+    assert seen["streamed_equal"] and seen["optimizer_equal"]
