@@ -172,7 +172,8 @@ def flat_limits(nbytes: int, device: torch.device, repeats: int = 3) -> dict | N
         from benchmarks.limits import unpin
 
         unpin(host_buffer)
-    del device_buffer, host_buffer
+    copies.clear()  # the copies held the buffers: the model gets the device memory back
+    device_buffer = host_buffer = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return summary if rank == 0 else None
