@@ -151,9 +151,10 @@ def receiver_result(process: subprocess.Popen) -> dict:
 
 
 class Trainer:
-    """FSDP2 over all ranks: ``layers`` square bf16 linears (one FSDP unit each), AdamW, one step taken."""
+    """FSDP2 over all ranks: ``layers`` square bf16 linears (one FSDP unit each), AdamW, one step taken.
+    ``read_memory``: rank 0 reads every GPU's used memory before the model exists and once it is trained."""
 
-    def __init__(self, rank: int, world: int, device_type: str, dim: int, layers: int) -> None:
+    def __init__(self, rank: int, world: int, device_type: str, dim: int, layers: int, *, read_memory: bool = False) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -167,7 +168,7 @@ class Trainer:
             self.all_reduce(1.0, group)
         _settle(self.device)
         dist.barrier()
-        self.baseline = gpu_used_bytes(world) if rank == 0 else None
+        self.baseline = gpu_used_bytes(world) if rank == 0 and read_memory else None
         dist.barrier()
         torch.manual_seed(0)  # the same initial weights on every rank
         self.model = torch.nn.Sequential(
@@ -183,7 +184,7 @@ class Trainer:
         self.bucket_bytes = min(256 << 20, self.model_bytes // 4)  # several buckets, so a receiver can die mid-sync
         _settle(self.device)
         dist.barrier()
-        self.loaded = gpu_used_bytes(world) if rank == 0 else None  # every GPU holds its share now
+        self.loaded = gpu_used_bytes(world) if rank == 0 and read_memory else None  # every GPU holds its share now
         dist.barrier()
 
     def step(self, index: int) -> float:
@@ -245,7 +246,7 @@ def late_rank(rank: int, world: int, device_type: str, dim: int, layers: int) ->
     from refitkit.refit import RefitCycle
     from refitkit.transfer import BucketedWeightSender
 
-    trainer = Trainer(rank, world, device_type, dim, layers)
+    trainer = Trainer(rank, world, device_type, dim, layers, read_memory=True)
     late = world - 1
     readings: dict[str, Any] = {}
     sender = process = None
@@ -398,3 +399,9 @@ def test_a_sending_rank_whose_receiver_is_gone_fails_every_rank_within_the_bound
         assert outcome["state"] == "ON_DEVICE", outcome
         assert outcome["all_reduce"] == world * (world + 1) / 2, outcome
         assert outcome["loss_after"] == outcome["loss_after"], outcome
+
+
+if __name__ == "__main__":  # the rank functions' logic on a CPU box over gloo (no NVML, no asserts): by hand only
+    for scenario, extra in ((late_rank, ()), (rank_misses_the_barrier, (4.0,)), (sender_loses_its_receiver, (2.0, 20.0))):
+        for outcome in run_ranks(scenario, 2, 256, 16, *extra, device_type="cpu", timeout_s=200):
+            print(scenario.__name__, json.dumps(outcome)[:400])
