@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ARRIVAL = "training (every rank's arrival at refit)"  # the phase name of the exchange that opens a refit
+
 
 class _Weights:
     """The adapter's weight stream as a plain iterator, counting what was pulled.
@@ -197,6 +199,10 @@ class RefitCycle:
                 error.add_note(f"refitkit: waiting for the optimizer copies after this failure failed too: {cancel_error!r}")
 
     def _sync_weights(self) -> int:
+        # Line up before the first gather: a rank that never calls refit() (it crashed in its step, or hangs)
+        # then gives the others BarrierTimeout after barrier_timeout_s, not a wait inside the trainer's
+        # (NCCL) all-gather until its watchdog kills the process. One small gloo exchange per refit.
+        self.ranks.settle(ARRIVAL, None)
         failures: list[BaseException] = []
         weights = _Weights(iter(self.adapter.named_weights()))
         if self.sender is None:

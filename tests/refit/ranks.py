@@ -278,3 +278,22 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
         outcome["fresh_ok"] = fresh.returncode == 0 and output.strip().endswith("true]]")  # its last bucket came
         sender.close()
     return outcome
+
+
+def rank_never_calls_refit_with_fsdp(rank: int, world_size: int, barrier_timeout_s: float, late_s: float) -> dict:
+    """FSDP2 over gloo: rank 1 never calls refit() (it stays ``late_s`` in its 'step', then uses the default
+    group). Rank 0 must get BarrierTimeout within barrier_timeout_s, before entering FSDP's all-gathers
+    (where rank 1 would never join), and both keep a usable default group."""
+    import time
+
+    model, optimizer = build(world_size, fsdp=True, mixed_precision=False)
+    train_step(model, optimizer, rank, 0)
+    adapter = FSDPAdapter(model, optimizer)
+    cycle = RefitCycle(adapter, None, barrier_timeout_s=barrier_timeout_s)
+    if rank == 1:
+        time.sleep(late_s)  # test input: a rank stuck in its own step
+        return {"all_reduce": _world_all_reduce(rank + 1.0)}
+    outcome = attempt_refit(cycle, step=1)
+    outcome["on_device"] = adapter.state is DeviceState.ON_DEVICE
+    outcome["all_reduce"] = _world_all_reduce(rank + 1.0)
+    return outcome

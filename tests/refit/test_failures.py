@@ -43,7 +43,8 @@ def test_a_sender_that_loses_its_receiver_fails_every_rank_within_the_bounds(sce
 def test_a_rank_that_never_reaches_the_barrier_times_the_others_out_and_leaves_their_group_usable(scenarios):
     rank0, rank1 = outcomes(scenarios, "rank_misses_the_barrier")
     assert rank0["error_type"] == "BarrierTimeout", rank0
-    assert "barrier after sync_weights timed out after 1.5 s on rank 0" in rank0["error"]
+    # rank 1 never calls refit(): the exchange that opens every refit is where rank 0 stops waiting
+    assert "barrier after training (every rank's arrival at refit) timed out after 1.5 s on rank 0" in rank0["error"]
     assert "barrier_timeout_s" in rank0["error"]
     assert rank0["seconds"] < 1.5 + 2.0
     assert rank0["all_reduce"] == rank1["all_reduce"] == 3.0  # the default group was never touched
@@ -115,3 +116,15 @@ def test_long_error_messages_cross_cut_to_fit_and_closed_groups_free_their_socke
     for outcome in (rank0, rank1):
         assert outcome["own_error_kept"] and outcome["after"] == 2, outcome
         assert outcome["fds_grew"] <= 2, outcome
+
+
+def test_a_rank_that_never_calls_refit_times_the_others_out_before_the_first_gather():
+    """Before the arrival exchange, rank 0 sat in FSDP's all-gather on the trainer's group (on NCCL: until the
+    watchdog kills the process; here rank 1's later all_reduce meets that gather and the world hangs)."""
+    barrier_timeout_s, late_s = 1.5, 6.0
+    rank0, rank1 = run_world(ranks.rank_never_calls_refit_with_fsdp, 2, barrier_timeout_s, late_s, timeout_s=60)
+    assert rank0["error_type"] == "BarrierTimeout", rank0
+    assert "training (every rank's arrival at refit)" in rank0["error"] and "barrier_timeout_s" in rank0["error"]
+    assert rank0["seconds"] < barrier_timeout_s + 2.0, rank0
+    assert rank0["on_device"], "nothing may move when a rank never arrived"
+    assert rank0["all_reduce"] == rank1["all_reduce"] == 3.0
