@@ -29,6 +29,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def resolved_device(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` alone means the current CUDA device (a tensor on it says ``cuda:0``)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def storage_as_bytes(storage: torch.UntypedStorage, nbytes: int | None = None) -> torch.Tensor:
     """A flat uint8 tensor over ``storage`` (no copy), for byte-exact moves of any dtype."""
     size = storage.nbytes() if nbytes is None else nbytes

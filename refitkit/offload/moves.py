@@ -14,7 +14,7 @@ import torch
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload._packed import copy_run_to_device, copy_run_to_host, packed_runs
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
-from refitkit.offload.device import local_tensor, reserve_one_segment, storage_as_bytes, synchronize
+from refitkit.offload.device import local_tensor, reserve_one_segment, resolved_device, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -238,7 +238,7 @@ def reload_plan(
                 f"{group.first_name!r}: its storage was resized to {group.storage.nbytes()} bytes after offload "
                 f"(it held {slot.nbytes}); reload would overwrite those bytes, so nothing was restored"
             )
-        if expected is not None and _normal(expected) != _normal(slot.device):
+        if expected is not None and resolved_device(expected) != resolved_device(slot.device):
             raise InvalidInput(
                 f"{group.first_name!r} was offloaded from {slot.device}, cannot reload to {expected}: "
                 "storages keep their device"
@@ -317,12 +317,6 @@ def _checked_pack(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput(f"pack_below_bytes={value!r}; need an int >= 0 (0: every storage is copied on its own)")
     return value
-
-
-def _normal(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 # --- an offload split in two: copies issued on a side stream now, storages freed later ----------

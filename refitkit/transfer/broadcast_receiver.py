@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
+from refitkit.offload.device import resolved_device
 from refitkit.transfer import _broadcast_group as grp
 from refitkit.transfer.broadcast_sender import checked_backend
 from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
@@ -332,7 +333,7 @@ class _BroadcastReceive:
             return self._fall_back(
                 entry.name, f"the plan says {target.dtype} {tuple(target.shape)}, the sender sent {entry.dtype} {entry.shape}"
             )
-        if not _same_device(target.device, self.receiver.device) or not target.is_contiguous():
+        if resolved_device(target.device) != resolved_device(self.receiver.device) or not target.is_contiguous():
             return self._fall_back(
                 entry.name, f"the destination is on {target.device} (contiguous={target.is_contiguous()}), the receiver on {self.receiver.device}"
             )
@@ -378,13 +379,3 @@ class _BroadcastReceive:
             self.store.add(f"{grp.PREFIX}{self.session}/failures", 1)
         except (RuntimeError, OSError) as late:
             log.warning("receiver rank %d could not report its failure of session %s: %s", self.rank, self.session, late)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices are one; ``cuda`` without an index is the current device (a parameter says ``cuda:0``)."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
