@@ -11,7 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from refitkit.engines._states import DeviceState
 from refitkit.errors import RefitError
 from refitkit.offload.arena import HostArena, Slot
-from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate, wait_before_step
+from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate
 from refitkit.offload.moves import _StorageGroup
 
 # the adapter's logger, as before this code moved out of base.py
@@ -33,9 +33,6 @@ class DeferredOptimizer:
         Raises the deferred reload's failure (a ``RefitError`` naming the tensor) if it failed and
         nothing raised it yet; a no-op when nothing is arriving.
         """
-        self._settle_deferred()
-
-    def _settle_deferred(self) -> None:
         gate = self._gate
         if gate is None or gate.reported:
             return  # nothing arriving, or its failure was raised already (steps keep raising until reload)
@@ -59,7 +56,7 @@ class DeferredOptimizer:
             before_copy=self._deferred_before_copy,
         )
         self._states["optimizer"] = DeviceState.ARRIVING
-        self._gate = wait_before_step(
+        self._gate = StepGate(
             deferred, step_optimizers, on_arrival=self._optimizer_arrived, on_failure=self._optimizer_failed
         )
         return deferred

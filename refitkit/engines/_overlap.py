@@ -40,7 +40,7 @@ class OverlappedOffload:
         write the optimizer state or the grads in between.
         """
         keep = self.keep_grads if keep_grads is None else keep_grads
-        self._settle_deferred()  # state still arriving from a deferred reload must land before it is copied out
+        self.wait_deferred()  # state still arriving from a deferred reload must land before it is copied out
         wanted = self._pending({"optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
         if wanted:
             self._prepare_offload(wanted)

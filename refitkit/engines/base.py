@@ -33,7 +33,7 @@ from refitkit.engines._states import (
 )
 from refitkit.engines._states import empty_move as _empty_move
 from refitkit.engines._states import unique_storages as _unique_storages
-from refitkit.errors import InvalidInput, RefitError  # noqa: F401 (RefitError: importable from here as before the split)
+from refitkit.errors import InvalidInput
 from refitkit.offload import (
     HostArena,
     MoveStats,
@@ -42,9 +42,9 @@ from refitkit.offload import (
     reload_grads,
     reload_tensors,
 )
-from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate, wait_before_step  # noqa: F401 (as before the split)
+from refitkit.offload.deferred import BeforeCopy, StepGate
 from refitkit.offload.device import local_tensor
-from refitkit.offload.moves import OffloadCopies, cancel_offload, finish_offload, named_tensors, reload_plan, start_offload  # noqa: F401 (as before the split)
+from refitkit.offload.moves import named_tensors, reload_plan
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
     ) -> AdapterMove:
         """Move the chosen parts to the host arena and free their device storage; idempotent per part."""
         keep = self.keep_grads if keep_grads is None else keep_grads
-        self._settle_deferred()  # bytes still arriving must land before anything leaves again
+        self.wait_deferred()  # bytes still arriving must land before anything leaves again
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
         if not wanted:
             return _empty_move()
@@ -251,7 +251,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         timeout_s = checked_seconds(
             self.deferred_timeout_s if deferred_timeout_s is None else deferred_timeout_s, "deferred_timeout_s"
         )
-        self._settle_deferred()
+        self.wait_deferred()
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.OFFLOADED)
         if not wanted:
             return _empty_move()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refitkit.offload.arena import ALIGNMENT_BYTES, HostArena, Slot
+from refitkit.offload.arena import HostArena, Slot, _align
 from refitkit.offload.device import storage_as_bytes
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def packed_runs(moves: Sequence[tuple["_StorageGroup", Slot, int]], *, below_byt
 def _follows(run: Run, move: tuple["_StorageGroup", Slot, int]) -> bool:
     _, last, _ = run[-1]
     _, slot, nbytes = move
-    adjacent = slot.chunk == last.chunk and slot.offset == last.offset + _aligned(last.capacity_bytes)
+    adjacent = slot.chunk == last.chunk and slot.offset == last.offset + _align(last.capacity_bytes)
     return adjacent and slot.offset + nbytes - run[0][1].offset <= RUN_MAX_BYTES
 
 
@@ -79,7 +79,3 @@ def copy_run_to_device(run: Run, arena: HostArena, *, non_blocking: bool) -> Non
 def _span(run: Run) -> int:
     _, last, nbytes = run[-1]
     return last.offset + nbytes - run[0][1].offset
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + ALIGNMENT_BYTES - 1) // ALIGNMENT_BYTES * ALIGNMENT_BYTES

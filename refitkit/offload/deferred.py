@@ -4,7 +4,7 @@
 each storage and copies its bytes from the arena (on CUDA it issues the copies on a side stream
 and records an event; on CPU it does the copies itself). ``DeferredReload.wait`` is the one place
 that waits: bounded by ``timeout_s``, then, on CUDA, the caller's stream waits for the side
-stream's event (the host does not block on the copies). ``wait_before_step`` makes an optimizer's
+stream's event (the host does not block on the copies). ``StepGate`` makes an optimizer's
 ``step`` do that wait through a step pre-hook that removes itself once the state has arrived.
 
 A reload that fails frees what it regrew; the slots still hold the bytes, so the same reload can
@@ -84,11 +84,6 @@ class DeferredReload:
     @property
     def state(self) -> ArrivalState:
         return self._state
-
-    @property
-    def done(self) -> bool:
-        """Waited for (ARRIVED) or rolled back (FAILED): nothing of this reload runs any more."""
-        return self._state in (ArrivalState.ARRIVED, ArrivalState.FAILED)
 
     def _copy_all(self) -> None:
         regrown: list[_StorageGroup] = []
@@ -202,11 +197,6 @@ class StepGate:
         self.reported = False  # the reload's failure was raised (to a step or to the owner)
         self._handles = [optimizer.register_step_pre_hook(self._before_step) for optimizer in optimizers]
 
-    @property
-    def hooked(self) -> int:
-        """How many optimizers still wait through this gate."""
-        return len(self._handles)
-
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self.wait()
 
@@ -237,13 +227,6 @@ class StepGate:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def wait_before_step(
-    deferred: DeferredReload, optimizers: Sequence[torch.optim.Optimizer], **callbacks: Callable
-) -> StepGate:
-    """Make each optimizer's ``step`` wait for ``deferred`` first (torch step pre-hooks)."""
-    return StepGate(deferred, optimizers, **callbacks)
 
 
 class _on_stream:
