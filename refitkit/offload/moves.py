@@ -119,21 +119,9 @@ def offload_tensors(
     than this whose slots lie back to back move as one copy per run (see ``_packed``; 0: off).
     """
     pack_below_bytes = _checked_pack(pack_below_bytes)
-    groups = _group_by_storage(named_tensors(tensors))
-    groups = [g for g in groups if g.storage.nbytes() > 0]
-    device = _common_device(groups, "offload_tensors")
+    groups, device = _offloadable_groups(tensors, "offload_tensors")
     if device is None:
         return EMPTY_MOVE
-    if device.type == "meta":
-        raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
-    for group in groups:
-        # A CPU storage in shared memory (share_memory_()) claims to be resizable, but growing it back
-        # after resize_(0) crashes the process (segfault, torch 2.13): refuse it like any fixed buffer.
-        if not group.storage.resizable() or (group.storage.device.type == "cpu" and group.storage.is_shared()):
-            raise InvalidInput(
-                f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
-                "buffer) and cannot be freed in place"
-            )
     start = time.perf_counter()
     _ensure_slots(arena, groups)
     moves = [(group, arena.slot_of(group.storage), group.storage.nbytes()) for group in groups]
@@ -144,15 +132,21 @@ def offload_tensors(
         arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
     for group, slot, nbytes in moves:
         slot.nbytes, slot.device = nbytes, group.storage.device
-        _record_views(arena, group)
     synchronize(device)
+    moved = _free_offloaded(arena, groups)
+    return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
+
+
+def _free_offloaded(arena: HostArena, groups: list[_StorageGroup]) -> int:
+    """After the copies completed: mark each slot as holding its storage's bytes, free the storage; the bytes."""
     moved = 0
     for group in groups:
         slot = arena.slot_of(group.storage)
+        _record_views(arena, group)
         moved += slot.nbytes
         slot.holds_data = True
         group.storage.resize_(0)
-    return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
+    return moved
 
 
 def _ensure_slots(arena: HostArena, groups: list[_StorageGroup]) -> None:
@@ -334,13 +328,15 @@ class OffloadCopies:
     open: bool = True
 
 
-def _offloadable_groups(tensors: TensorSet) -> tuple[list[_StorageGroup], torch.device | None]:
-    """What ``offload_tensors`` checks before the first byte moves, for the split offload."""
+def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGroup], torch.device | None]:
+    """The storages an offload moves, with their device, checked before the first byte moves."""
     groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
-    device = _common_device(groups, "start_offload")
+    device = _common_device(groups, what)
     if device is not None and device.type == "meta":
         raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
     for group in groups:
+        # A CPU storage in shared memory (share_memory_()) claims to be resizable, but growing it back
+        # after resize_(0) crashes the process (segfault, torch 2.13): refuse it like any fixed buffer.
         if not group.storage.resizable() or (group.storage.device.type == "cpu" and group.storage.is_shared()):
             raise InvalidInput(
                 f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
@@ -357,7 +353,7 @@ def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.S
     synchronize) and frees the storages; ``cancel_offload`` waits and leaves them on the device.
     Nothing may write these tensors in between (their copies would be stale).
     """
-    groups, device = _offloadable_groups(tensors)
+    groups, device = _offloadable_groups(tensors, "start_offload")
     started = time.perf_counter()
     if device is None:
         return OffloadCopies(arena, [], None, None, started)
@@ -382,13 +378,7 @@ def finish_offload(copies: OffloadCopies) -> MoveStats:
     if copies.stream is not None:
         copies.stream.synchronize()  # a failure here leaves every storage on the device, untouched
     copies.open = False
-    moved = 0
-    for group in copies.groups:
-        slot = copies.arena.slot_of(group.storage)
-        _record_views(copies.arena, group)
-        moved += slot.nbytes
-        slot.holds_data = True
-        group.storage.resize_(0)
+    moved = _free_offloaded(copies.arena, copies.groups)
     return MoveStats(bytes=moved, storages=len(copies.groups), seconds=time.perf_counter() - copies.started)
 
 
