@@ -26,8 +26,6 @@ class OverlappedOffload:
 
     arena: HostArena
     keep_grads: bool
-    _states: dict[str, DeviceState]
-    _grads_kept: bool
 
     def begin_offload(
         self, *, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
@@ -52,14 +50,8 @@ class OverlappedOffload:
     def finish_offload(self, flight: OffloadInFlight) -> AdapterMove:
         """Wait for ``begin_offload``'s copies (one synchronize), free their storages, mark the parts OFFLOADED."""
         total = finish_offload(flight.copies)
-        if "grad" in flight.parts and not flight.keep_grads:
-            self._drop_grads()
         named_by_part = {"optimizer": flight.optimizer_named, "grad": flight.grad_named}
-        for part in flight.parts:
-            self._states[part] = DeviceState.OFFLOADED
-            self._offloaded[part] = self._held_storages(named_by_part[part])
-        if "grad" in flight.parts:
-            self._grads_kept = flight.keep_grads
+        self._mark_offloaded(flight.parts, flight.keep_grads, named_by_part)
         return self._split(total, [], flight.optimizer_named, flight.grad_named)
 
     def cancel_offload(self, flight: OffloadInFlight) -> None:

@@ -214,19 +214,22 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
         # one call, so the phase pays one synchronize
         total = offload_tensors(model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes)
-        if "grad" in wanted and not keep:
-            self._drop_grads()
         # marked before the hook: its storages are freed now, so a hook that raises must leave them
         # OFFLOADED (a reload brings them back) rather than ON_DEVICE with no bytes
-        named_by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
-        for part in wanted:
-            self._states[part] = DeviceState.OFFLOADED
-            self._offloaded[part] = self._held_storages(named_by_part[part])
-        if "grad" in wanted:
-            self._grads_kept = keep
+        self._mark_offloaded(wanted, keep, {"model": model_named, "optimizer": optimizer_named, "grad": grad_named})
         self._after_offload(wanted)
         logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
         return self._split(total, model_named, optimizer_named, grad_named)
+
+    def _mark_offloaded(self, parts: list[str], keep: bool, named_by_part: dict[str, NamedTensors]) -> None:
+        """After an offload's copies freed the device storages: drop unkept grads, mark the parts OFFLOADED."""
+        if "grad" in parts and not keep:
+            self._drop_grads()
+        for part in parts:
+            self._states[part] = DeviceState.OFFLOADED
+            self._offloaded[part] = self._held_storages(named_by_part[part])
+        if "grad" in parts:
+            self._grads_kept = keep
 
     def reload(
         self,
