@@ -121,10 +121,10 @@ class RefitCycle:
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
         failures: list[BaseException] = []
-        early: list[OffloadInFlight | BaseException] = []
+        early: OffloadInFlight | BaseException | None = None  # optimizer copies started before the sync
         if self.overlap:
             with record_function("refitkit.offload_start"):
-                early.append(_begun(self.adapter))
+                early = _begun(self.adapter)
         try:
             records.append(self._timed("sync_weights", origin, self._sync_weights))
         except BaseException as error:
@@ -173,28 +173,27 @@ class RefitCycle:
 
     # -- phases -----------------------------------------------------------------------------------
 
-    def _offload(self, early: list["OffloadInFlight | BaseException"]) -> int:
+    def _offload(self, flight: "OffloadInFlight | BaseException | None") -> int:
         """The offload phase: the params (whose synchronize also covers the optimizer copies started
         before the sync), then the optimizer state is freed. A params offload that fails cancels
         those copies, so the phase stays all-or-nothing as without overlap."""
-        if not early:
+        if flight is None:
             return self.adapter.offload().total.bytes
-        flight = early[0]
         if isinstance(flight, BaseException):
             raise flight  # nothing moved: every part is still on the device
         rest = {part: part not in flight.parts for part in ("optimizer", "grad")}  # the parts not in flight
         try:
             moved = self.adapter.offload(model=True, **rest).total.bytes
         except BaseException as error:
-            self._cancel(early, error)
+            self._cancel(flight, error)
             raise
         return moved + self.adapter.finish_offload(flight).total.bytes
 
-    def _cancel(self, early: list["OffloadInFlight | BaseException"], error: BaseException) -> None:
+    def _cancel(self, flight: "OffloadInFlight | BaseException | None", error: BaseException) -> None:
         """A phase failed: wait for the optimizer copies and keep the optimizer state on the device."""
-        if early and not isinstance(early[0], BaseException):
+        if flight is not None and not isinstance(flight, BaseException):
             try:
-                self.adapter.cancel_offload(early[0])
+                self.adapter.cancel_offload(flight)
             except Exception as cancel_error:
                 error.add_note(f"refitkit: waiting for the optimizer copies after this failure failed too: {cancel_error!r}")
 
