@@ -88,6 +88,7 @@ class _SendSession:
         self.bell: doorbell.Doorbell | None = None
         self.packer: BucketPacker | None = None
         self.seq = 0
+        self.span: record_function | None = None  # the profiler range of the bucket being packed
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
         self.unpacked: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
         self.consumed = 0  # buckets the receiver is done with
@@ -117,20 +118,19 @@ class _SendSession:
         item = first
         if self.packer is not None:
             pack, next_item, unpacked = self.packer.pack, self._next_item, self.unpacked
-            seq, span = self.seq, _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
+            self.span = _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
             try:
                 while item is not None:
                     pack(*item)
                     total_bytes += item[1].nbytes
                     if unpacked:  # announce finished buckets now, not when the next one is full
                         self._announce_packed()
-                    if self.seq != seq:  # a bucket shipped: its range ends, the next one's begins
-                        span.__exit__(None, None, None)
-                        seq, span = self.seq, _bucket_range(self.seq)
                     item = next_item()
                 self.packer.finish()
             finally:
-                span.__exit__(None, None, None)
+                if self.span is not None:  # the stream stopped before its last bucket shipped
+                    self.span.__exit__(None, None, None)
+                    self.span = None
         else:
             self._send_bucket(0, False, [], True)  # an empty stream: the receiver still learns it ended
         self._mark("stream", began)
@@ -210,6 +210,9 @@ class _SendSession:
         self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries))
         self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
         self.seq += 1
+        if self.span is not None:  # the shipped bucket's range ends, the next one's begins
+            self.span.__exit__(None, None, None)
+            self.span = None if last else _bucket_range(self.seq)
         self._announce_packed()
 
     def _announce_packed(self) -> None:
