@@ -272,14 +272,13 @@ class _BroadcastSend:
         pending: list[Any] = [self.seq, header, meta]  # the bucket's number, then what its works read
         pending.append(grp.broadcast(self.group, header))
         pending.append(grp.broadcast(self.group, meta))
-        if used and self.sender.per_tensor:  # the receivers cut the bytes the same way (entries_from_wire)
+        if used:
             data = packer._typed_buffer(torch.uint8)[start : start + used]
-            for offset, nbytes in _piece_ranges(entries):
+            # per tensor: the receivers cut the bytes the same way (entries_from_wire)
+            ranges = _piece_ranges(entries) if self.sender.per_tensor else [(0, used)]
+            for offset, nbytes in ranges:
                 piece = data[offset : offset + nbytes]
                 pending += [piece, grp.broadcast(self.group, piece)]
-        elif used:
-            data = packer._typed_buffer(torch.uint8)[start : start + used]
-            pending += [data, grp.broadcast(self.group, data)]
         self.inflight[half] = pending
         if wide:
             self.inflight[1] = pending
