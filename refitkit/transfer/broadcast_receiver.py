@@ -237,9 +237,11 @@ class _BroadcastReceive:
 
     # -- streaming --------------------------------------------------------------------------------
 
-    def _await(self, work: Any, what: str) -> None:
+    def _await(self, work: Any, what: str, *, deadline: float | None = None) -> None:
+        """Wait for ``work`` (bounded by ``deadline``, default ``timeout_s`` from now); abort the group on a timeout."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         grp.await_work(
-            work, lambda: grp.abort(self.group), deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
+            work, lambda: grp.abort(self.group), deadline=deadline, timeout_s=self.timeout_s,
             where=f"{self.phase.value}: {what} of bucket {self.seq} of session {self.session}",
             peer="the sender (rank 0)", store=self.store, gave_up=self._sender_gave_up,
         )  # fmt: skip
@@ -356,11 +358,7 @@ class _BroadcastReceive:
                 works.append(grp.broadcast(self.group, into))
         deadline = time.monotonic() + self.timeout_s  # one bound for the bucket's pieces together
         for work in works:
-            grp.await_work(
-                work, lambda: grp.abort(self.group), deadline=deadline, timeout_s=self.timeout_s,
-                where=f"{self.phase.value}: the bytes of bucket {self.seq} of session {self.session}",
-                peer="the sender (rank 0)", store=self.store, gave_up=self._sender_gave_up,
-            )  # fmt: skip
+            self._await(work, "the bytes", deadline=deadline)
 
     def direct_stats(self) -> DirectStats:
         return DirectStats(self.direct_bytes, self.direct_tensors, self.bucket_bytes, dict(self.fallbacks))
