@@ -22,6 +22,7 @@ for that purpose (e.g. the engine's model class built directly, before weights a
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,8 @@ def record_load_plan(
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise InvalidInput(f"streamed item {index} is {item!r}; expected (name, shape)")
         shape = tuple(int(size) for size in item[1])
-        if _numel(shape) >= _MAX_ELEMENTS:
-            raise InvalidInput(f"{item[0]!r} has {_numel(shape)} elements; the recording encodes positions below 2**{_POSITION_BITS}")
+        if math.prod(shape) >= _MAX_ELEMENTS:
+            raise InvalidInput(f"{item[0]!r} has {math.prod(shape)} elements; the recording encodes positions below 2**{_POSITION_BITS}")
         names.append((item[0], shape))
     params = dict(model.named_parameters(remove_duplicate=False))
     saved = {name: param.data for name, param in params.items()}
@@ -113,7 +114,7 @@ def record_load_plan(
             param.requires_grad_(False)  # an int64 .data is refused on a parameter that requires grad
             param.data = torch.full(saved[name].shape, -1, dtype=torch.int64, device=saved[name].device)
         sources = (
-            (name, ((number + 1) << _POSITION_BITS) + torch.arange(_numel(shape), dtype=torch.int64).view(shape))
+            (name, ((number + 1) << _POSITION_BITS) + torch.arange(math.prod(shape), dtype=torch.int64).view(shape))
             for number, (name, shape) in enumerate(names)
         )
         with torch.no_grad():
@@ -162,7 +163,7 @@ def _read_recording(
     skipped: dict[str, str] = {}
     for number, (name, shape) in enumerate(names):
         found = elements.get(number, {})
-        numel = _numel(shape)
+        numel = math.prod(shape)
         if not found:
             skipped[name] = "the loader put none of its elements in a parameter (dropped, or held outside parameters)"
         elif len(found) > 1:
@@ -177,9 +178,3 @@ def _read_recording(
     log.info("load plan: %d of %d streamed names go direct", len(destinations), len(names))
     return LoadPlan(destinations, skipped)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

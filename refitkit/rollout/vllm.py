@@ -36,7 +36,7 @@ import torch
 from refitkit.errors import InvalidInput, TransferError, TransferTimeout
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
-from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of, weight_version_of
+from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of, weight_version_of
 from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver, WeightVersion
 from refitkit.transfer.broadcast_sender import checked_version
 from refitkit.transfer.packing import check_items
@@ -322,7 +322,7 @@ def _raise_if_partial(pushed: VllmPushStats) -> None:
             missing = worker["missing"]
             raise InvalidInput(
                 f"the push delivered {worker['expected'] - len(missing)} of the {worker['expected']} weights vLLM worker "
-                f"{rank} loads; missing {missing[:8]}{' ...' if len(missing) > 8 else ''}. The weights it did deliver were "
+                f"{rank} loads; missing {missing[:MISSING_SHOWN]}{' ...' if len(missing) > MISSING_SHOWN else ''}. The weights it did deliver were "
                 f"loaded, so the engine now reports version {worker['version']} as incomplete: push every weight"
             )
 
