@@ -115,6 +115,9 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
     def _after_offload(self, parts: list[str]) -> None:
         """Runs once the offload's copies are done and the parts are marked OFFLOADED (a raise leaves them so)."""
 
+    def _check_reload(self, *, model: bool, optimizer: bool, defer_optimizer: bool) -> None:
+        """Refuse a reload this engine cannot do, before anything moves (e.g. Megatron's rebuilt params)."""
+
     def _after_reload(self, parts: list[str]) -> None:
         """Runs once the reload's copies are done (grads too), before the parts are marked ON_DEVICE."""
 
@@ -254,6 +257,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         timeout_s = checked_seconds(
             self.deferred_timeout_s if deferred_timeout_s is None else deferred_timeout_s, "deferred_timeout_s"
         )
+        self._check_reload(model=model, optimizer=optimizer, defer_optimizer=defer_optimizer)
         self.wait_deferred()
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.OFFLOADED)
         if not wanted:

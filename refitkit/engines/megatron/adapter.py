@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from refitkit.engines.base import AdapterMove, DeviceState, EngineAdapter, NamedTensors
+from refitkit.engines.base import DeviceState, EngineAdapter, NamedTensors
 from refitkit.engines.megatron import _internals
-from refitkit.engines.megatron.main_params import main_params_match, rebuild_model_params, rebuildable_tensors
+from refitkit.engines.megatron.main_params import main_pairs, main_params_match, rebuild_model_params, rebuildable_tensors
 from refitkit.engines.megatron import hf_layouts
 from refitkit.engines.megatron._arenas import shared_arena
 from refitkit.engines.megatron.model import (
@@ -110,8 +110,9 @@ class MegatronAdapter(EngineAdapter):
         """The model params the main params rebuild, if they are on the device and match them now."""
         if self._states["optimizer"] is not DeviceState.ON_DEVICE:
             return []  # the main params are not here to check against: the params travel
-        candidates = rebuildable_tensors(self.chunks, self._leaves)
-        if candidates and not main_params_match(self._leaves):
+        pairs = main_pairs(self._leaves)
+        candidates = rebuildable_tensors(self.chunks, self._leaves, pairs)
+        if candidates and not main_params_match(self._leaves, pairs):
             logger.warning(
                 "MegatronAdapter: the model params differ from the optimizer's main params cast to their dtype "
                 "(written outside the optimizer?); offloading them by copy this time"
@@ -123,17 +124,8 @@ class MegatronAdapter(EngineAdapter):
         if "model" in parts and self._dropped:
             drop_tensors(self._dropped, self.arena)
 
-    def reload(
-        self,
-        *,
-        model: bool = True,
-        optimizer: bool = True,
-        grad: bool = True,
-        zero_grads: bool | None = None,
-        defer_optimizer: bool = False,
-        deferred_timeout_s: float | None = None,
-    ) -> AdapterMove:
-        """``EngineAdapter.reload``; with dropped params the optimizer's main params must come back too (not deferred)."""
+    def _check_reload(self, *, model: bool, optimizer: bool, defer_optimizer: bool) -> None:
+        """With dropped params the optimizer's main params must come back too (not deferred)."""
         if model and self._dropped and self._states["model"] is DeviceState.OFFLOADED:
             main_back = self._states["optimizer"] is DeviceState.ON_DEVICE or optimizer
             if not main_back or (defer_optimizer and self._states["optimizer"] is DeviceState.OFFLOADED):
@@ -142,14 +134,6 @@ class MegatronAdapter(EngineAdapter):
                     "and are rebuilt from the optimizer's main params, so the optimizer must be reloaded with the model, "
                     "not deferred; nothing was restored"
                 )
-        return super().reload(
-            model=model,
-            optimizer=optimizer,
-            grad=grad,
-            zero_grads=zero_grads,
-            defer_optimizer=defer_optimizer,
-            deferred_timeout_s=deferred_timeout_s,
-        )
 
     def _after_reload(self, parts: list[str]) -> None:
         if "model" in parts and self._dropped:

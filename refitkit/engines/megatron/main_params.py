@@ -18,12 +18,20 @@ from collections.abc import Sequence
 import torch
 
 from refitkit.engines.megatron import _internals
-from refitkit.engines.megatron.model import NamedTensors, model_tensors
+from refitkit.engines.megatron.model import NamedTensors, chunk_label, model_tensors
 
 logger = logging.getLogger(__name__)
 
 
-def rebuildable_tensors(chunks: Sequence[torch.nn.Module], leaves: Sequence[object]) -> NamedTensors:
+MainPairs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (model param, its part, main param) per leaf
+
+
+def main_pairs(leaves: Sequence[object]) -> list[MainPairs]:
+    """Each leaf optimizer's (model param, part, main param) triples: read once per offload, used twice."""
+    return [_internals.main_param_pairs(leaf) for leaf in leaves]
+
+
+def rebuildable_tensors(chunks: Sequence[torch.nn.Module], leaves: Sequence[object], pairs: list[MainPairs]) -> NamedTensors:
     """The model tensors whose every byte the main params rebuild: 16-bit DDP param buffers and loose params.
 
     A 16-bit ``param_data`` buffer qualifies when a distributed optimizer steps on it (each of its
@@ -31,7 +39,7 @@ def rebuildable_tensors(chunks: Sequence[torch.nn.Module], leaves: Sequence[obje
     param with its own storage when it has a main copy here. Module buffers, frozen params and
     fp32 params never do.
     """
-    covered = {id(model) for leaf in leaves for model, _, _ in _internals.main_param_pairs(leaf)}
+    covered = {id(model) for leaf_pairs in pairs for model, _, _ in leaf_pairs}
     sharded = {id(buffer) for leaf in leaves for buffer in _internals.optimizer_buffers(leaf)}
     in_buffers: set[int] = set()
     named: NamedTensors = []
@@ -42,7 +50,7 @@ def rebuildable_tensors(chunks: Sequence[torch.nn.Module], leaves: Sequence[obje
                 continue  # without the distributed optimizer, params keep their own storages
             in_buffers.update(id(p) for p in _internals.buffer_params(buffer))
             if id(buffer) in sharded and param_data.dtype in (torch.bfloat16, torch.float16):
-                named.append((_prefixed(chunks, index, f"{label}.param_data"), param_data))
+                named.append((f"{chunk_label(chunks, index)}.{label}.param_data", param_data))
     for name, tensor in model_tensors(chunks):
         if id(tensor) in in_buffers:
             continue  # inside a buffer: the buffer decides
@@ -51,17 +59,17 @@ def rebuildable_tensors(chunks: Sequence[torch.nn.Module], leaves: Sequence[obje
     return named
 
 
-def main_params_match(leaves: Sequence[object]) -> bool:
+def main_params_match(leaves: Sequence[object], pairs: list[MainPairs]) -> bool:
     """Whether every model param (this rank's part) holds exactly bf16/fp16(main param): one synchronize.
 
     With a distributed optimizer every data-parallel rank must decide alike (the rebuild ends in
     an all-gather), so the verdict is all-reduced over its group: a collective, as offload is.
     """
-    pairs = [(part, main) for leaf in leaves for _, part, main in _internals.main_param_pairs(leaf)]
-    device = pairs[0][0].device if pairs else None
+    parts = [(part, main) for leaf_pairs in pairs for _, part, main in leaf_pairs]
+    device = parts[0][0].device if parts else None
     differs = torch.zeros((), dtype=torch.int32, device=device)
     with torch.no_grad():
-        for part, main in pairs:
+        for part, main in parts:
             if part.numel() == 0:
                 continue
             cast = main.detach().reshape(part.shape).to(part.dtype)
@@ -86,6 +94,3 @@ def rebuild_model_params(chunks: Sequence[torch.nn.Module], leaves: Sequence[obj
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.int16 if tensor.element_size() == 2 else torch.uint8)
 
-
-def _prefixed(chunks: Sequence[torch.nn.Module], index: int, name: str) -> str:
-    return f"{'model' if len(chunks) == 1 else f'models[{index}]'}.{name}"

@@ -41,7 +41,7 @@ def as_chunks(models: Models) -> list[torch.nn.Module]:
     return [_internals.check_model_chunk(chunk, f"models[{i}]") for i, chunk in enumerate(chunks)]
 
 
-def _label(chunks: Sequence[torch.nn.Module], index: int) -> str:
+def chunk_label(chunks: Sequence[torch.nn.Module], index: int) -> str:
     return f"models[{index}]" if len(chunks) > 1 else "model"
 
 
@@ -49,7 +49,7 @@ def model_tensors(chunks: Sequence[torch.nn.Module]) -> NamedTensors:
     """Every tensor holding model memory: DDP ``param_data`` buffers, params outside them, module buffers."""
     named: NamedTensors = []
     for index, chunk in enumerate(chunks):
-        prefix = _label(chunks, index)
+        prefix = chunk_label(chunks, index)
         for label, buffer in _internals.ddp_buffers(chunk):
             param_data = _internals.buffer_param_data(buffer)
             if param_data is not None:
@@ -75,14 +75,14 @@ def grad_buffer_tensors(chunks: Sequence[torch.nn.Module]) -> NamedTensors:
                 continue
             if param_data is not None and param_data.untyped_storage()._cdata == grad_data.untyped_storage()._cdata:
                 continue
-            named.append((f"{_label(chunks, index)}.{label}.grad_data", grad_data))
+            named.append((f"{chunk_label(chunks, index)}.{label}.grad_data", grad_data))
     return named
 
 
 def loose_grads(chunks: Sequence[torch.nn.Module]) -> NamedTensors:
     """``param.grad`` tensors outside DDP grad buffers (a model without DDP), as (name, param)."""
     return [
-        (f"{_label(chunks, index)}.{name}", p)
+        (f"{chunk_label(chunks, index)}.{name}", p)
         for index, chunk in enumerate(chunks)
         for name, p in chunk.named_parameters()
         if p.grad is not None

@@ -18,7 +18,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def rebuild_world(rank: int, world_size: int, use_distributed_optimizer: bool) -> dict:
     from refitkit.engines import DeviceState
     from refitkit.engines import megatron as rm
-    from refitkit.engines.megatron.main_params import rebuildable_tensors
+    from refitkit.engines.megatron.main_params import main_pairs, rebuildable_tensors
     from refitkit.errors import InvalidInput
 
     reference = tiny_gpt.build(use_distributed_optimizer=use_distributed_optimizer)
@@ -29,7 +29,7 @@ def rebuild_world(rank: int, world_size: int, use_distributed_optimizer: bool) -
     losses = [tiny_gpt.train_step(trainer, s) for s in range(2)]
     adapter = rm.MegatronAdapter(trainer.chunks, trainer.optimizer, rebuild_params_from_main=True)
     seen: dict = {}
-    dropped = rebuildable_tensors(adapter.chunks, adapter._leaves)
+    dropped = rebuildable_tensors(adapter.chunks, adapter._leaves, main_pairs(adapter._leaves))
     seen["dropped_names"] = [n for n, _ in dropped]
     seen["bf16_bytes"] = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in dropped}.values())
     seen["bf16_dtypes"] = sorted({str(t.dtype) for _, t in dropped})
