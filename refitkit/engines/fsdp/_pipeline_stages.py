@@ -227,10 +227,8 @@ def across_stages(
         yield from local
         return
     me = stages.pipeline_rank
-    local_done = False
     for owner in range(stages.size):
         if owner == me:
-            local_done = True
             try:
                 for name, tensor in local:
                     stages.send_weight(name, tensor, device)
@@ -245,7 +243,7 @@ def across_stages(
             try:
                 yield from stages.receive_from(owner, device)
             except Exception as exc:
-                if not local_done:
+                if owner < me:  # this rank's own stream has not run yet
                     _drain(local, exc)
                 raise
 
