@@ -17,13 +17,17 @@ class ReplacedTensorGuard:
     # per part, name -> the storage offloaded under it
     _offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]]
 
-    def _held_storages(self, named: NamedTensors) -> dict[str, tuple[int, StorageWeakRef]]:
-        """name -> storage for every tensor whose bytes the arena now holds (O(1) each)."""
+    def _held_storages(self, named: NamedTensors, *, in_flight: bool = False) -> dict[str, tuple[int, StorageWeakRef]]:
+        """name -> storage for every tensor whose bytes the arena now holds (O(1) each).
+
+        ``in_flight``: asked while an offload of all of ``named`` has its copies issued but not
+        done; a storage with a slot that still has device bytes is one it is moving, so counts.
+        """
         held: dict[str, tuple[int, StorageWeakRef]] = {}
         for name, tensor in named:
             storage = local_tensor(tensor).untyped_storage()
             slot = self.arena.slot_of(storage)
-            if slot is not None and slot.holds_data:
+            if slot is not None and (slot.holds_data or (in_flight and storage.nbytes() > 0)):
                 held[name] = (storage._cdata, StorageWeakRef(storage))
         return held
 

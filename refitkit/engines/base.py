@@ -215,22 +215,37 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         model_named = self._model_tensors_to_move() if "model" in wanted else []
         optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
         grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
-        # one call, so the phase pays one synchronize
-        total = offload_tensors(model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes)
+        by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
+        ahead = _Bookkeeping(self, by_part)
+        # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
+        total = offload_tensors(
+            model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
+            while_copying=lambda: ahead.run(held=wanted),
+        )  # fmt: skip
         # marked before the hook: its storages are freed now, so a hook that raises must leave them
         # OFFLOADED (a reload brings them back) rather than ON_DEVICE with no bytes
-        self._mark_offloaded(wanted, keep, {"model": model_named, "optimizer": optimizer_named, "grad": grad_named})
+        self._mark_offloaded(wanted, keep, by_part, held=ahead.held)
         self._after_offload(wanted)
         logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
-        return self._split(total, model_named, optimizer_named, grad_named)
+        return ahead.split(total)
 
-    def _mark_offloaded(self, parts: list[str], keep: bool, named_by_part: dict[str, NamedTensors]) -> None:
-        """After an offload's copies freed the device storages: drop unkept grads, mark the parts OFFLOADED."""
+    def _mark_offloaded(
+        self,
+        parts: list[str],
+        keep: bool,
+        named_by_part: dict[str, NamedTensors],
+        *,
+        held: dict[str, dict[str, tuple[int, StorageWeakRef]]] | None = None,
+    ) -> None:
+        """After an offload's copies freed the device storages: drop unkept grads, mark the parts OFFLOADED.
+
+        ``held``: each part's held storages when already looked up while the copies ran.
+        """
         if "grad" in parts and not keep:
             self._drop_grads()
         for part in parts:
             self._states[part] = DeviceState.OFFLOADED
-            self._offloaded[part] = self._held_storages(named_by_part[part])
+            self._offloaded[part] = held[part] if held is not None else self._held_storages(named_by_part[part])
         if "grad" in parts:
             self._grads_kept = keep
 
@@ -282,9 +297,11 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
         if "optimizer" in wanted:
             self._drop_failed_deferral()
+        ahead = _Bookkeeping(self, {"model": model_named, "optimizer": [] if defer else optimizer_named, "grad": grad_named})
         total = reload_tensors(
-            model_named + ([] if defer else optimizer_named) + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes
-        )
+            model_named + ([] if defer else optimizer_named) + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
+            while_copying=ahead.run,
+        )  # fmt: skip
         if "grad" in wanted:
             self._after_grad_reload(zero)
         self._after_reload(wanted)
@@ -295,13 +312,13 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
             self._offloaded.pop(part, None)
         if not defer:
             logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
-            return self._split(total, model_named, optimizer_named, grad_named)
+            return ahead.split(total)
         deferred = self._start_deferred_optimizer(deferred_plan, step_optimizers, timeout_s=timeout_s)
         logger.debug(
             "%s reloaded %s: %d bytes in %.4f s; %d optimizer bytes arriving",
             type(self).__name__, wanted, total.bytes, total.seconds, deferred.nbytes,
         )  # fmt: skip
-        moved = self._split(total, model_named, [], grad_named)
+        moved = ahead.split(total)
         arriving = MoveStats(bytes=deferred.nbytes, storages=deferred.storages, seconds=0.0)
         return AdapterMove(model=moved.model, optimizer=arriving, grad=moved.grad, total=total)
 
@@ -334,14 +351,14 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
     def _split(
         self, total: MoveStats, model_named: NamedTensors, optimizer_named: NamedTensors, grad_named: NamedTensors
     ) -> AdapterMove:
-        # per-part bytes from the storages' slots; the time is the phase's, shared
-        parts = [self._moved(named, total.seconds) for named in (model_named, optimizer_named, grad_named)]
-        return AdapterMove(model=parts[0], optimizer=parts[1], grad=parts[2], total=total)
+        ahead = _Bookkeeping(self, {"model": model_named, "optimizer": optimizer_named, "grad": grad_named})
+        ahead.run()
+        return ahead.split(total)
 
-    def _moved(self, named: NamedTensors, seconds: float) -> MoveStats:
+    def _moved(self, named: NamedTensors) -> tuple[int, int]:
+        """Bytes and storages of ``named`` that have a slot (per-part figures of a move)."""
         slots = [slot for storage in _unique_storages(named) if (slot := self.arena.slot_of(storage)) is not None]
-        nbytes = sum(slot.nbytes for slot in slots)
-        return MoveStats(bytes=nbytes, storages=len(slots), seconds=seconds if nbytes else 0.0)
+        return sum(slot.nbytes for slot in slots), len(slots)
 
     def __repr__(self) -> str:
         states = ", ".join(f"{part}={state.name}" for part, state in self._states.items())
@@ -363,3 +380,32 @@ def _index(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.current_device()
     return 0
+
+
+class _Bookkeeping:
+    """A move's per-part figures (and held storages), looked up while its copies run, not after them.
+
+    Everything read here is final once the copies are issued: slot sizes are set, and a storage
+    still holding bytes with a slot is one this move frees (see ``EngineAdapter._held_storages``).
+    """
+
+    def __init__(self, adapter: "EngineAdapter", by_part: dict[str, NamedTensors]) -> None:
+        self._adapter = adapter
+        self._by_part = by_part
+        self._counts: dict[str, tuple[int, int]] = {}
+        self.held: dict[str, dict[str, tuple[int, StorageWeakRef]]] | None = None
+
+    def run(self, held: list[str] | None = None) -> None:
+        self._counts = {part: self._adapter._moved(named) for part, named in self._by_part.items()}
+        if held is not None:
+            self.held = {part: self._adapter._held_storages(self._by_part[part], in_flight=True) for part in held}
+
+    def split(self, total: MoveStats) -> AdapterMove:
+        """Per-part stats; the time is the phase's, shared."""
+        if not self._counts:
+            self.run()
+        parts = {
+            part: MoveStats(bytes=nbytes, storages=count, seconds=total.seconds if nbytes else 0.0)
+            for part, (nbytes, count) in self._counts.items()
+        }
+        return AdapterMove(model=parts["model"], optimizer=parts["optimizer"], grad=parts["grad"], total=total)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import weakref
 from contextlib import nullcontext
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
 
@@ -103,13 +103,23 @@ def _check_views(arena: HostArena, named: list[tuple[str, torch.Tensor]]) -> Non
             )
 
 
+def _views_of(arena: HostArena, keys: set[int]) -> list[int]:
+    """The view records of these storages (and of tensors that died), by key."""
+    return [i for i, r in arena.views.items() if r.storage_key in keys or r.tensor_ref() is None]
+
+
 def _forget_views(arena: HostArena, keys: set[int]) -> None:
-    for tensor_id in [i for i, r in arena.views.items() if r.storage_key in keys or r.tensor_ref() is None]:
+    for tensor_id in _views_of(arena, keys):
         del arena.views[tensor_id]
 
 
 def offload_tensors(
-    tensors: TensorSet, arena: HostArena, *, non_blocking: bool = True, pack_below_bytes: int = 0
+    tensors: TensorSet,
+    arena: HostArena,
+    *,
+    non_blocking: bool = True,
+    pack_below_bytes: int = 0,
+    while_copying: Callable[[], None] | None = None,
 ) -> MoveStats:
     """Copy each unique storage into ``arena`` and free it on the device (``resize_(0)``).
 
@@ -117,48 +127,84 @@ def offload_tensors(
     and engine references stay valid. Storages already offloaded to this arena are skipped.
     Everything is validated before the first byte moves. ``pack_below_bytes``: storages smaller
     than this whose slots lie back to back move as one copy per run (see ``_packed``; 0: off).
+    ``while_copying``: called once the copies are issued, before waiting for them (a caller's
+    bookkeeping then overlaps the copies instead of following them).
     """
     pack_below_bytes = _checked_pack(pack_below_bytes)
     groups, device = _offloadable_groups(tensors, "offload_tensors")
     if device is None:
         return EMPTY_MOVE
     start = time.perf_counter()
-    _ensure_slots(arena, groups)
-    moves = [(group, arena.slot_of(group.storage), group.storage.nbytes()) for group in groups]
-    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
-    for run in runs:
-        copy_run_to_host(run, arena, non_blocking=non_blocking)
-    for group, slot, nbytes in singles:
-        arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
-    for group, slot, nbytes in moves:
-        slot.nbytes, slot.device = nbytes, group.storage.device
-    synchronize(device)
-    moved = _free_offloaded(arena, groups)
+    moves = _slotted_moves(arena, groups)
+    _issue_to_host(moves, arena, pack_below_bytes, non_blocking=non_blocking)
+    try:
+        _while_copying(arena, moves, while_copying)
+        synchronize(device)
+    except BaseException:
+        _forget_views(arena, {group.storage._cdata for group in groups})  # nothing was freed: no record stays
+        raise
+    moved = _free_offloaded(moves)
     return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
 
 
-def _free_offloaded(arena: HostArena, groups: list[_StorageGroup]) -> int:
-    """After the copies completed: mark each slot as holding its storage's bytes, free the storage; the bytes."""
-    moved = 0
-    for group in groups:
-        slot = arena.slot_of(group.storage)
+Move = tuple[_StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
+
+
+def _largest_first(moves: list[Move]) -> list[Move]:
+    """The order copies are issued in: largest first, so the host gets ahead of the copy engine at once
+    and the launches of small storages (and a packed run's views) overlap the large copies."""
+    return sorted(moves, key=lambda move: -move[2])
+
+
+def _issue_to_host(moves: list[Move], arena: HostArena, pack_below_bytes: int, *, non_blocking: bool) -> None:
+    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
+    for group, slot, nbytes in singles:
+        arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
+    for run in runs:  # after the large copies, so building a run's views overlaps them
+        copy_run_to_host(run, arena, non_blocking=non_blocking)
+
+
+def _while_copying(arena: HostArena, moves: list[Move], extra: Callable[[], None] | None) -> None:
+    """The bookkeeping that needs no finished copy, done while the copies run rather than after them."""
+    for group, slot, nbytes in moves:
+        slot.nbytes, slot.device = nbytes, group.storage.device
         _record_views(arena, group)
-        moved += slot.nbytes
+    if extra is not None:
+        extra()
+
+
+def _free_offloaded(moves: list[Move]) -> int:
+    """After the copies completed: each slot holds its storage's bytes and the storage is freed; the bytes."""
+    moved = 0
+    for group, slot, nbytes in moves:
+        moved += nbytes
         slot.holds_data = True
         group.storage.resize_(0)
     return moved
 
 
-def _ensure_slots(arena: HostArena, groups: list[_StorageGroup]) -> None:
-    """One allocation for all storages new to the arena (none in a steady round)."""
+def _slotted_moves(arena: HostArena, groups: list[_StorageGroup]) -> list[Move]:
+    """Each storage with its slot and bytes, largest first; one allocation for all storages new to the arena.
+
+    A steady round (every storage has a slot that fits) allocates nothing and walks the storages once.
+    """
     # settle background reservations first: a slot they register was sized when reserved and may be
     # too small by now, which the check below must see (else the copy runs into the next slot)
     arena._settle_all(arena.reserve_wait_s, "HostArena(reserve_wait_s=...)")
+    moves: list[Move] = []
+    missing = False
     for group in groups:
+        nbytes = group.storage.nbytes()
         slot = arena.slot_of(group.storage)
-        if slot is not None and slot.capacity_bytes < group.storage.nbytes():
+        if slot is not None and slot.capacity_bytes < nbytes:
             arena.forget(group.storage)  # the storage grew since its slot was made
-    arena.reserve(g.storage for g in groups)
+            slot = None
+        missing = missing or slot is None
+        moves.append((group, slot, nbytes))  # type: ignore[arg-type]  (filled in below when missing)
+    if missing:
+        arena.reserve(g.storage for g in groups)
+        moves = [(group, arena.slot_of(group.storage), nbytes) for group, _, nbytes in moves]  # type: ignore[misc]
+    return _largest_first(moves)
 
 
 def reload_tensors(
@@ -168,12 +214,13 @@ def reload_tensors(
     device: torch.device | str | None = None,
     non_blocking: bool = True,
     pack_below_bytes: int = 0,
+    while_copying: Callable[[], None] | None = None,
 ) -> MoveStats:
     """Restore each unique storage from ``arena`` (``resize_`` then copy), in place.
 
     ``device``, when given, must be the device the storages were offloaded from: storages keep
     their identity and so their device. Storages already resident are skipped.
-    ``pack_below_bytes`` as for ``offload_tensors``.
+    ``pack_below_bytes`` and ``while_copying`` as for ``offload_tensors``.
     """
     pack_below_bytes = _checked_pack(pack_below_bytes)
     pending = reload_plan(named_tensors(tensors), arena, device=device)
@@ -182,20 +229,23 @@ def reload_tensors(
     device = _common_device([g for g, _ in pending], "reload_tensors")
     start = time.perf_counter()
     restoring: _StorageGroup | None = None
-    moves = [(group, slot, slot.nbytes) for group, slot in pending]
+    moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
     runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
     try:
         reserve_one_segment(device, [nbytes for _, _, nbytes in moves])
-        for run in runs:
-            restoring = run[0][0]
-            for group, slot, nbytes in run:
-                group.storage.resize_(nbytes)
-            copy_run_to_device(run, arena, non_blocking=non_blocking)
         for group, slot, nbytes in singles:
             restoring = group
             group.storage.resize_(nbytes)
             storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, nbytes), non_blocking=non_blocking)
+        for run in runs:  # after the large copies, so building a run's views overlaps them
+            restoring = run[0][0]
+            for group, slot, nbytes in run:
+                group.storage.resize_(nbytes)
+            copy_run_to_device(run, arena, non_blocking=non_blocking)
         restoring = None
+        restored = _views_of(arena, {group.storage._cdata for group, _ in pending})  # while the copies run
+        if while_copying is not None:
+            while_copying()
         synchronize(device)
     except BaseException as error:
         _roll_back(pending, device)
@@ -207,7 +257,7 @@ def reload_tensors(
             "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
             "inference engine's KV cache) and call reload again"
         ) from error
-    return finish_reload(pending, arena, seconds=time.perf_counter() - start)
+    return finish_reload(pending, arena, seconds=time.perf_counter() - start, restored_views=restored)
 
 
 def reload_plan(
@@ -241,13 +291,25 @@ def reload_plan(
     return pending
 
 
-def finish_reload(pending: list[tuple[_StorageGroup, Slot]], arena: HostArena, *, seconds: float) -> MoveStats:
-    """Release the slots of restored storages (their host bytes may now be overwritten)."""
+def finish_reload(
+    pending: list[tuple[_StorageGroup, Slot]],
+    arena: HostArena,
+    *,
+    seconds: float,
+    restored_views: list[int] | None = None,
+) -> MoveStats:
+    """Release the slots of restored storages (their host bytes may now be overwritten).
+
+    ``restored_views``: their view records' keys, when already looked up (``_views_of``).
+    """
     moved = 0
     for _, slot in pending:
         slot.holds_data = False
         moved += slot.nbytes
-    _forget_views(arena, {group.storage._cdata for group, _ in pending})
+    if restored_views is None:
+        restored_views = _views_of(arena, {group.storage._cdata for group, _ in pending})
+    for tensor_id in restored_views:
+        arena.views.pop(tensor_id, None)
     return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 
@@ -321,7 +383,7 @@ class OffloadCopies:
     """Copies issued by ``start_offload`` and not waited for yet: the device storages still hold their bytes."""
 
     arena: HostArena
-    groups: list[_StorageGroup]
+    moves: list[Move]
     device: torch.device | None
     stream: "torch.cuda.Stream | None"  # the side stream the copies run on (None on the CPU)
     started: float
@@ -334,10 +396,11 @@ def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGro
     device = _common_device(groups, what)
     if device is not None and device.type == "meta":
         raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
+    on_cpu = device is not None and device.type == "cpu"
     for group in groups:
         # A CPU storage in shared memory (share_memory_()) claims to be resizable, but growing it back
         # after resize_(0) crashes the process (segfault, torch 2.13): refuse it like any fixed buffer.
-        if not group.storage.resizable() or (group.storage.device.type == "cpu" and group.storage.is_shared()):
+        if not group.storage.resizable() or (on_cpu and group.storage.is_shared()):
             raise InvalidInput(
                 f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
                 "buffer) and cannot be freed in place"
@@ -357,18 +420,15 @@ def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.S
     started = time.perf_counter()
     if device is None:
         return OffloadCopies(arena, [], None, None, started)
-    _ensure_slots(arena, groups)  # waits for a background reservation first (bounded)
+    moves = _slotted_moves(arena, groups)  # waits for a background reservation first (bounded)
     side: torch.cuda.Stream | None = None
     if device.type == "cuda":
         side = stream if stream is not None else torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side) if side is not None else nullcontext():
-        for group in groups:
-            slot = arena.slot_of(group.storage)
-            nbytes = group.storage.nbytes()
-            arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=True)
-            slot.nbytes, slot.device = nbytes, group.storage.device
-    return OffloadCopies(arena, groups, device, side, started)
+        _issue_to_host(moves, arena, 0, non_blocking=True)
+    _while_copying(arena, moves, None)
+    return OffloadCopies(arena, moves, device, side, started)
 
 
 def finish_offload(copies: OffloadCopies) -> MoveStats:
@@ -378,8 +438,8 @@ def finish_offload(copies: OffloadCopies) -> MoveStats:
     if copies.stream is not None:
         copies.stream.synchronize()  # a failure here leaves every storage on the device, untouched
     copies.open = False
-    moved = _free_offloaded(copies.arena, copies.groups)
-    return MoveStats(bytes=moved, storages=len(copies.groups), seconds=time.perf_counter() - copies.started)
+    moved = _free_offloaded(copies.moves)
+    return MoveStats(bytes=moved, storages=len(copies.moves), seconds=time.perf_counter() - copies.started)
 
 
 def cancel_offload(copies: OffloadCopies) -> None:
@@ -387,6 +447,9 @@ def cancel_offload(copies: OffloadCopies) -> None:
     if not copies.open:
         return
     copies.open = False
-    if copies.stream is not None:
-        copies.stream.synchronize()  # the host bytes must not be written after this returns
+    try:
+        if copies.stream is not None:
+            copies.stream.synchronize()  # the host bytes must not be written after this returns
+    finally:
+        _forget_views(copies.arena, {group.storage._cdata for group, _, _ in copies.moves})
 
