@@ -25,7 +25,7 @@ import torch
 from refitkit._knobs import checked_seconds
 from refitkit.errors import DeferredTimeout, RefitError
 from refitkit.offload.arena import HostArena, Slot
-from refitkit.offload.device import reserve_one_segment, storage_as_bytes
+from refitkit.offload.device import storage_as_bytes
 from refitkit.offload.moves import TensorSet, _common_device, _StorageGroup, finish_reload, named_tensors, reload_plan
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
@@ -89,9 +89,6 @@ class DeferredReload:
         regrown: list[_StorageGroup] = []
         try:
             with _on_stream(self._stream):
-                # one segment for the state (its free block belongs to this stream's pool, where the regrows look)
-                if self.device is not None:
-                    reserve_one_segment(self.device, [slot.nbytes for _, slot in self._pending])
                 for group, slot in self._pending:
                     self._copying = group.first_name
                     if self._before_copy is not None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 
@@ -51,38 +49,3 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return to_local()
     return tensor
-
-
-# torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests above 1 MiB come from its large
-# pool, each block rounded up to 512 bytes, and a free block is split to serve a smaller request.
-_SMALL_REQUEST_BYTES = 1 << 20
-_BLOCK_ROUND_BYTES = 512
-
-
-def reserve_one_segment(device: torch.device, sizes: list[int]) -> int:
-    """Make the allocator hold one free block as large as the large storages about to be regrown.
-
-    A reload regrows every storage after ``flush_device()`` gave the memory back, one ``cudaMalloc``
-    each (an 8B model's 1197 storages: 40-54 ms bare on an H200, benchmarks/refit_cycle.py). One
-    allocation of their total, handed straight back to the cache, turns those into splits of a
-    single segment, and the next ``empty_cache()`` frees one segment instead of hundreds: measured
-    flush after offloading 49 GB 35-51 ms instead of 51-80 ms; the reload's own time did not change
-    measurably (its copies, not its allocations, bound it). Returns the bytes reserved; 0 when it does
-    not apply (CPU, expandable segments, which map memory on demand) or when the memory is not
-    there in one piece (then each storage allocates as before).
-    """
-    if device.type != "cuda" or _expandable_segments():
-        return 0
-    total = sum(-(-n // _BLOCK_ROUND_BYTES) * _BLOCK_ROUND_BYTES for n in sizes if n > _SMALL_REQUEST_BYTES)
-    if total == 0 or total > torch.cuda.mem_get_info(device)[0]:
-        return 0  # nothing large, or not there in one piece: no OOM report (users' OOM observers) for a shortcut
-    try:
-        block = torch.empty(total, dtype=torch.uint8, device=device)
-    except torch.OutOfMemoryError:
-        return 0
-    del block  # back to the cache as one free block on this stream; the regrows split it
-    return total
-
-
-def _expandable_segments() -> bool:
-    return "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()

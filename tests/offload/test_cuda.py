@@ -74,8 +74,7 @@ def test_memory_allocated_drops_by_the_offloaded_bytes_and_comes_back():
     assert r["free_offloaded"] - r["free_loaded"] >= nbytes, r
     assert abs(r["free_base"] - r["free_offloaded"]) <= DRIVER_SLACK_BYTES, r
     assert r["allocated_offloaded"] == r["allocated_base"], r
-    # the storages are back: as one segment's blocks (512-byte rounding) rather than one segment each, so
-    # the allocator's account may be smaller than before the offload, never below the storage bytes
+    # the storages are back: the allocator's account (its rounding) is at least the storage bytes
     assert nbytes <= r["allocated_reloaded"] - r["allocated_base"] <= r["allocated_loaded"] - r["allocated_base"], r
     assert r["intact"] == [True] * 4
 
@@ -293,16 +292,7 @@ def test_a_background_pin_that_is_refused_surfaces_at_the_offload_and_the_arena_
     assert r["a_intact"]
 
 
-def _segments_holding(pointers: list[int]) -> int:
-    """How many of the caching allocator's segments hold these device pointers."""
-    found = set()
-    for segment in torch.cuda.memory_snapshot():
-        start, size = segment["address"], segment["total_size"]
-        found.update(start for p in pointers if start <= p < start + size)
-    return len(found)
-
-
-def test_a_reload_regrows_its_large_storages_in_one_segment_and_flush_frees_it_bit_exact():
+def test_a_reload_after_a_flush_regrows_every_storage_bit_exact_and_the_next_flush_frees_them_all():
     _warm_up()
     tensors = [random_tensor((1024 + 37 * i, 1024), torch.bfloat16, seed=i).cuda() for i in range(24)]  # 2-4 MiB each
     originals = [t.cpu().view(torch.uint8) for t in tensors]  # bits (NaN payloads compare too)
@@ -311,12 +301,11 @@ def test_a_reload_regrows_its_large_storages_in_one_segment_and_flush_frees_it_b
     flush_device()
     reserved_before = torch.cuda.memory_reserved()
     reload_tensors(tensors, arena)
-    assert _segments_holding([t.data_ptr() for t in tensors]) == 1  # before: 24, one cudaMalloc each
-    total = sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in tensors)
-    assert torch.cuda.memory_reserved() - reserved_before - total < 2 * MIB  # the one segment, rounded to 2 MiB
+    total = sum(t.untyped_storage().nbytes() for t in tensors)
+    assert torch.cuda.memory_reserved() - reserved_before >= total
     assert all(torch.equal(t.cpu().view(torch.uint8), o) for t, o in zip(tensors, originals))
     offload_tensors(tensors, arena)
     flush_device()
-    assert torch.cuda.memory_reserved() == reserved_before  # the whole segment went back to the driver
+    assert torch.cuda.memory_reserved() == reserved_before  # every block went back to the driver
     reload_tensors(tensors, arena)
     assert all(torch.equal(t.cpu().view(torch.uint8), o) for t, o in zip(tensors, originals))
