@@ -226,10 +226,14 @@ def run_mode(mode: Mode, module: ShapedWeights, optimizer, step, sender, peer, d
                 step()
                 _sync(device)
                 counter.take()
+                began = time.perf_counter()
                 refit = cycle.refit(index)
+                refit_wall_s = time.perf_counter() - began  # the call, not only its phases' sum
                 if not peer.poll(TIMEOUT_S) or peer.recv() != "received":
                     raise RuntimeError("the receiver process did not finish its session")
+                began = time.perf_counter()
                 resume = cycle.resume(index, **resume_kwargs)
+                resume_wall_s = time.perf_counter() - began
                 gc_counts = counter.take()
                 next_step_s = _timed(step, device)
                 phases = {p.name: p for p in refit.phases}
@@ -238,7 +242,7 @@ def run_mode(mode: Mode, module: ShapedWeights, optimizer, step, sender, peer, d
                     "sync_ms": phases["sync_weights"].seconds * 1e3, "sync_bytes": phases["sync_weights"].bytes,
                     "offload_s": phases["offload"].seconds, "offload_bytes": phases["offload"].bytes,
                     "flush_ms": phases["flush_device"].seconds * 1e3, "barrier_ms": phases["barrier"].seconds * 1e3,
-                    "refit_s": refit.seconds, "resume_s": resume.seconds,
+                    "refit_s": refit_wall_s, "resume_s": resume_wall_s, "refit_phases_s": refit.seconds,
                     "reload_s": resume.phase("reload").seconds, "reload_bytes": resume.phase("reload").bytes,
                     "next_step_s": next_step_s, "gc_by_generation": gc_counts,
                 })  # fmt: skip

@@ -121,15 +121,20 @@ class RefitCycle:
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
         failures: list[BaseException] = []
-        early: OffloadInFlight | BaseException | None = None  # optimizer copies started before the sync
-        if self.overlap:
-            with record_function("refitkit.offload_start"):
-                early = _begun(self.adapter)
+        started: list[OffloadInFlight | BaseException] = []  # optimizer copies started before the sync
+
+        def sync_weights() -> int:
+            if self.overlap:  # timed with the sync it overlaps: issuing the copies can wait for queue room
+                with record_function("refitkit.offload_start"):
+                    started.append(_begun(self.adapter))
+            return self._sync_weights()
+
         try:
-            records.append(self._timed("sync_weights", origin, self._sync_weights))
+            records.append(self._timed("sync_weights", origin, sync_weights))
         except BaseException as error:
-            self._cancel(early, error)
+            self._cancel(started[0] if started else None, error)
             raise
+        early = started[0] if started else None
         records.append(self._timed("offload", origin, lambda: _attempt(lambda: self._offload(early), failures)))
         records.append(self._timed("flush_device", origin, lambda: _attempt(flush_device, failures)))
         records.append(self._timed("barrier", origin, lambda: self._settle("offload", failures)))

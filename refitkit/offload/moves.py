@@ -423,7 +423,10 @@ def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.S
     started = time.perf_counter()
     if device is None:
         return OffloadCopies(arena, [], None, None, started)
-    moves = _slotted_moves(arena, groups)  # waits for a background reservation first (bounded)
+    # smallest first: once the device's launch queue is full, each launch waits for a queued copy to finish;
+    # small ones finish at once, so the caller is not held. Largest first, an 8B cycle on an H200 spent ~0.3 s
+    # issuing here (its phases then summed to 0.57 s for 49 GB, less than the flat D2H time of the bytes)
+    moves = _slotted_moves(arena, groups)[::-1]  # waits for a background reservation first (bounded)
     side: torch.cuda.Stream | None = None
     if device.type == "cuda":
         side = stream if stream is not None else torch.cuda.Stream(device)
