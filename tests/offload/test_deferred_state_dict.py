@@ -94,7 +94,6 @@ def test_state_dict_while_arriving_waits_and_is_bit_identical_to_a_run_without_o
     model, optimizer, adapter, _ = offloaded_after_two_steps()
     seen = release_from(optimizer.register_state_dict_pre_hook, adapter, optimizer)
     adapter.reload(defer_optimizer=True)
-    assert hook_counts(optimizer) == (1, 2, 1)  # the adapter's three, and the test's own state_dict hook
     checkpoint = saved(optimizer.state_dict())  # cloned at once, as torch.save would write it
     assert started_early(seen)
     assert adapter.part_states.optimizer is DeviceState.ON_DEVICE  # state_dict() waited for the arrival

@@ -124,7 +124,9 @@ def checkpoint_while_arriving(rank: int, world_size: int, use_distributed_optimi
     from refitkit.engines import megatron as rm
     from refitkit.errors import RefitError
 
-    build = lambda seed=1234: tiny_gpt.build(use_distributed_optimizer=use_distributed_optimizer, seed=seed)  # noqa: E731
+    def build(seed: int = 1234):
+        return tiny_gpt.build(use_distributed_optimizer=use_distributed_optimizer, seed=seed)
+
     seen: dict = {}
     if mode == "load":
         source = build(seed=7)  # another run: every value differs from this one's

@@ -14,13 +14,15 @@ KINDS = pytest.mark.parametrize("use_distributed_optimizer", [True, False], ids=
 
 
 @KINDS
-def test_sharded_state_dict_while_arriving_waits_and_is_bit_identical_to_a_run_without_offload(use_distributed_optimizer):
+def test_sharded_state_dict_while_arriving_waits_and_is_bit_identical_to_a_run_without_offload(
+    use_distributed_optimizer,
+):
     (seen,) = run_world(
         deferred_checkpoint_ranks.checkpoint_while_arriving, 1, use_distributed_optimizer, "save", timeout_s=240
     )
-    assert seen["arriving"] and seen["hooked"]
-    assert seen["optimizer_bytes"] == 0  # Megatron's call reached the inner optimizer before any copy
-    assert seen["on_device"] and seen["hooks_left"] == 0
+    assert seen["arriving"] and seen["on_device"]  # ARRIVING after the reload, ON_DEVICE after the call: it waited
+    assert seen["hooked"] and seen["optimizer_bytes"] == 0  # Megatron's call reached the inner optimizer first
+    assert seen["hooks_left"] == 0
     assert seen["saved_equal"]
 
 
@@ -29,9 +31,9 @@ def test_a_checkpoint_loaded_while_arriving_wins_over_the_deferred_copies(use_di
     (seen,) = run_world(
         deferred_checkpoint_ranks.checkpoint_while_arriving, 1, use_distributed_optimizer, "load", timeout_s=240
     )
-    assert seen["arriving"] and seen["hooked"]
-    assert seen["optimizer_bytes"] == 0
-    assert seen["on_device"] and seen["hooks_left"] == 0
+    assert seen["arriving"] and seen["on_device"]  # ARRIVING after the reload, ON_DEVICE after the call: it waited
+    assert seen["hooked"] and seen["optimizer_bytes"] == 0
+    assert seen["hooks_left"] == 0
     assert seen["loaded_equal"]  # the state is the checkpoint's, not the offloaded one's
     assert seen["losses_equal"] and seen["state_equal"]
 
