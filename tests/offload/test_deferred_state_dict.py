@@ -209,3 +209,22 @@ def test_hooks_registered_after_the_reload_neither_break_the_call_nor_keep_the_a
     assert losses == reference_losses
     for handle in user_hooks:
         handle.remove()
+
+
+def test_a_call_that_raises_in_a_later_hook_leaves_nothing_behind_after_the_next_call():
+    """The adapter's running hook is to go after the call; a later hook raising skips the post-hooks."""
+    model, optimizer, adapter, _ = offloaded_after_two_steps()
+    adapter.reload(defer_optimizer=True)
+
+    def refuse(opt: torch.optim.Optimizer) -> None:
+        raise RuntimeError("injected: the user's hook refuses")
+
+    refusing = optimizer.register_state_dict_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="the user's hook refuses"):
+        optimizer.state_dict()
+    assert adapter.part_states.optimizer is DeviceState.ON_DEVICE  # the adapter's hook had waited
+    assert hook_counts(optimizer) == (0, 2, 0)  # its state_dict hook is still there, a no-op now
+    refusing.remove()
+    optimizer.state_dict()
+    assert hook_counts(optimizer) == (0, 0, 0)
+    assert len(optimizer._optimizer_state_dict_post_hooks) == 0
