@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-
 from torch.utils.hooks import RemovableHandle
 
 from refitkit._knobs import checked_seconds
