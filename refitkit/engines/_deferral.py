@@ -1,5 +1,6 @@
 """Deferred optimizer reload: ``reload(defer_optimizer=True)`` copies the optimizer state back behind
-the caller, and the optimizer's step (or the adapter's next call, or ``wait_deferred()``) waits for it."""
+the caller, and the optimizer's step, ``state_dict()`` and ``load_state_dict()`` (or the adapter's
+next call, or ``wait_deferred()``) wait for it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class DeferredOptimizer:
     arena: HostArena
     _states: dict[str, DeviceState]
     _offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]]
-    _gate: StepGate | None  # the optimizer-step hooks of a deferred reload
+    _gate: StepGate | None  # the optimizer hooks (step, state_dict, load_state_dict) of a deferred reload
     _deferred_before_copy: BeforeCopy | None  # tests hold deferred copies back with it
 
     def wait_deferred(self) -> None:
@@ -39,7 +40,7 @@ class DeferredOptimizer:
         gate.wait()
 
     def _drop_failed_deferral(self) -> None:
-        """Remove the step hooks of a deferred reload that failed, before the optimizer state is reloaded again."""
+        """Remove the hooks of a deferred reload that failed, before the optimizer state is reloaded again."""
         if self._gate is not None:
             self._gate.remove()  # a failed deferred reload's hooks: this reload replaces it
             self._gate = None
@@ -47,7 +48,7 @@ class DeferredOptimizer:
     def _start_deferred_optimizer(
         self, plan: list[tuple[_StorageGroup, Slot]], step_optimizers: list[torch.optim.Optimizer], *, timeout_s: float
     ) -> DeferredReload:
-        """Start copying the optimizer state back behind the caller; its step waits for it."""
+        """Start copying the optimizer state back behind the caller; its step and state-dict calls wait for it."""
         deferred = DeferredReload(
             plan,
             self.arena,

@@ -5,7 +5,8 @@ each storage and copies its bytes from the arena (on CUDA it issues the copies o
 and records an event; on CPU it does the copies itself). ``DeferredReload.wait`` is the one place
 that waits: bounded by ``timeout_s``, then, on CUDA, the caller's stream waits for the side
 stream's event (the host does not block on the copies). ``StepGate`` makes an optimizer's
-``step`` do that wait through a step pre-hook that removes itself once the state has arrived.
+``step``, ``state_dict`` and ``load_state_dict`` do that wait through torch's pre-hooks, removed
+once the state has arrived.
 
 A reload that fails frees what it regrew; the slots still hold the bytes, so the same reload can
 be retried (as with ``reload_tensors``). The failure is raised by ``wait``, naming the tensor.
@@ -21,6 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from refitkit._knobs import checked_seconds
 from refitkit.errors import DeferredTimeout, RefitError
@@ -174,10 +176,13 @@ def reload_deferred(
 
 
 class StepGate:
-    """Optimizer step pre-hooks that wait for a deferred reload; they remove themselves once it arrived.
+    """Hooks on each optimizer that wait for a deferred reload before its state is touched.
 
-    ``on_arrival`` (held weakly when it is a bound method, so the hooks never keep an adapter alive)
-    runs once after the state arrived; ``on_failure(error)`` once, when the reload's failure is first raised.
+    Per optimizer: a ``step`` pre-hook, a ``state_dict`` pre-hook (checkpoints read the state's
+    storages) and a ``load_state_dict`` pre-hook (values loaded before the copies land would be
+    overwritten by them). They are removed once the state arrived. ``on_arrival`` (held weakly
+    when it is a bound method, so the hooks never keep an adapter alive) runs once after the state
+    arrived; ``on_failure(error)`` once, when the reload's failure is first raised.
     """
 
     def __init__(
@@ -192,21 +197,28 @@ class StepGate:
         self._on_arrival = _weak_callable(on_arrival)
         self._on_failure = _weak_callable(on_failure)
         self.reported = False  # the reload's failure was raised (to a step or to the owner)
-        self._handles = [optimizer.register_step_pre_hook(self._before_step) for optimizer in optimizers]
+        self._arrived = False  # on_arrival ran
+        self._hooks: list[_GateHook] = []
+        for optimizer in optimizers:
+            self._hooks += [
+                _GateHook(self, optimizer.register_step_pre_hook, optimizer.register_step_post_hook),
+                _GateHook(self, optimizer.register_state_dict_pre_hook, optimizer.register_state_dict_post_hook),
+                _GateHook(
+                    self, optimizer.register_load_state_dict_pre_hook, optimizer.register_load_state_dict_post_hook
+                ),
+            ]
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self.wait()
-
-    def wait(self) -> None:
+    def wait(self, *, running: _GateHook | None = None) -> None:
         """Wait for the deferred reload (bounded); on arrival the hooks are removed.
 
-        On failure the hooks stay, so every later step raises too (the state is not there) until
-        the owner reloads and ``remove()``s this gate; ``reported`` says the failure was raised.
+        On failure the hooks stay, so every later step or state-dict call raises too (the state is
+        not there) until the owner reloads and ``remove()``s this gate; ``reported`` says the
+        failure was raised. ``running``: the hook torch is calling now (see ``remove``).
         """
         try:
             self.deferred.wait()
         except DeferredTimeout:
-            raise  # still copying: keep the hooks, a later step waits again
+            raise  # still copying: keep the hooks, a later call waits again
         except RefitError as error:
             if not self.reported:
                 self.reported = True
@@ -214,16 +226,65 @@ class StepGate:
                 if callback is not None:
                     callback(error)
             raise
-        if self._handles:
-            self.remove()
+        self.remove(running=running)
+        if not self._arrived:
+            self._arrived = True
             callback = self._on_arrival()
             if callback is not None:
                 callback()
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def remove(self, *, running: _GateHook | None = None) -> None:
+        """Remove the hooks (``running``, the one torch is calling now, may go right after the call)."""
+        for hook in self._hooks:
+            hook.remove(running=hook is running)
+        self._hooks.clear()
+
+
+class _GateHook:
+    """One of a gate's pre-hooks on one optimizer (step, state_dict or load_state_dict)."""
+
+    def __init__(
+        self,
+        gate: StepGate,
+        register: Callable[[Callable], RemovableHandle],
+        register_post: Callable[[Callable], RemovableHandle],
+    ) -> None:
+        self._gate = gate
+        self._register_post = register_post
+        self._post: RemovableHandle | None = None
+        self._removing = False  # the gate is done with it
+        self.handle = register(self)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, *args: object) -> None:
+        # returns None for every kind: the step's args, the state dict to load, stay as they are
+        if self._removing:  # still here: the call it was to go after raised before its post-hooks
+            self.remove(running=True)
+            return
+        self._gate.wait(running=self)
+
+    def remove(self, *, running: bool) -> None:
+        """Remove this hook now, or right after the call that runs it when a later hook is still to come.
+
+        torch loops over an optimizer's hooks in an OrderedDict: removing the running hook before
+        the loop's end raises "OrderedDict mutated during iteration" in the caller's step or
+        state_dict call. A post-hook of the same call (another dict) removes it instead.
+        """
+        self._removing = True
+        if not running or _is_last(self.handle):
+            self.handle.remove()
+        elif self._post is None:
+            self._post = self._register_post(self._remove_after_call)
+
+    def _remove_after_call(self, optimizer: torch.optim.Optimizer, *args: object) -> None:
+        self.handle.remove()
+        if self._post is not None and _is_last(self._post):  # else it goes at its next call
+            self._post.remove()
+
+
+def _is_last(handle: RemovableHandle) -> bool:
+    """Whether the hook is the last in its dict: a loop over the dict ends right after it, so it may go."""
+    hooks = handle.hooks_dict_ref()
+    return hooks is None or not hooks or next(reversed(hooks)) == handle.id
 
 
 class _on_stream:

@@ -64,6 +64,15 @@ def step_optimizers(members: list[object]) -> list[torch.optim.Optimizer]:
     optimizer's ``step`` (``step_with_ready_grads``) it only reads and writes grads
     (``prepare_grads``, clipping, zero counting), never the fp32 main params or the state, so a
     pre-hook on each inner optimizer waits exactly in time (megatron-core 0.16.1, 0.19.2).
+
+    Their ``state_dict`` / ``load_state_dict`` pre-hooks cover Megatron's checkpoint calls
+    (megatron-core 0.16.1): ``state_dict``, ``sharded_state_dict`` and ``load_state_dict`` of the
+    Float16, FP32, distributed and chained optimizers all call the inner optimizer's
+    ``state_dict()`` before touching the state. Not covered: ``DistributedOptimizer``'s
+    ``get_parameter_state_*`` / ``save_parameter_state`` / ``load_parameter_state*`` called on their
+    own (they read ``optimizer.state`` directly; Megatron's trainer calls ``state_dict`` or
+    ``load_state_dict`` first) and ``sharded_param_state_fsdp_dtensor`` (Megatron-FSDP): call
+    ``adapter.wait_deferred()`` before those.
     """
     found = [_internals.inner_optimizer(leaf) for leaf in members]
     return [inner for inner in found if inner is not None]
