@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from refitkit._knobs import checked_seconds
 from refitkit.errors import DeferredTimeout, RefitError
 from refitkit.offload.arena import HostArena, Slot
-from refitkit.offload.device import storage_as_bytes
+from refitkit.offload.device import SegmentedRegrow, storage_as_bytes
 from refitkit.offload.moves import TensorSet, _common_device, _StorageGroup, finish_reload, named_tensors, reload_plan
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
@@ -91,10 +91,14 @@ class DeferredReload:
         regrown: list[_StorageGroup] = []
         try:
             with _on_stream(self._stream):
-                for group, slot in self._pending:
+                # shared segments for the state (their free blocks belong to this stream's pool, where the regrows look)
+                segments = SegmentedRegrow(self.device, [slot.nbytes for _, slot in self._pending]) if self.device is not None else None
+                for index, (group, slot) in enumerate(self._pending):
                     self._copying = group.first_name
                     if self._before_copy is not None:
                         self._before_copy(group.first_name)
+                    if segments is not None:
+                        segments.before(index)
                     group.storage.resize_(slot.nbytes)
                     regrown.append(group)
                     storage_as_bytes(group.storage).copy_(self._arena.host_bytes(slot, slot.nbytes), non_blocking=True)

@@ -14,7 +14,7 @@ import torch
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload._packed import copy_run_to_device, copy_run_to_host, packed_runs
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
-from refitkit.offload.device import local_tensor, resolved_device, storage_as_bytes, synchronize
+from refitkit.offload.device import SegmentedRegrow, local_tensor, resolved_device, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -232,12 +232,10 @@ def reload_tensors(
     moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
     runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
     try:
-        # each storage allocates its own block, the first copy starts at once. One allocation of the total
-        # ahead of the copies (tried: one segment, fewer cudaFree at the next flush) made an 8B reload right
-        # after a flush slower, 1009 against 972 ms on an H200: its copies all wait for the driver to clear
-        # the whole segment's just-freed memory (.gpu notes of issue 14)
-        for group, slot, nbytes in singles:
+        segments = SegmentedRegrow(device, [nbytes for _, _, nbytes in singles])
+        for index, (group, slot, nbytes) in enumerate(singles):
             restoring = group
+            segments.before(index)
             group.storage.resize_(nbytes)
             storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, nbytes), non_blocking=non_blocking)
         for run in runs:  # after the large copies, so building a run's views overlaps them
