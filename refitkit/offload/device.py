@@ -69,7 +69,9 @@ class SegmentedRegrow:
     total is allocated and handed straight back to the cache; their regrows then split it. The
     segments stay small next to the whole, so the copies into the first of them start at once
     (one segment for everything made an 8B reload after a flush 37 ms slower on an H200: its copies
-    waited for the driver to clear the whole just-freed range). A no-op on the CPU, with
+    waited for the driver to clear the whole just-freed range). Measured on an H200 (refit_cycle.py):
+    an 8B model's flush 30-50 ms instead of 50-79 ms, its reload within noise; a 0.6B model's reload
+    was slower in the runs measured (41 against 46 GB/s), not explained yet. A no-op on the CPU, with
     expandable segments (memory is mapped on demand there), or where the memory is not there in
     one piece (then each storage allocates as before).
     """
@@ -80,17 +82,7 @@ class SegmentedRegrow:
         if device.type != "cuda" or _expandable_segments():
             return
         self._device = device
-        start, total, count = -1, 0, 0
-        for index, nbytes in enumerate(sizes):
-            if nbytes <= _SMALL_REQUEST_BYTES:
-                continue
-            rounded = -(-nbytes // _BLOCK_ROUND_BYTES) * _BLOCK_ROUND_BYTES
-            if count and total + rounded <= segment_bytes:
-                total, count = total + rounded, count + 1
-            else:
-                start, total, count = index, rounded, 1
-            if count > 1:  # one storage alone is one segment anyway
-                self._reserve_at[start] = total
+        self._reserve_at = segment_plan(sizes, segment_bytes)
 
     def before(self, index: int) -> None:
         """Call before regrowing the ``index``-th storage of ``sizes``."""
@@ -105,6 +97,25 @@ class SegmentedRegrow:
             return
         del block  # back to the cache as one free block on this stream; the next regrows split it
         self.segments += 1
+
+
+def segment_plan(sizes: list[int], segment_bytes: int = REGROW_SEGMENT_BYTES) -> dict[int, int]:
+    """index -> bytes to reserve before regrowing ``sizes[index]``: runs of consecutive large sizes (small ones
+    come from the allocator's small pool and are skipped) that fit together in ``segment_bytes``, as the
+    allocator rounds them; a size alone gets none (its own allocation is one segment anyway)."""
+    plan: dict[int, int] = {}
+    start, total, count = -1, 0, 0
+    for index, nbytes in enumerate(sizes):
+        if nbytes <= _SMALL_REQUEST_BYTES:
+            continue
+        rounded = -(-nbytes // _BLOCK_ROUND_BYTES) * _BLOCK_ROUND_BYTES
+        if count and total + rounded <= segment_bytes:
+            total, count = total + rounded, count + 1
+        else:
+            start, total, count = index, rounded, 1
+        if count > 1:
+            plan[start] = total
+    return plan
 
 
 def _expandable_segments() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refitkit.offload.device import SegmentedRegrow
+from refitkit.offload.device import SegmentedRegrow, segment_plan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -14,7 +14,7 @@ MIB, GIB = 1 << 20, 1 << 30
 
 def test_consecutive_large_storages_share_a_segment_up_to_its_size_and_a_lone_one_gets_none():
     sizes = [3 * GIB, 1200 * MIB, 700 * MIB, 100 * MIB, 512 * 1024, 300 * MIB, 2 * GIB - 512, 64 * MIB]
-    plan = SegmentedRegrow(torch.device("cuda", 0), sizes)._reserve_at
+    plan = segment_plan(sizes)
     # 3 GiB is alone (over the segment size); 1200+700+100 MiB share one (the small one in between is skipped
     # and allocates from the small pool); 300 MiB + 2 GiB would not fit, so 300 MiB starts a run alone and
     # 2 GiB - 512 B with 64 MiB would not fit either: two lone storages, no reservation
@@ -23,7 +23,7 @@ def test_consecutive_large_storages_share_a_segment_up_to_its_size_and_a_lone_on
 
 def test_sizes_are_rounded_as_the_allocator_rounds_them():
     sizes = [MIB + 1, MIB + 1, MIB + 1]
-    plan = SegmentedRegrow(torch.device("cuda", 0), sizes)._reserve_at
+    plan = segment_plan(sizes)
     assert plan == {0: 3 * (MIB + 512)}
 
 
