@@ -144,9 +144,10 @@ class RefitCycle:
         """Bring the training state back to the device, then line up; raises on every rank if any failed.
 
         ``defer_optimizer``: return once the params and grads are back; the optimizer state arrives
-        behind the caller and the optimizer's step waits for it (``adapter.reload(defer_optimizer=True)``).
-        The reload phase's bytes are then those back on return. A failure of the deferred copies is
-        raised by that rank's optimizer step, after this exchange: the other ranks do not learn of it.
+        behind the caller and the optimizer's step, ``state_dict()`` and ``load_state_dict()`` wait for it
+        (``adapter.reload(defer_optimizer=True)``). The reload phase's bytes are then those back on
+        return. A failure of the deferred copies is raised there, on that rank, after this exchange:
+        the other ranks do not learn of it.
         """
         origin = time.perf_counter()
         failures: list[BaseException] = []

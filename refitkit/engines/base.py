@@ -82,7 +82,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         self.zero_grads = zero_grads
         self._states: dict[str, DeviceState] = {part: DeviceState.ON_DEVICE for part in PARTS}
         self._grads_kept = False
-        self._gate: StepGate | None = None  # the optimizer-step hooks of a deferred reload
+        self._gate: StepGate | None = None  # a deferred reload's optimizer hooks (step, state_dict, load_state_dict)
         self._deferred_before_copy: BeforeCopy | None = None  # tests hold deferred copies back with it
         # per part, name -> the storage offloaded under it: a tensor replaced while offloaded is caught
         self._offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]] = {}
@@ -112,6 +112,10 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         """The model tensors offload copies and reload restores; an engine may drop and rebuild the rest."""
         return self._model_tensors()
 
+    def _model_tensors_to_reserve(self) -> NamedTensors:
+        """The model tensors ``prepare()`` sizes host bytes for: those an offload is expected to copy."""
+        return self._model_tensors()
+
     def _after_offload(self, parts: list[str]) -> None:
         """Runs once the offload's copies are done and the parts are marked OFFLOADED (a raise leaves them so)."""
 
@@ -122,7 +126,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         """Runs once the reload's copies are done (grads too), before the parts are marked ON_DEVICE."""
 
     def _step_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The torch optimizers whose ``step`` first touches the optimizer state (hooked by deferred reloads)."""
+        """The torch optimizers whose ``step`` (and ``state_dict``/``load_state_dict``) a deferred reload hooks to wait."""
         return []
 
     # --- grads: where an engine keeps them (default: ``param.grad``) ------------------------
@@ -199,7 +203,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         keep = self.keep_grads if keep_grads is None else keep_grads
         if not isinstance(keep, bool):
             raise InvalidInput(f"{type(self).__name__}.prepare(): keep_grads= must be a bool, got {keep!r}")
-        named = self._model_tensors() + self._optimizer_tensors() + (self._grads_to_keep() if keep else [])
+        named = self._model_tensors_to_reserve() + self._optimizer_tensors() + (self._grads_to_keep() if keep else [])
         return self.arena.reserve(list(_unique_storages(named)), background=True)
 
     def offload(

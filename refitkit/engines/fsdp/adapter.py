@@ -100,7 +100,7 @@ class FSDPAdapter(EngineAdapter):
         return named
 
     def _step_optimizers(self) -> list[torch.optim.Optimizer]:
-        # torchtitan's OptimizersContainer steps each of these: hooking them covers the container too
+        # torchtitan's OptimizersContainer steps (and saves and loads) each of these: hooking them covers the container too
         return list(self.optimizers)
 
     def _grad_params(self) -> NamedTensors:

@@ -89,6 +89,14 @@ class MegatronAdapter(EngineAdapter):
         dropped = {t.untyped_storage()._cdata for _, t in self._dropped}
         return [(n, t) for n, t in self._model_tensors() if t.untyped_storage()._cdata not in dropped]
 
+    def _model_tensors_to_reserve(self) -> NamedTensors:
+        # the params rebuilt from the main params need no host bytes (an offload that finds them changed
+        # copies them after all, reserving their slots then)
+        if not self.rebuild_params_from_main or self._states["optimizer"] is not DeviceState.ON_DEVICE:
+            return self._model_tensors()
+        rebuilt = {t.untyped_storage()._cdata for _, t in rebuildable_tensors(self.chunks, self._leaves, main_pairs(self._leaves))}
+        return [(n, t) for n, t in self._model_tensors() if t.untyped_storage()._cdata not in rebuilt]
+
     def _optimizer_tensors(self) -> NamedTensors:
         return copy_param_tensors(self._leaves, self._leaves) + state_tensors(self._leaves, self._leaves)
 

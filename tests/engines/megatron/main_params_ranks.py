@@ -98,3 +98,23 @@ def hook_failure_world(rank: int, world_size: int, drop_first: bool) -> dict:
     seen["model_bytes_after_reload"] = adapter.state_bytes().model.device_bytes
     tiny_gpt.train_step(trainer, 1)  # the state is whole again: a step runs
     return seen
+
+
+def prepare_world(rank: int, world_size: int) -> dict:
+    """prepare() with rebuild_params_from_main: host bytes for what an offload copies, not for the dropped params."""
+    from refitkit.engines import megatron as rm
+    from refitkit.engines.megatron.main_params import main_pairs, rebuildable_tensors
+
+    trainer = tiny_gpt.build(use_distributed_optimizer=True)
+    tiny_gpt.train_step(trainer, 0)
+    adapter = rm.MegatronAdapter(trainer.chunks, trainer.optimizer, rebuild_params_from_main=True)
+    dropped = rebuildable_tensors(adapter.chunks, adapter._leaves, main_pairs(adapter._leaves))
+    seen: dict = {"bf16_bytes": sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in dropped}.values())}
+    before = _streamed(adapter)
+    seen["reserved"] = adapter.prepare().wait(60)
+    move = adapter.offload()
+    seen["moved"], seen["storages"] = move.total.bytes, move.total.storages
+    seen["arena_after_offload"] = adapter.arena.nbytes
+    adapter.reload()
+    seen["streamed_equal"] = _equal(_streamed(adapter), before)
+    return seen

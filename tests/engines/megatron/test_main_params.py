@@ -37,3 +37,12 @@ def test_a_raising_offload_hook_leaves_the_parts_offloaded_and_reload_restores_t
     assert seen["parts_after_reload"] == ["ON_DEVICE"] * 3
     assert seen["device_bytes_after_reload"] > 0 and seen["model_bytes_after_reload"] > 0
     assert seen["streamed_equal"] and seen["optimizer_equal"]
+
+
+def test_prepare_reserves_host_bytes_only_for_what_the_offload_copies():
+    (seen,) = run_world(main_params_ranks.prepare_world, 1, timeout_s=240)
+    assert seen["bf16_bytes"] > 0
+    # the offload allocated nothing more, and the reservation held no room for the params it drops
+    assert seen["arena_after_offload"] == seen["reserved"]
+    assert 0 <= seen["reserved"] - seen["moved"] < 256 * seen["storages"]  # slot alignment only
+    assert seen["streamed_equal"]
