@@ -191,20 +191,17 @@ def _slotted_moves(arena: HostArena, groups: list[_StorageGroup]) -> list[Move]:
     # settle background reservations first: a slot they register was sized when reserved and may be
     # too small by now, which the check below must see (else the copy runs into the next slot)
     arena._settle_all(arena.reserve_wait_s, "HostArena(reserve_wait_s=...)")
-    moves: list[Move] = []
-    missing = False
+    slots: list[Slot | None] = []
     for group in groups:
-        nbytes = group.storage.nbytes()
         slot = arena.slot_of(group.storage)
-        if slot is not None and slot.capacity_bytes < nbytes:
+        if slot is not None and slot.capacity_bytes < group.storage.nbytes():
             arena.forget(group.storage)  # the storage grew since its slot was made
             slot = None
-        missing = missing or slot is None
-        moves.append((group, slot, nbytes))  # type: ignore[arg-type]  (filled in below when missing)
-    if missing:
+        slots.append(slot)
+    if None in slots:
         arena.reserve(g.storage for g in groups)
-        moves = [(group, arena.slot_of(group.storage), nbytes) for group, _, nbytes in moves]  # type: ignore[misc]
-    return _largest_first(moves)
+        slots = [arena.slot_of(group.storage) for group in groups]
+    return _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)])  # all slotted now
 
 
 def reload_tensors(
