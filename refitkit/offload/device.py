@@ -73,7 +73,8 @@ class SegmentedRegrow:
     an 8B model's flush 30-50 ms instead of 50-79 ms, its reload within noise; a 0.6B model's reload
     was slower in the runs measured (41 against 46 GB/s), not explained yet. A no-op on the CPU, with
     expandable segments (memory is mapped on demand there), or where the memory is not there in
-    one piece (then each storage allocates as before).
+    one piece, or while the cache still holds about half of it in free blocks (then each storage
+    allocates as before).
     """
 
     def __init__(self, device: torch.device, sizes: list[int], *, segment_bytes: int = REGROW_SEGMENT_BYTES) -> None:
@@ -82,7 +83,11 @@ class SegmentedRegrow:
         if device.type != "cuda" or _expandable_segments():
             return
         self._device = device
-        self._reserve_at = segment_plan(sizes, segment_bytes)
+        plan = segment_plan(sizes, segment_bytes)
+        # without a flush since the storages were freed their old blocks are still cached, and the regrows take
+        # those (best fit): a new segment would sit unused, holding device memory until the next flush
+        cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        self._reserve_at = plan if cached_free < sum(plan.values()) // 2 else {}
 
     def before(self, index: int) -> None:
         """Call before regrowing the ``index``-th storage of ``sizes``."""

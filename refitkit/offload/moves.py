@@ -75,12 +75,13 @@ def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | Non
     return device
 
 
-def _record_views(arena: HostArena, group: _StorageGroup) -> None:
+Records = dict[int, ViewRecord]  # id(tensor) -> what it looked like when its storage left the device
+
+
+def _view_records(group: _StorageGroup, records: Records) -> None:
     key = group.storage._cdata
     for name, t in group.views:
-        arena.views[id(t)] = ViewRecord(
-            weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
-        )
+        records[id(t)] = ViewRecord(weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
 def _check_views(arena: HostArena, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -136,13 +137,14 @@ def offload_tensors(
         return EMPTY_MOVE
     start = time.perf_counter()
     moves = _slotted_moves(arena, groups)
-    _issue_to_host(moves, arena, pack_below_bytes, non_blocking=non_blocking)
     try:
-        _while_copying(arena, moves, while_copying)
+        _issue_to_host(moves, arena, pack_below_bytes, non_blocking=non_blocking)
+        records = _while_copying(moves, while_copying)
         synchronize(device)
     except BaseException:
-        _forget_views(arena, {group.storage._cdata for group in groups})  # nothing was freed: no record stays
+        _settle_copies(device, None)  # nothing is freed and no record changes; no copy outlives the call
         raise
+    arena.views.update(records)
     moved = _free_offloaded(moves)
     return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
 
@@ -164,13 +166,28 @@ def _issue_to_host(moves: list[Move], arena: HostArena, pack_below_bytes: int, *
         copy_run_to_host(run, arena, non_blocking=non_blocking)
 
 
-def _while_copying(arena: HostArena, moves: list[Move], extra: Callable[[], None] | None) -> None:
-    """The bookkeeping that needs no finished copy, done while the copies run rather than after them."""
+def _while_copying(moves: list[Move], extra: Callable[[], None] | None) -> Records:
+    """The bookkeeping that needs no finished copy, done while the copies run rather than after them; the
+    view records to file once the copies are done (a failed move leaves the arena's records as they were)."""
+    records: Records = {}
     for group, slot, nbytes in moves:
         slot.nbytes, slot.device = nbytes, group.storage.device
-        _record_views(arena, group)
+        _view_records(group, records)
     if extra is not None:
         extra()
+    return records
+
+
+def _settle_copies(device: torch.device | None, stream: "torch.cuda.Stream | None") -> None:
+    """After a failure part-way through issuing: wait for the copies already queued (best effort: the
+    failure being raised is the one to report), so none writes into host memory after the call."""
+    try:
+        if stream is not None:
+            stream.synchronize()
+        elif device is not None:
+            synchronize(device)
+    except Exception:  # noqa: BLE001 - a second error while unwinding the first
+        pass
 
 
 def _free_offloaded(moves: list[Move]) -> int:
@@ -382,6 +399,7 @@ class OffloadCopies:
 
     arena: HostArena
     moves: list[Move]
+    records: Records  # filed by finish_offload, once the copies are done
     device: torch.device | None
     stream: "torch.cuda.Stream | None"  # the side stream the copies run on (None on the CPU)
     started: float
@@ -417,7 +435,7 @@ def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.S
     groups, device = _offloadable_groups(tensors, "start_offload")
     started = time.perf_counter()
     if device is None:
-        return OffloadCopies(arena, [], None, None, started)
+        return OffloadCopies(arena, [], {}, None, None, started)
     # smallest first: once the device's launch queue is full, each launch waits for a queued copy to finish;
     # small ones finish at once, so the caller is not held. Largest first, an 8B cycle on an H200 spent ~0.3 s
     # issuing here (its phases then summed to 0.57 s for 49 GB, less than the flat D2H time of the bytes)
@@ -426,10 +444,13 @@ def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.S
     if device.type == "cuda":
         side = stream if stream is not None else torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side) if side is not None else nullcontext():
-        _issue_to_host(moves, arena, 0, non_blocking=True)
-    _while_copying(arena, moves, None)
-    return OffloadCopies(arena, moves, device, side, started)
+    try:
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            _issue_to_host(moves, arena, 0, non_blocking=True)
+    except BaseException:
+        _settle_copies(device, side)
+        raise
+    return OffloadCopies(arena, moves, _while_copying(moves, None), device, side, started)
 
 
 def finish_offload(copies: OffloadCopies) -> MoveStats:
@@ -439,6 +460,7 @@ def finish_offload(copies: OffloadCopies) -> MoveStats:
     if copies.stream is not None:
         copies.stream.synchronize()  # a failure here leaves every storage on the device, untouched
     copies.open = False
+    copies.arena.views.update(copies.records)
     moved = _free_offloaded(copies.moves)
     return MoveStats(bytes=moved, storages=len(copies.moves), seconds=time.perf_counter() - copies.started)
 
@@ -448,9 +470,6 @@ def cancel_offload(copies: OffloadCopies) -> None:
     if not copies.open:
         return
     copies.open = False
-    try:
-        if copies.stream is not None:
-            copies.stream.synchronize()  # the host bytes must not be written after this returns
-    finally:
-        _forget_views(copies.arena, {group.storage._cdata for group, _, _ in copies.moves})
+    if copies.stream is not None:
+        copies.stream.synchronize()  # the host bytes must not be written after this returns
 

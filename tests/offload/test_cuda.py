@@ -319,3 +319,15 @@ def test_a_reload_after_a_flush_regrows_every_storage_bit_exact_and_the_next_flu
     assert torch.cuda.memory_reserved() == reserved_before  # every block went back to the driver
     reload_tensors(tensors, arena)
     assert all(torch.equal(t.cpu().view(torch.uint8), o) for t, o in zip(tensors, originals))
+
+
+def test_a_reload_without_a_flush_takes_the_cached_blocks_and_reserves_no_new_segment():
+    _warm_up()
+    tensors = [random_tensor((1024 + 37 * i, 1024), torch.bfloat16, seed=i).cuda() for i in range(24)]
+    originals = [t.cpu().view(torch.uint8) for t in tensors]
+    arena = HostArena()
+    offload_tensors(tensors, arena)  # the freed blocks stay in the cache: no flush_device()
+    reserved_before = torch.cuda.memory_reserved()
+    reload_tensors(tensors, arena)
+    assert torch.cuda.memory_reserved() == reserved_before  # a shared segment here would have sat unused
+    assert all(torch.equal(t.cpu().view(torch.uint8), o) for t, o in zip(tensors, originals))

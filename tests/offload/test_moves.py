@@ -10,6 +10,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena, offload_tensors, reload_tensors
+from refitkit.offload.moves import cancel_offload, start_offload
 
 
 def _all_dtypes() -> list[torch.dtype]:
@@ -290,3 +291,33 @@ def test_a_tensor_in_shared_memory_is_refused_before_anything_moves():
         offload_tensors([shared], arena)
     assert shared.untyped_storage().nbytes() == 64 * 4 and torch.equal(shared, before)
     assert arena.nbytes == 0
+
+
+def test_a_failed_offload_keeps_the_view_records_of_an_earlier_one():
+    arena = HostArena()
+    t = torch.arange(1024, dtype=torch.float32)
+    offload_tensors({"t": t}, arena)  # its first storage is offloaded
+    t.data = torch.ones(1024)  # replaced while offloaded: a new resident storage
+
+    def failing_bookkeeping() -> None:
+        raise RuntimeError("bookkeeping failed")
+
+    with pytest.raises(RuntimeError, match="bookkeeping failed"):
+        offload_tensors({"t": t}, arena, while_copying=failing_bookkeeping)
+    assert t.untyped_storage().nbytes() == 1024 * 4  # nothing was freed
+    # the record of the first offload survived the failed one: the replaced tensor is still refused
+    with pytest.raises(InvalidInput, match="'t' was replaced between offload and reload"):
+        reload_tensors({"t": t}, arena)
+
+
+def test_cancelling_an_overlapped_offload_keeps_the_records_of_a_storage_another_offload_freed():
+    arena = HostArena()
+    base = torch.arange(16, dtype=torch.float32)
+    optimizer_view, model_view = base.view(4, 4), base.view(4, 4)  # two handles on one storage
+    flight = start_offload({"optimizer": optimizer_view}, arena)
+    offload_tensors({"param": model_view}, arena)  # frees the storage, its bytes in the arena
+    cancel_offload(flight)  # e.g. the sync failed afterwards
+    assert base.untyped_storage().nbytes() == 0
+    model_view.data = torch.zeros(4, 4)  # replaced while offloaded
+    with pytest.raises(InvalidInput, match="'param' was replaced between offload and reload"):
+        reload_tensors({"param": model_view}, arena)

@@ -91,8 +91,9 @@ class MegatronAdapter(EngineAdapter):
 
     def _model_tensors_to_reserve(self) -> NamedTensors:
         # the params rebuilt from the main params need no host bytes (an offload that finds them changed
-        # copies them after all, reserving their slots then)
-        if not self.rebuild_params_from_main or self._states["optimizer"] is not DeviceState.ON_DEVICE:
+        # copies them after all, reserving their slots then); the main params may still be arriving: the
+        # offload waits for them first, then drops the params
+        if not self.rebuild_params_from_main or self._states["optimizer"] is DeviceState.OFFLOADED:
             return self._model_tensors()
         rebuilt = {t.untyped_storage()._cdata for _, t in rebuildable_tensors(self.chunks, self._leaves, main_pairs(self._leaves))}
         return [(n, t) for n, t in self._model_tensors() if t.untyped_storage()._cdata not in rebuilt]

@@ -100,7 +100,7 @@ def hook_failure_world(rank: int, world_size: int, drop_first: bool) -> dict:
     return seen
 
 
-def prepare_world(rank: int, world_size: int) -> dict:
+def prepare_world(rank: int, world_size: int, arriving: bool) -> dict:
     """prepare() with rebuild_params_from_main: host bytes for what an offload copies, not for the dropped params."""
     from refitkit.engines import megatron as rm
     from refitkit.engines.megatron.main_params import main_pairs, rebuildable_tensors
@@ -111,7 +111,15 @@ def prepare_world(rank: int, world_size: int) -> dict:
     dropped = rebuildable_tensors(adapter.chunks, adapter._leaves, main_pairs(adapter._leaves))
     seen: dict = {"bf16_bytes": sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in dropped}.values())}
     before = _streamed(adapter)
-    seen["reserved"] = adapter.prepare().wait(60)
+    if arriving:  # the first prepare() while a deferred reload of the optimizer state is still copying
+        adapter.offload(model=False)
+        arena_before = adapter.arena.nbytes
+        adapter.reload(defer_optimizer=True)
+        seen["state_at_prepare"] = adapter.part_states.optimizer.name
+        seen["reserved"] = arena_before + adapter.prepare().wait(60)
+    else:
+        seen["state_at_prepare"] = adapter.part_states.optimizer.name
+        seen["reserved"] = adapter.prepare().wait(60)
     move = adapter.offload()
     seen["moved"], seen["storages"] = move.total.bytes, move.total.storages
     seen["arena_after_offload"] = adapter.arena.nbytes

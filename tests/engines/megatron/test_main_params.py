@@ -39,8 +39,10 @@ def test_a_raising_offload_hook_leaves_the_parts_offloaded_and_reload_restores_t
     assert seen["streamed_equal"] and seen["optimizer_equal"]
 
 
-def test_prepare_reserves_host_bytes_only_for_what_the_offload_copies():
-    (seen,) = run_world(main_params_ranks.prepare_world, 1, timeout_s=240)
+@pytest.mark.parametrize("arriving", [False, True], ids=["on-device", "optimizer-arriving"])
+def test_prepare_reserves_host_bytes_only_for_what_the_offload_copies(arriving):
+    (seen,) = run_world(main_params_ranks.prepare_world, 1, arriving, timeout_s=240)
+    assert seen["state_at_prepare"] == ("ARRIVING" if arriving else "ON_DEVICE")
     assert seen["bf16_bytes"] > 0
     # the offload allocated nothing more, and the reservation held no room for the params it drops
     assert seen["arena_after_offload"] == seen["reserved"]
