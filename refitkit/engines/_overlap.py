@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from refitkit.engines._states import AdapterMove, DeviceState, NamedTensors
 from refitkit.offload.arena import HostArena
-from refitkit.offload.moves import OffloadCopies, cancel_offload, finish_offload, start_offload
+from refitkit.offload.overlapped import OffloadCopies, cancel_offload, finish_offload, start_offload
 
 
 @dataclass

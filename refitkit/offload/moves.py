@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
@@ -114,6 +113,24 @@ def _forget_views(arena: HostArena, keys: set[int]) -> None:
         del arena.views[tensor_id]
 
 
+def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGroup], torch.device | None]:
+    """The storages an offload moves, with their device, checked before the first byte moves."""
+    groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
+    device = _common_device(groups, what)
+    if device is not None and device.type == "meta":
+        raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
+    on_cpu = device is not None and device.type == "cpu"
+    for group in groups:
+        # A CPU storage in shared memory (share_memory_()) claims to be resizable, but growing it back
+        # after resize_(0) crashes the process (segfault, torch 2.13): refuse it like any fixed buffer.
+        if not group.storage.resizable() or (on_cpu and group.storage.is_shared()):
+            raise InvalidInput(
+                f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
+                "buffer) and cannot be freed in place"
+            )
+    return groups, device
+
+
 def offload_tensors(
     tensors: TensorSet,
     arena: HostArena,
@@ -200,8 +217,9 @@ def _free_offloaded(moves: list[Move]) -> int:
     return moved
 
 
-def _slotted_moves(arena: HostArena, groups: list[_StorageGroup]) -> list[Move]:
-    """Each storage with its slot and bytes, largest first; one allocation for all storages new to the arena.
+def _slotted_moves(arena: HostArena, groups: list[_StorageGroup], *, largest_first: bool = True) -> list[Move]:
+    """Each storage with its slot and bytes, largest (or smallest) first; one allocation for all storages new
+    to the arena.
 
     A steady round (every storage has a slot that fits) allocates nothing and walks the storages once.
     """
@@ -218,7 +236,8 @@ def _slotted_moves(arena: HostArena, groups: list[_StorageGroup]) -> list[Move]:
     if None in slots:
         arena.reserve(g.storage for g in groups)
         slots = [arena.slot_of(group.storage) for group in groups]
-    return _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)])  # all slotted now
+    moves = _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)])  # all slotted now
+    return moves if largest_first else moves[::-1]
 
 
 def reload_tensors(
@@ -388,88 +407,3 @@ def _checked_pack(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput(f"pack_below_bytes={value!r}; need an int >= 0 (0: every storage is copied on its own)")
     return value
-
-
-# --- an offload split in two: copies issued on a side stream now, storages freed later ----------
-
-
-@dataclass
-class OffloadCopies:
-    """Copies issued by ``start_offload`` and not waited for yet: the device storages still hold their bytes."""
-
-    arena: HostArena
-    moves: list[Move]
-    records: Records  # filed by finish_offload, once the copies are done
-    device: torch.device | None
-    stream: "torch.cuda.Stream | None"  # the side stream the copies run on (None on the CPU)
-    started: float
-    open: bool = True
-
-
-def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGroup], torch.device | None]:
-    """The storages an offload moves, with their device, checked before the first byte moves."""
-    groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
-    device = _common_device(groups, what)
-    if device is not None and device.type == "meta":
-        raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
-    on_cpu = device is not None and device.type == "cpu"
-    for group in groups:
-        # A CPU storage in shared memory (share_memory_()) claims to be resizable, but growing it back
-        # after resize_(0) crashes the process (segfault, torch 2.13): refuse it like any fixed buffer.
-        if not group.storage.resizable() or (on_cpu and group.storage.is_shared()):
-            raise InvalidInput(
-                f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
-                "buffer) and cannot be freed in place"
-            )
-    return groups, device
-
-
-def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.Stream | None" = None) -> OffloadCopies:
-    """Issue each unique storage's copy into ``arena`` on a side stream and return at once; frees nothing.
-
-    The side stream first waits for the work already queued on the current stream (e.g. the
-    optimizer step that wrote the state). ``finish_offload`` waits for the copies (one
-    synchronize) and frees the storages; ``cancel_offload`` waits and leaves them on the device.
-    Nothing may write these tensors in between (their copies would be stale).
-    """
-    groups, device = _offloadable_groups(tensors, "start_offload")
-    started = time.perf_counter()
-    if device is None:
-        return OffloadCopies(arena, [], {}, None, None, started)
-    # smallest first: once the device's launch queue is full, each launch waits for a queued copy to finish;
-    # small ones finish at once, so the caller is not held. Largest first, an 8B cycle on an H200 spent ~0.3 s
-    # issuing here (its phases then summed to 0.57 s for 49 GB, less than the flat D2H time of the bytes)
-    moves = _slotted_moves(arena, groups)[::-1]  # waits for a background reservation first (bounded)
-    side: torch.cuda.Stream | None = None
-    if device.type == "cuda":
-        side = stream if stream is not None else torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-    try:
-        with torch.cuda.stream(side) if side is not None else nullcontext():
-            _issue_to_host(moves, arena, 0, non_blocking=True)
-    except BaseException:
-        _settle_copies(device, side)
-        raise
-    return OffloadCopies(arena, moves, _while_copying(moves, None), device, side, started)
-
-
-def finish_offload(copies: OffloadCopies) -> MoveStats:
-    """Wait for ``start_offload``'s copies, then free the storages: they are offloaded from here on."""
-    if not copies.open:
-        raise InvalidInput("finish_offload: these copies were already finished or cancelled")
-    if copies.stream is not None:
-        copies.stream.synchronize()  # a failure here leaves every storage on the device, untouched
-    copies.open = False
-    copies.arena.views.update(copies.records)
-    moved = _free_offloaded(copies.moves)
-    return MoveStats(bytes=moved, storages=len(copies.moves), seconds=time.perf_counter() - copies.started)
-
-
-def cancel_offload(copies: OffloadCopies) -> None:
-    """Wait for ``start_offload``'s copies and keep every storage on the device (the arena holds nothing of them)."""
-    if not copies.open:
-        return
-    copies.open = False
-    if copies.stream is not None:
-        copies.stream.synchronize()  # the host bytes must not be written after this returns
-

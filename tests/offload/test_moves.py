@@ -10,7 +10,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena, offload_tensors, reload_tensors
-from refitkit.offload.moves import cancel_offload, start_offload
+from refitkit.offload.overlapped import cancel_offload, start_offload
 
 
 def _all_dtypes() -> list[torch.dtype]:
