@@ -301,9 +301,10 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
         if "optimizer" in wanted:
             self._drop_failed_deferral()
-        ahead = _Bookkeeping(self, {"model": model_named, "optimizer": [] if defer else optimizer_named, "grad": grad_named})
+        restored_now = [] if defer else optimizer_named  # a deferred state follows behind the caller
+        ahead = _Bookkeeping(self, {"model": model_named, "optimizer": restored_now, "grad": grad_named})
         total = reload_tensors(
-            model_named + ([] if defer else optimizer_named) + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
+            model_named + restored_now + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
             while_copying=ahead.run,
         )  # fmt: skip
         if "grad" in wanted:

@@ -92,13 +92,12 @@ class DeferredReload:
         try:
             with _on_stream(self._stream):
                 # shared segments for the state (their free blocks belong to this stream's pool, where the regrows look)
-                segments = SegmentedRegrow(self.device, [slot.nbytes for _, slot in self._pending]) if self.device is not None else None
+                segments = SegmentedRegrow(self.device, [slot.nbytes for _, slot in self._pending])
                 for index, (group, slot) in enumerate(self._pending):
                     self._copying = group.first_name
                     if self._before_copy is not None:
                         self._before_copy(group.first_name)
-                    if segments is not None:
-                        segments.before(index)
+                    segments.before(index)
                     group.storage.resize_(slot.nbytes)
                     regrown.append(group)
                     storage_as_bytes(group.storage).copy_(self._arena.host_bytes(slot, slot.nbytes), non_blocking=True)

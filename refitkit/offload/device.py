@@ -77,10 +77,10 @@ class SegmentedRegrow:
     allocates as before).
     """
 
-    def __init__(self, device: torch.device, sizes: list[int], *, segment_bytes: int = REGROW_SEGMENT_BYTES) -> None:
+    def __init__(self, device: torch.device | None, sizes: list[int], *, segment_bytes: int = REGROW_SEGMENT_BYTES) -> None:
         self._reserve_at: dict[int, int] = {}
         self.segments = 0
-        if device.type != "cuda" or _expandable_segments():
+        if device is None or device.type != "cuda" or _expandable_segments():
             return
         self._device = device
         plan = segment_plan(sizes, segment_bytes)
