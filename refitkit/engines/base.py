@@ -42,6 +42,7 @@ from refitkit.offload import (
     reload_grads,
     reload_tensors,
 )
+from refitkit.engines._early import EarlyCopies
 from refitkit.offload.deferred import BeforeCopy, StepGate
 from refitkit.offload.device import local_tensor
 from refitkit.offload.moves import named_tensors, reload_plan
@@ -49,7 +50,7 @@ from refitkit.offload.moves import named_tensors, reload_plan
 logger = logging.getLogger(__name__)
 
 
-class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, abc.ABC):
+class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, EarlyCopies, abc.ABC):
     """Offload / reload of one engine's training state, with an explicit state per part.
 
     ``keep_grads``: on offload, keep grads by copying them to host (default: drop them, as
@@ -216,16 +217,24 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
         if not wanted:
             return _empty_move()
         self._prepare_offload(wanted)
-        model_named = self._model_tensors_to_move() if "model" in wanted else []
-        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
-        by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
-        ahead = _Bookkeeping(self, by_part)
-        # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
-        total = offload_tensors(
-            model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
-            while_copying=lambda: ahead.run(held=wanted),
-        )  # fmt: skip
+        plan = self._round_plan(part for part in wanted if part != "grad" or keep)
+        try:
+            if plan is not None:
+                plan.issue_offload(self.arena)  # last round's copies first; this round's listing runs meanwhile
+            model_named = self._model_tensors_to_move() if "model" in wanted else []
+            optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+            grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
+            by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
+            ahead = _Bookkeeping(self, by_part)
+            # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
+            total = offload_tensors(
+                model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
+                while_copying=lambda: ahead.run(held=wanted), plan=plan,
+            )  # fmt: skip
+        except BaseException:
+            if plan is not None:
+                plan.cancel()  # early copies the offload never took: waited for
+            raise
         # marked before the hook: its storages are freed now, so a hook that raises must leave them
         # OFFLOADED (a reload brings them back) rather than ON_DEVICE with no bytes
         self._mark_offloaded(wanted, keep, by_part, held=ahead.held)
@@ -288,25 +297,34 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, a
                 f"{type(self).__name__}.reload(defer_optimizer=True): this adapter has no optimizer whose step could "
                 "wait for the state; reload without defer_optimizer"
             )
-        model_named = self._model_tensors_to_move() if "model" in wanted else []
-        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named = self._grads_to_restore(zero) if "grad" in wanted else []
-        if "model" in wanted:
-            self._check_not_replaced("model", model_named)
-        if "optimizer" in wanted:
-            self._check_not_replaced("optimizer", optimizer_named)
-        if "grad" in wanted and self._offloaded.get("grad"):
-            self._check_not_replaced("grad", self._grads_to_keep())
-        # validated before a byte moves, like the rest
-        deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
-        if "optimizer" in wanted:
-            self._drop_failed_deferral()
-        restored_now = [] if defer else optimizer_named  # a deferred state follows behind the caller
-        ahead = _Bookkeeping(self, {"model": model_named, "optimizer": restored_now, "grad": grad_named})
-        total = reload_tensors(
-            model_named + restored_now + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
-            while_copying=ahead.run,
-        )  # fmt: skip
+        restores = {"model": True, "optimizer": not defer, "grad": self._grads_kept and not zero}
+        plan = self._round_plan(part for part in wanted if restores[part])
+        try:
+            if plan is not None:
+                plan.issue_reload(self.arena)  # last round's copies first; the checks below run meanwhile
+            model_named = self._model_tensors_to_move() if "model" in wanted else []
+            optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+            grad_named = self._grads_to_restore(zero) if "grad" in wanted else []
+            if "model" in wanted:
+                self._check_not_replaced("model", model_named)
+            if "optimizer" in wanted:
+                self._check_not_replaced("optimizer", optimizer_named)
+            if "grad" in wanted and self._offloaded.get("grad"):
+                self._check_not_replaced("grad", self._grads_to_keep())
+            # validated before a byte moves, like the rest
+            deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
+            if "optimizer" in wanted:
+                self._drop_failed_deferral()
+            restored_now = [] if defer else optimizer_named  # a deferred state follows behind the caller
+            ahead = _Bookkeeping(self, {"model": model_named, "optimizer": restored_now, "grad": grad_named})
+            total = reload_tensors(
+                model_named + restored_now + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
+                while_copying=ahead.run, plan=plan,
+            )  # fmt: skip
+        except BaseException:
+            if plan is not None:
+                plan.cancel()  # storages regrown early that the reload never took: freed again
+            raise
         if "grad" in wanted:
             self._after_grad_reload(zero)
         self._after_reload(wanted)

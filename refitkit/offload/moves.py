@@ -13,6 +13,7 @@ import torch
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload._packed import copy_run_to_device, copy_run_to_host, packed_runs
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
+from refitkit.offload.early import RoundPlan, cancel_early, early_device, issued_as_planned
 from refitkit.offload.device import SegmentedRegrow, local_tensor, resolved_device, storage_as_bytes, synchronize
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
@@ -138,27 +139,36 @@ def offload_tensors(
     non_blocking: bool = True,
     pack_below_bytes: int = 0,
     while_copying: Callable[[], None] | None = None,
+    plan: RoundPlan | None = None,
 ) -> MoveStats:
     """Copy each unique storage into ``arena`` and free it on the device (``resize_(0)``).
 
     Tensors keep their identity (same Python objects, same storages, now 0 bytes), so optimizer
     and engine references stay valid. Storages already offloaded to this arena are skipped.
-    Everything is validated before the first byte moves. ``pack_below_bytes``: storages smaller
+    Everything is validated before anything is freed or filed. ``pack_below_bytes``: storages smaller
     than this whose slots lie back to back move as one copy per run (see ``_packed``; 0: off).
     ``while_copying``: called once the copies are issued, before waiting for them (a caller's
-    bookkeeping then overlaps the copies instead of following them).
+    bookkeeping then overlaps the copies instead of following them). ``plan``: the copies issued
+    early from the last round's plan (``early.RoundPlan``), which this move then remembers.
     """
     pack_below_bytes = _checked_pack(pack_below_bytes)
-    groups, device = _offloadable_groups(tensors, "offload_tensors")
-    if device is None:
-        return EMPTY_MOVE
-    start = time.perf_counter()
-    moves = _slotted_moves(arena, groups)
+    early = plan.take() if plan is not None else {}
+    device = early_device(early)
     try:
-        _issue_to_host(moves, arena, pack_below_bytes, non_blocking=non_blocking)
+        groups, device = _offloadable_groups(tensors, "offload_tensors")
+        if device is None:
+            cancel_early(early, regrown=False)
+            return EMPTY_MOVE
+        start = time.perf_counter()
+        moves = _slotted_moves(arena, groups)
+        _issue_to_host(issued_as_planned(early, moves), arena, pack_below_bytes, non_blocking=non_blocking)
+        if plan is not None:
+            plan.remember(moves)  # while the copies run (forgotten again if the move fails)
         records = _while_copying(moves, while_copying)
         synchronize(device)
     except BaseException:
+        if plan is not None:
+            plan.forget()
         _settle_copies(device, None)  # nothing is freed and no record changes; no copy outlives the call
         raise
     arena.views.update(records)
@@ -248,44 +258,60 @@ def reload_tensors(
     non_blocking: bool = True,
     pack_below_bytes: int = 0,
     while_copying: Callable[[], None] | None = None,
+    plan: RoundPlan | None = None,
 ) -> MoveStats:
     """Restore each unique storage from ``arena`` (``resize_`` then copy), in place.
 
     ``device``, when given, must be the device the storages were offloaded from: storages keep
     their identity and so their device. Storages already resident are skipped.
-    ``pack_below_bytes`` and ``while_copying`` as for ``offload_tensors``.
+    ``pack_below_bytes``, ``while_copying`` and ``plan`` as for ``offload_tensors``; storages
+    regrown early that this reload does not restore are freed again.
     """
     pack_below_bytes = _checked_pack(pack_below_bytes)
-    pending = reload_plan(named_tensors(tensors), arena, device=device)
+    early = plan.take() if plan is not None else {}
+    try:
+        pending = reload_plan(named_tensors(tensors), arena, device=device, regrown_early=early)
+        device = _common_device([g for g, _ in pending], "reload_tensors")
+        restoring = {group.storage._cdata for group, _ in pending}
+        cancel_early({key: copy for key, copy in early.items() if key not in restoring}, regrown=True)
+    except BaseException:
+        if plan is not None:
+            plan.forget()
+        cancel_early(early, regrown=True)
+        raise
     if not pending:
         return EMPTY_MOVE
-    device = _common_device([g for g, _ in pending], "reload_tensors")
     start = time.perf_counter()
-    restoring: _StorageGroup | None = None
+    restoring_group: _StorageGroup | None = None
     moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
-    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
+    late = issued_as_planned(early, moves)
+    runs, singles = packed_runs(late, below_bytes=pack_below_bytes) if pack_below_bytes else ([], late)
     try:
         segments = SegmentedRegrow(device, [nbytes for _, _, nbytes in singles])
         for index, (group, slot, nbytes) in enumerate(singles):
-            restoring = group
+            restoring_group = group
             segments.before(index)
             group.storage.resize_(nbytes)
             storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, nbytes), non_blocking=non_blocking)
         for run in runs:  # after the large copies, so building a run's views overlaps them
-            restoring = run[0][0]
+            restoring_group = run[0][0]
             for group, slot, nbytes in run:
                 group.storage.resize_(nbytes)
             copy_run_to_device(run, arena, non_blocking=non_blocking)
-        restoring = None
-        restored = _views_of(arena, {group.storage._cdata for group, _ in pending})  # while the copies run
+        restoring_group = None
+        if plan is not None:
+            plan.remember(moves)  # while the copies run (forgotten again if the move fails)
+        restored = _views_of(arena, restoring)  # while the copies run
         if while_copying is not None:
             while_copying()
         synchronize(device)
     except BaseException as error:
+        if plan is not None:
+            plan.forget()
         _roll_back(pending, device)
         if not isinstance(error, Exception):
             raise
-        what = f"restoring {restoring.first_name!r}" if restoring is not None else "waiting for the copies"
+        what = f"restoring {restoring_group.first_name!r}" if restoring_group is not None else "waiting for the copies"
         raise RefitError(
             f"reload_tensors failed while {what} on {device} ({type(error).__name__}: {error}); every storage of "
             "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
@@ -295,9 +321,14 @@ def reload_tensors(
 
 
 def reload_plan(
-    named: list[tuple[str, torch.Tensor]], arena: HostArena, *, device: torch.device | str | None = None
+    named: list[tuple[str, torch.Tensor]],
+    arena: HostArena,
+    *,
+    device: torch.device | str | None = None,
+    regrown_early: Mapping[int, object] | None = None,
 ) -> list[tuple[_StorageGroup, Slot]]:
-    """The storages a reload must restore, each with its slot; validated before a byte moves."""
+    """The storages a reload must restore, each with its slot; validated before a byte moves (except the
+    early copies of ``regrown_early``, by storage key, whose storages count as not regrown yet)."""
     _check_views(arena, named)
     groups = _group_by_storage(named)
     expected = torch.device(device) if device is not None else None
@@ -311,7 +342,7 @@ def reload_plan(
                     "it was replaced (e.g. `.data = ...`) or offloaded into another arena"
                 )
             continue  # resident (or 0-size): nothing to restore
-        if group.storage.nbytes() != 0:
+        if group.storage.nbytes() != 0 and (regrown_early is None or group.storage._cdata not in regrown_early):
             raise InvalidInput(
                 f"{group.first_name!r}: its storage was resized to {group.storage.nbytes()} bytes after offload "
                 f"(it held {slot.nbytes}); reload would overwrite those bytes, so nothing was restored"

@@ -1,0 +1,151 @@
+"""Early copies: a steady round's copies issued from the last round's plan, before this round is planned.
+
+A steady round moves the same storages through the same slots as the round before. Planning it
+(listing the engine's tensors, grouping them by storage, checking each one and finding its slot)
+is Python per tensor that runs before the first copy, and the copy engine waits for it: with a
+thousand storages (Qwen3-0.6B + AdamW has 1240) that is several percent of the move. So an
+adapter keeps, per set of parts, the moves of their last offload or reload (a ``RoundPlan``, which
+keeps nothing alive) and issues those copies first, each one checked against the arena (the same
+storage in the same slot, with the same bytes, on the right side of the move). It then lists,
+checks and plans the round as before while they run, and ``offload_tensors`` / ``reload_tensors``
+reconcile: a planned move that was not issued early is issued then; a storage regrown early that
+the plan does not restore is freed again.
+
+Nothing is freed, filed or marked until the whole round is planned and checked, so a check that
+fails leaves everything as it was, as without early copies: an early offload copy only wrote the
+host bytes of a slot that held nothing, and an early reload is undone (the arena still holds the
+bytes). Either way the copies are waited for before the error is raised, so none outlives the call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from refitkit.offload.arena import HostArena, Slot
+from refitkit.offload.device import SegmentedRegrow, storage_as_bytes, synchronize
+
+# At most this many early copies (the largest): once the device's launch queue is full, each launch waits for
+# a queued copy to finish, and the host would sit in the early issue instead of planning the round meanwhile.
+EARLY_COPIES_MAX = 256
+Issued = dict[int, tuple[torch.UntypedStorage, Slot, int]]  # storage key -> (storage, slot, bytes) copied early
+
+
+# (a tensor viewing the storage, weakly: storages have no Python weak reference of their own; the storage's
+# key when remembered; its slot; its bytes). A plain tuple: a round remembers a thousand of them.
+_Planned = tuple[weakref.ref, int, Slot, int]
+
+
+class RoundPlan:
+    """The moves of one set of parts' last offload or reload, largest first; issued early by the next move."""
+
+    def __init__(self) -> None:
+        self._planned: list[_Planned] = []
+        self._issued: Issued = {}
+        self._regrown = False  # whether the early copies were a reload's (storages regrown)
+
+    def remember(self, moves: list[tuple[object, Slot, int]]) -> None:
+        """Keep a finished move's storages (``(group, slot, bytes)``, in the order they were issued)."""
+        self._planned = [
+            (weakref.ref(group.views[0][1]), group.storage._cdata, slot, nbytes)  # type: ignore[attr-defined]
+            for group, slot, nbytes in moves
+        ]
+
+    def forget(self) -> None:
+        """Issue nothing early next time (a move failed, or moved something else)."""
+        self._planned = []
+
+    def _still_planned(self, arena: HostArena) -> Iterator[tuple[int, torch.UntypedStorage, Slot, int]]:
+        """(index in the plan, storage, slot, bytes) of each remembered storage still alive and in its slot."""
+        for index, (tensor_ref, key, slot, nbytes) in enumerate(self._planned):
+            tensor = tensor_ref()
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            if storage._cdata == key and arena.slot_of(storage) is slot:
+                yield index, storage, slot, nbytes
+
+    def issue_offload(self, arena: HostArena) -> None:
+        """Copy each remembered storage still on the device, with the bytes it had, into its empty slot."""
+        self._regrown = False
+        try:
+            for _, storage, slot, nbytes in self._still_planned(arena):
+                if slot.holds_data or storage.nbytes() != nbytes or nbytes > slot.capacity_bytes:
+                    continue
+                arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(storage, nbytes), non_blocking=True)
+                self._issued[storage._cdata] = (storage, slot, nbytes)
+                if len(self._issued) >= EARLY_COPIES_MAX:
+                    break
+        except Exception:  # a shortcut only: the planned move issues (and reports) whatever failed here
+            self._give_up()
+
+    def issue_reload(self, arena: HostArena) -> None:
+        """Regrow each remembered storage that is still offloaded into its slot, and copy its bytes back."""
+        self._regrown = True
+        if not self._planned:
+            return
+        first = self._planned[0][0]()
+        # shared segments sized from the remembered moves (an entry that no longer qualifies only leaves room)
+        sizes = [planned[3] for planned in self._planned[:EARLY_COPIES_MAX]]
+        segments = SegmentedRegrow(first.device if first is not None else None, sizes)
+        try:
+            for index, storage, slot, nbytes in self._still_planned(arena):
+                if not slot.holds_data or slot.nbytes != nbytes or storage.nbytes() != 0 or not storage.resizable():
+                    continue
+                if storage.device.type == "cpu" and storage.is_shared():
+                    continue  # regrowing shared CPU memory crashes the process; the planned reload refuses it
+                segments.before(index)
+                self._issued[storage._cdata] = (storage, slot, nbytes)
+                storage.resize_(nbytes)
+                storage_as_bytes(storage).copy_(arena.host_bytes(slot, nbytes), non_blocking=True)
+                if len(self._issued) >= EARLY_COPIES_MAX:
+                    break
+        except Exception:  # e.g. out of device memory: the planned reload regrows (and reports) the rest
+            self._give_up()
+
+    def _give_up(self) -> None:
+        self.forget()
+        self.cancel()
+
+    def take(self) -> Issued:
+        """The copies issued early, now the caller's to reconcile (and to undo on failure)."""
+        issued, self._issued = self._issued, {}
+        return issued
+
+    def cancel(self) -> None:
+        """The move failed before it took the early copies: wait for them; free what a reload regrew."""
+        cancel_early(self.take(), regrown=self._regrown)
+
+
+def early_device(issued: Issued) -> torch.device | None:
+    """The device of the early copies (None when there are none)."""
+    return next(iter(issued.values()))[0].device if issued else None
+
+
+def cancel_early(issued: Issued, *, regrown: bool) -> None:
+    """Wait for early copies no move will use, and free the storages a reload regrew for them."""
+    if not issued:
+        return
+    storages = [storage for storage, _, _ in issued.values()]
+    try:
+        synchronize(storages[0].device)  # none may write into host or device memory after the call
+    finally:
+        if regrown:
+            for storage in storages:
+                if storage.nbytes() != 0:
+                    storage.resize_(0)
+
+
+def issued_as_planned(issued: Issued, moves: list[tuple[object, Slot, int]]) -> list[tuple[object, Slot, int]]:
+    """The moves that still need their copy: those not issued early exactly so (same slot, same bytes)."""
+    if not issued:
+        return moves
+    late = []
+    for move in moves:
+        group, slot, nbytes = move
+        early = issued.get(group.storage._cdata)  # type: ignore[attr-defined]
+        if early is None or early[1] is not slot or early[2] != nbytes:
+            late.append(move)
+    return late
