@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 import torch
@@ -161,18 +161,20 @@ def offload_tensors(
             return EMPTY_MOVE
         start = time.perf_counter()
         moves = _slotted_moves(arena, groups)
-        _issue_to_host(issued_as_planned(early, moves), arena, pack_below_bytes, non_blocking=non_blocking)
+        late = issued_as_planned(early, moves)
+        late_ids = {id(move) for move in late}
+        copied = _CopiedInOrder(device, [move for move in moves if id(move) not in late_ids])
+        _issue_to_host(late, arena, pack_below_bytes, non_blocking=non_blocking, copied=copied)
         if plan is not None:
             plan.remember(moves)  # while the copies run (forgotten again if the move fails)
         records = _while_copying(moves, while_copying)
-        synchronize(device)
     except BaseException:
         if plan is not None:
             plan.forget()
         _settle_copies(device, None)  # nothing is freed and no record changes; no copy outlives the call
         raise
     arena.views.update(records)
-    moved = _free_offloaded(moves)
+    moved = copied.free_as_done(device)
     return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
 
 
@@ -185,12 +187,59 @@ def _largest_first(moves: list[Move]) -> list[Move]:
     return sorted(moves, key=lambda move: -move[2])
 
 
-def _issue_to_host(moves: list[Move], arena: HostArena, pack_below_bytes: int, *, non_blocking: bool) -> None:
+def _issue_to_host(
+    moves: list[Move], arena: HostArena, pack_below_bytes: int, *, non_blocking: bool, copied: _CopiedInOrder | None = None
+) -> None:
     runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
-    for group, slot, nbytes in singles:
+    for move in singles:
+        group, slot, nbytes = move
         arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
+        if copied is not None:
+            copied.issued([move])
     for run in runs:  # after the large copies, so building a run's views overlaps them
         copy_run_to_host(run, arena, non_blocking=non_blocking)
+        if copied is not None:
+            copied.issued(run)
+
+
+FREE_EVERY_COPIES = 64  # an offload frees its storages in groups this large, each once its copies are done
+
+
+class _CopiedInOrder:
+    """An offload's copies in the order they were issued, with a CUDA event after every ``FREE_EVERY_COPIES``,
+    so the storages are freed group by group while the later copies still run (the ``resize_(0)`` of a thousand
+    storages would otherwise follow the last copy)."""
+
+    def __init__(self, device: torch.device, issued_before: list[Move]) -> None:
+        self._cuda = device.type == "cuda"
+        self._groups: list[tuple[list[Move], torch.cuda.Event | None]] = []
+        self._open: list[Move] = []
+        if issued_before:  # (copies already queued, e.g. early ones): done once everything queued so far is
+            self._open = list(issued_before)
+            self._close()
+
+    def issued(self, moves: list[Move]) -> None:
+        self._open.extend(moves)
+        if len(self._open) >= FREE_EVERY_COPIES:
+            self._close()
+
+    def _close(self) -> None:
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._groups.append((self._open, event))
+        self._open = []
+
+    def free_as_done(self, device: torch.device) -> int:
+        """Free each group once its copies are done, the last after the phase's synchronize; the bytes moved."""
+        moved = 0
+        for moves, event in self._groups:
+            if event is not None:
+                event.synchronize()
+            moved += _free_offloaded(moves)
+        synchronize(device)
+        return moved + _free_offloaded(self._open)
 
 
 def _while_copying(moves: list[Move], extra: Callable[[], None] | None) -> Records:
@@ -283,6 +332,7 @@ def reload_tensors(
         return EMPTY_MOVE
     start = time.perf_counter()
     restoring_group: _StorageGroup | None = None
+    popped: Records = {}
     moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
     late = issued_as_planned(early, moves)
     runs, singles = packed_runs(late, below_bytes=pack_below_bytes) if pack_below_bytes else ([], late)
@@ -301,13 +351,15 @@ def reload_tensors(
         restoring_group = None
         if plan is not None:
             plan.remember(moves)  # while the copies run (forgotten again if the move fails)
-        restored = _views_of(arena, restoring)  # while the copies run
         if while_copying is not None:
             while_copying()
+        # the bookkeeping while the copies run; undone below if they fail
+        finished = finish_reload(pending, arena, seconds=0.0, restored_views=_views_of(arena, restoring), popped=popped)
         synchronize(device)
     except BaseException as error:
         if plan is not None:
             plan.forget()
+        _unfinish(pending, arena, popped)
         _roll_back(pending, device)
         if not isinstance(error, Exception):
             raise
@@ -317,7 +369,7 @@ def reload_tensors(
             "this call was freed again and its bytes are still in the arena: free device memory (e.g. the "
             "inference engine's KV cache) and call reload again"
         ) from error
-    return finish_reload(pending, arena, seconds=time.perf_counter() - start, restored_views=restored)
+    return replace(finished, seconds=time.perf_counter() - start)
 
 
 def reload_plan(
@@ -362,10 +414,12 @@ def finish_reload(
     *,
     seconds: float,
     restored_views: list[int] | None = None,
+    popped: Records | None = None,
 ) -> MoveStats:
     """Release the slots of restored storages (their host bytes may now be overwritten).
 
     ``restored_views``: their view records' keys, when already looked up (``_views_of``).
+    ``popped``: collects the view records taken out, so ``_unfinish`` can put them back.
     """
     moved = 0
     for _, slot in pending:
@@ -374,18 +428,25 @@ def finish_reload(
     if restored_views is None:
         restored_views = _views_of(arena, {group.storage._cdata for group, _ in pending})
     for tensor_id in restored_views:
-        arena.views.pop(tensor_id, None)
+        record = arena.views.pop(tensor_id, None)
+        if popped is not None and record is not None:
+            popped[tensor_id] = record
     return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
+
+
+def _unfinish(pending: list[tuple[_StorageGroup, Slot]], arena: HostArena, popped: Records) -> None:
+    """Undo ``finish_reload`` for a reload whose copies then failed: the slots hold the bytes again."""
+    for _, slot in pending:
+        slot.holds_data = True
+    arena.views.update(popped)
 
 
 def _roll_back(pending: list[tuple[_StorageGroup, Slot]], device: torch.device) -> None:
     """Free what a failed reload regrew, so the same call can be retried (the slots still hold the bytes)."""
-    try:
-        synchronize(device)  # queued copies may still write into the storages about to be freed
-    finally:
-        for group, _ in pending:
-            if group.storage.nbytes() != 0:
-                group.storage.resize_(0)
+    _settle_copies(device, None)  # queued copies may still write into the storages about to be freed
+    for group, _ in pending:
+        if group.storage.nbytes() != 0:
+            group.storage.resize_(0)
 
 
 def drop_tensors(tensors: TensorSet, arena: HostArena) -> int:

@@ -149,3 +149,26 @@ def test_an_offload_refused_after_early_copies_frees_nothing():
     offload_tensors(tensors, arena, plan=plan)  # the plan was forgotten: a planned round, still exact
     reload_tensors(tensors, arena)
     assert {name: storage_bytes(t) for name, t in tensors.items()} == expected
+
+
+def test_a_reload_whose_wait_fails_keeps_the_slots_and_records_and_retries_exactly(monkeypatch):
+    from refitkit.errors import RefitError
+    from refitkit.offload import moves as moves_module
+
+    tensors, arena = _tensors(), HostArena()
+    named = {**tensors, "v": tensors["t2"].view(-1, 2)}
+    expected = {name: storage_bytes(t) for name, t in tensors.items()}
+    offload_tensors(named, arena)
+    records, held = dict(arena.views), arena.held_bytes
+
+    def failing(device: torch.device) -> None:  # the error a failed copy surfaces at the phase's one wait
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(moves_module, "synchronize", failing)
+    with pytest.raises(RefitError, match=r"while waiting for the copies on cpu \(RuntimeError: CUDA error"):
+        reload_tensors(named, arena)
+    assert arena.views == records and arena.held_bytes == held, "the bookkeeping done while copying is undone"
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors.values())
+    monkeypatch.undo()
+    reload_tensors(named, arena)
+    assert {name: storage_bytes(t) for name, t in tensors.items()} == expected
