@@ -276,9 +276,8 @@ def _free_offloaded(moves: list[Move]) -> int:
     return moved
 
 
-def _slotted_moves(arena: HostArena, groups: list[_StorageGroup], *, largest_first: bool = True) -> list[Move]:
-    """Each storage with its slot and bytes, largest (or smallest) first; one allocation for all storages new
-    to the arena.
+def _slotted_moves(arena: HostArena, groups: list[_StorageGroup]) -> list[Move]:
+    """Each storage with its slot and bytes, largest first; one allocation for all storages new to the arena.
 
     A steady round (every storage has a slot that fits) allocates nothing and walks the storages once.
     """
@@ -295,8 +294,7 @@ def _slotted_moves(arena: HostArena, groups: list[_StorageGroup], *, largest_fir
     if None in slots:
         arena.reserve(g.storage for g in groups)
         slots = [arena.slot_of(group.storage) for group in groups]
-    moves = _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)])  # all slotted now
-    return moves if largest_first else moves[::-1]
+    return _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)])  # all slotted now
 
 
 def reload_tensors(
