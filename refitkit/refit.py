@@ -193,7 +193,11 @@ class RefitCycle:
         except BaseException as error:
             self._cancel(flight, error)
             raise
-        return moved + self.adapter.finish_offload(flight).total.bytes
+        try:
+            return moved + self.adapter.finish_offload(flight).total.bytes
+        except BaseException as error:
+            self._cancel(flight, error)  # e.g. its copies not all issued in time: none may run after the phase
+            raise
 
     def _cancel(self, flight: "OffloadInFlight | BaseException | None", error: BaseException) -> None:
         """A phase failed: wait for the optimizer copies and keep the optimizer state on the device."""

@@ -26,8 +26,3 @@ class EarlyCopies:
         if plan is None:
             plan = plans[key] = RoundPlan()
         return plan
-
-    def _forget_round_plans(self) -> None:
-        """Issue nothing early on the next move (the tensors were replaced wholesale, e.g. a new optimizer)."""
-        for plan in self.__dict__.get("_round_plans", {}).values():
-            plan.forget()

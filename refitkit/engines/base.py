@@ -218,6 +218,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
             return _empty_move()
         self._prepare_offload(wanted)
         plan = self._round_plan(part for part in wanted if part != "grad" or keep)
+        by_part: dict[str, NamedTensors] | None = None
         try:
             if plan is not None:
                 plan.issue_offload(self.arena)  # last round's copies first; this round's listing runs meanwhile
@@ -234,6 +235,8 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         except BaseException:
             if plan is not None:
                 plan.cancel()  # early copies the offload never took: waited for
+            if by_part is not None and _all_freed(by_part):  # interrupted after its copies were done: it finished
+                self._mark_offloaded(wanted, keep, by_part)
             raise
         # marked before the hook: its storages are freed now, so a hook that raises must leave them
         # OFFLOADED (a reload brings them back) rather than ON_DEVICE with no bytes
@@ -403,6 +406,12 @@ def _index(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.current_device()
     return 0
+
+
+def _all_freed(by_part: dict[str, NamedTensors]) -> bool:
+    """Whether an offload that raised had freed every storage (it frees them only once their copies are done)."""
+    named = [tensor for part in by_part.values() for _, tensor in part]
+    return bool(named) and all(local_tensor(tensor).untyped_storage().nbytes() == 0 for tensor in named)
 
 
 class _Bookkeeping:

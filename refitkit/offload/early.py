@@ -19,7 +19,7 @@ bytes). Either way the copies are waited for before the error is raised, so none
 
 from __future__ import annotations
 
-import weakref
+import time
 from collections.abc import Iterator
 
 import torch
@@ -33,9 +33,19 @@ EARLY_COPIES_MAX = 256
 Issued = dict[int, tuple[torch.UntypedStorage, Slot, int]]  # storage key -> (storage, slot, bytes) copied early
 
 
-# (a tensor viewing the storage, weakly: storages have no Python weak reference of their own; the storage's
-# key when remembered; its slot; its bytes). A plain tuple: a round remembers a thousand of them.
-_Planned = tuple[weakref.ref, int, Slot, int]
+# (the storage's key when remembered, its slot, its bytes). The storage itself is found again through the
+# slot's weak reference: a tensor would not do, since a DTensor's local view is a new object every time.
+_Planned = tuple[int, Slot, int]
+
+
+def _storage_of(slot: Slot) -> torch.UntypedStorage | None:
+    """The storage ``slot`` serves, if it is alive: a strong reference made from the slot's weak one.
+
+    ``UntypedStorage._new_with_weak_ptr`` is private torch API (checked on torch 2.11 and 2.13; torch's own
+    ``torch.multiprocessing.reductions`` uses it the same way); it returns None once the storage died.
+    """
+    ref = slot.storage_ref
+    return None if ref is None else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
 class RoundPlan:
@@ -45,13 +55,11 @@ class RoundPlan:
         self._planned: list[_Planned] = []
         self._issued: Issued = {}
         self._regrown = False  # whether the early copies were a reload's (storages regrown)
+        self.began = 0.0  # when the early copies began (perf_counter): a move's time counts from here
 
     def remember(self, moves: list[tuple[object, Slot, int]]) -> None:
         """Keep a finished move's storages (``(group, slot, bytes)``, in the order they were issued)."""
-        self._planned = [
-            (weakref.ref(group.views[0][1]), group.storage._cdata, slot, nbytes)  # type: ignore[attr-defined]
-            for group, slot, nbytes in moves
-        ]
+        self._planned = [(group.storage._cdata, slot, nbytes) for group, slot, nbytes in moves]  # type: ignore[attr-defined]
 
     def forget(self) -> None:
         """Issue nothing early next time (a move failed, or moved something else)."""
@@ -59,17 +67,19 @@ class RoundPlan:
 
     def _still_planned(self, arena: HostArena) -> Iterator[tuple[int, torch.UntypedStorage, Slot, int]]:
         """(index in the plan, storage, slot, bytes) of each remembered storage still alive and in its slot."""
-        for index, (tensor_ref, key, slot, nbytes) in enumerate(self._planned):
-            tensor = tensor_ref()
-            if tensor is None:
-                continue
-            storage = tensor.untyped_storage()
-            if storage._cdata == key and arena.slot_of(storage) is slot:
+        for index, (key, slot, nbytes) in enumerate(self._planned):
+            storage = _storage_of(slot)
+            if storage is not None and storage._cdata == key and arena.slot_of(storage) is slot:
                 yield index, storage, slot, nbytes
+
+    def _begin(self, *, regrown: bool) -> None:
+        self.cancel()  # early copies a move never took (a caller's failure between issue and move)
+        self._regrown = regrown
+        self.began = time.perf_counter()
 
     def issue_offload(self, arena: HostArena) -> None:
         """Copy each remembered storage still on the device, with the bytes it had, into its empty slot."""
-        self._regrown = False
+        self._begin(regrown=False)
         try:
             for _, storage, slot, nbytes in self._still_planned(arena):
                 if slot.holds_data or storage.nbytes() != nbytes or nbytes > slot.capacity_bytes:
@@ -83,13 +93,12 @@ class RoundPlan:
 
     def issue_reload(self, arena: HostArena) -> None:
         """Regrow each remembered storage that is still offloaded into its slot, and copy its bytes back."""
-        self._regrown = True
+        self._begin(regrown=True)
         if not self._planned:
             return
-        first = self._planned[0][0]()
         # shared segments sized from the remembered moves (an entry that no longer qualifies only leaves room)
-        sizes = [planned[3] for planned in self._planned[:EARLY_COPIES_MAX]]
-        segments = SegmentedRegrow(first.device if first is not None else None, sizes)
+        sizes = [planned[2] for planned in self._planned[:EARLY_COPIES_MAX]]
+        segments = SegmentedRegrow(self._planned[0][1].device, sizes)
         try:
             for index, storage, slot, nbytes in self._still_planned(arena):
                 if not slot.holds_data or slot.nbytes != nbytes or storage.nbytes() != 0 or not storage.resizable():

@@ -159,7 +159,7 @@ def offload_tensors(
         if device is None:
             cancel_early(early, regrown=False)
             return EMPTY_MOVE
-        start = time.perf_counter()
+        start = plan.began if early and plan is not None else time.perf_counter()  # (from the first copy)
         moves = _slotted_moves(arena, groups)
         late = issued_as_planned(early, moves)
         late_ids = {id(move) for move in late}
@@ -174,7 +174,7 @@ def offload_tensors(
         _settle_copies(device, None)  # nothing is freed and no record changes; no copy outlives the call
         raise
     arena.views.update(records)
-    moved = copied.free_as_done(device)
+    moved = copied.free_as_done()
     return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
 
 
@@ -211,7 +211,7 @@ class _CopiedInOrder:
     storages would otherwise follow the last copy)."""
 
     def __init__(self, device: torch.device, issued_before: list[Move]) -> None:
-        self._cuda = device.type == "cuda"
+        self._device, self._cuda = device, device.type == "cuda"
         self._groups: list[tuple[list[Move], torch.cuda.Event | None]] = []
         self._open: list[Move] = []
         if issued_before:  # (copies already queued, e.g. early ones): done once everything queued so far is
@@ -227,18 +227,29 @@ class _CopiedInOrder:
         event = None
         if self._cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))
         self._groups.append((self._open, event))
         self._open = []
 
-    def free_as_done(self, device: torch.device) -> int:
-        """Free each group once its copies are done, the last after the phase's synchronize; the bytes moved."""
-        moved = 0
-        for moves, event in self._groups:
-            if event is not None:
-                event.synchronize()
-            moved += _free_offloaded(moves)
-        synchronize(device)
+    def free_as_done(self) -> int:
+        """Free each group once its copies are done, the last after the phase's synchronize; the bytes moved.
+
+        Interrupted part-way (or a failed wait), it still finishes the move before raising, so no storage is
+        left at 0 bytes without its slot holding the bytes: every copy was issued; they are waited for."""
+        moved, freed = 0, 0
+        try:
+            for moves, event in self._groups:
+                if event is not None:
+                    event.synchronize()
+                moved += _free_offloaded(moves)
+                freed += 1
+            synchronize(self._device)
+        except BaseException:
+            _settle_copies(self._device, None)
+            for moves, _ in self._groups[freed:]:
+                _free_offloaded(moves)
+            _free_offloaded(self._open)
+            raise
         return moved + _free_offloaded(self._open)
 
 
@@ -328,7 +339,7 @@ def reload_tensors(
         raise
     if not pending:
         return EMPTY_MOVE
-    start = time.perf_counter()
+    start = plan.began if early and plan is not None else time.perf_counter()  # (from the first copy)
     restoring_group: _StorageGroup | None = None
     popped: Records = {}
     moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])

@@ -11,8 +11,10 @@ releases the GIL while a copy is issued); ``finish_offload`` and ``cancel_offloa
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +57,10 @@ class _Issuer(threading.Thread):
     def __init__(self, moves: list[Move], arena: HostArena, stream: "torch.cuda.Stream") -> None:
         super().__init__(name="refitkit-offload-issue", daemon=True)
         self._moves, self._arena, self._stream = moves, arena, stream
-        self.error: BaseException | None = None
+        # what issuing raised, as text: the exception's traceback would hold the moves (and through them the
+        # storages and the arena) in a reference cycle only a garbage collection frees
+        self.error: str | None = None
+        _live_issuers.add(self)
 
     def run(self) -> None:
         try:
@@ -63,12 +68,24 @@ class _Issuer(threading.Thread):
             with torch.cuda.stream(self._stream):
                 _issue_to_host(self._moves, self._arena, 0, non_blocking=True)
         except BaseException as error:  # noqa: BLE001 - raised by finish_offload in the caller's thread
-            self.error = error
+            self.error = f"{type(error).__name__}: {error}"
         finally:
             self._moves = []
 
 
-def _join_issuer(copies: OffloadCopies, caller: str) -> BaseException | None:
+_live_issuers: "weakref.WeakSet[_Issuer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _join_issuers_at_exit() -> None:
+    """A process that exits with copies still being issued (no finish or cancel) lets them be issued first:
+    the interpreter would otherwise stop the thread inside a CUDA call, and the C++ runtime aborts the process."""
+    deadline = time.monotonic() + ISSUE_TIMEOUT_S
+    for issuer in list(_live_issuers):
+        issuer.join(max(0.0, deadline - time.monotonic()))
+
+
+def _join_issuer(copies: OffloadCopies, caller: str) -> str | None:
     """Wait (bounded) until the worker issued every copy, so the stream can be waited for; what it raised."""
     if copies.issuer is None:
         return None
@@ -115,9 +132,7 @@ def finish_offload(copies: OffloadCopies) -> MoveStats:
         copies.stream.synchronize()  # a failure here leaves every storage on the device, untouched
     copies.open = False
     if error is not None:
-        raise RefitError(
-            f"finish_offload: issuing the overlapped offload's copies failed ({error!r}); nothing was freed"
-        ) from error
+        raise RefitError(f"finish_offload: issuing the overlapped offload's copies failed ({error}); nothing was freed")
     copies.arena.views.update(copies.records)
     moved = _free_offloaded(copies.moves)
     return MoveStats(bytes=moved, storages=len(copies.moves), seconds=time.perf_counter() - copies.started)

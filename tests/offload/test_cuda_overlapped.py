@@ -59,3 +59,23 @@ def test_a_stalled_issue_times_out_frees_nothing_and_cancel_waits(monkeypatch):
         "every storage stays on the device"
     )
     assert not any(arena.slot_of(t.untyped_storage()).holds_data for t in state.values())
+
+
+def _exit_while_issuing() -> None:
+    """A process that starts an overlapped offload and exits without finishing or cancelling it."""
+    state, arena = _state(), HostArena()
+    arena.reserve(t.untyped_storage() for t in state.values())
+    torch.cuda._sleep(4 * SLEEP_CYCLES)  # the copies wait behind it: the worker is still issuing at exit
+    copies = start_offload(state, arena)
+    assert copies.issuer is not None and copies.issuer.is_alive()
+    print("exiting", flush=True)
+
+
+def test_a_process_exiting_while_copies_are_issued_exits_cleanly():
+    import subprocess
+    import sys
+
+    code = "from tests.offload.test_cuda_overlapped import _exit_while_issuing as f; f()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exiting" in done.stdout and "terminate called" not in done.stderr

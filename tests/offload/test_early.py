@@ -3,6 +3,8 @@ planned, and a move that then fails or moves something else leaves everything as
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -172,3 +174,30 @@ def test_a_reload_whose_wait_fails_keeps_the_slots_and_records_and_retries_exact
     monkeypatch.undo()
     reload_tensors(named, arena)
     assert {name: storage_bytes(t) for name, t in tensors.items()} == expected
+
+
+def test_early_offload_copies_left_untaken_are_not_freed_as_regrown_by_a_later_reload_issue():
+    tensors, arena, plan = _tensors(), HostArena(), RoundPlan()
+    _round(tensors, arena, plan)
+    expected = {name: storage_bytes(t) for name, t in tensors.items()}
+    plan.issue_offload(arena)  # early copies of resident storages; the caller then never offloads
+    plan.issue_reload(arena)  # nothing is offloaded: nothing to regrow
+    plan.cancel()
+    assert {name: storage_bytes(t) for name, t in tensors.items()} == expected, "the resident storages keep their bytes"
+
+
+def test_a_moves_time_counts_from_its_early_copies():
+    tensors = {f"t{i}": random_tensor((4 << 20,), torch.float32, seed=i) for i in range(4)}  # 64 MiB
+    arena, plan = HostArena(), RoundPlan()
+    _round(tensors, arena, plan)
+    offload_tensors(tensors, arena, plan=plan)
+    began = time.perf_counter()
+    plan.issue_reload(arena)  # (on the CPU the early copies are done here)
+    early_s = time.perf_counter() - began
+    stats = reload_tensors(tensors, arena, plan=plan)
+    assert stats.seconds >= early_s, "the bytes copied early are counted: so is their time"
+    began = time.perf_counter()
+    plan.issue_offload(arena)
+    early_s = time.perf_counter() - began
+    stats = offload_tensors(tensors, arena, plan=plan)
+    assert stats.seconds >= early_s, "likewise for an offload"

@@ -228,3 +228,29 @@ def test_an_offload_hook_that_raises_leaves_the_parts_offloaded_and_reload_resto
     assert sorted(restored) == sorted(expected)
     assert all(torch.equal(restored[k], expected[k]) for k in expected)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # the kept grads came back
+
+
+def test_an_offload_interrupted_while_its_copies_are_waited_for_finishes_and_is_marked_offloaded(monkeypatch):
+    from refitkit.offload import moves as moves_module
+
+    model, optimizer = _trained()
+    expected = _snapshot(model, optimizer)
+    adapter = FSDPAdapter(model, optimizer)
+    real_wait = moves_module.synchronize
+    interrupts: list[int] = []
+
+    def interrupted(device: torch.device) -> None:  # Ctrl-C lands while the phase waits for its copies
+        if not interrupts:
+            interrupts.append(1)
+            raise KeyboardInterrupt
+        real_wait(device)
+
+    monkeypatch.setattr(moves_module, "synchronize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        adapter.offload()
+    assert adapter.state is DeviceState.OFFLOADED, "the copies were all issued: the offload finished before raising"
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    monkeypatch.undo()
+    adapter.reload()
+    after = _snapshot(model, optimizer)
+    assert sorted(after) == sorted(expected) and all(torch.equal(after[key], expected[key]) for key in expected)
