@@ -314,7 +314,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
                 self._check_not_replaced("optimizer", optimizer_named)
             if "grad" in wanted and self._offloaded.get("grad"):
                 self._check_not_replaced("grad", self._grads_to_keep())
-            # validated before a byte moves, like the rest
+            # checked before any deferred copy starts (and before anything is marked), like the rest
             deferred_plan = reload_plan(named_tensors(optimizer_named), self.arena) if defer else []
             if "optimizer" in wanted:
                 self._drop_failed_deferral()

@@ -115,7 +115,7 @@ def _forget_views(arena: HostArena, keys: set[int]) -> None:
 
 
 def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGroup], torch.device | None]:
-    """The storages an offload moves, with their device, checked before the first byte moves."""
+    """The storages an offload moves, with their device, checked before anything is freed or filed."""
     groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
     device = _common_device(groups, what)
     if device is not None and device.type == "meta":
