@@ -21,16 +21,8 @@ import torch
 
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload.arena import HostArena
-from refitkit.offload.moves import (
-    Move,
-    Records,
-    TensorSet,
-    _free_offloaded,
-    _issue_to_host,
-    _offloadable_groups,
-    _slotted_moves,
-    _while_copying,
-)
+from refitkit.offload._copies import _free_offloaded, _issue_to_host
+from refitkit.offload.moves import Move, Records, TensorSet, _offloadable_groups, _slotted_moves, _while_copying
 from refitkit.offload.stats import MoveStats
 
 
