@@ -22,11 +22,11 @@ def _issue_to_host(
         group, slot, nbytes = move
         arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
         if copied is not None:
-            copied.issued([move])
+            copied.issued(move)
     for run in runs:  # after the large copies, so building a run's views overlaps them
         copy_run_to_host(run, arena, non_blocking=non_blocking)
         if copied is not None:
-            copied.issued(run)
+            copied.issued(*run)
 
 
 FREE_EVERY_COPIES = 64  # an offload frees its storages in groups this large, each once its copies are done
@@ -45,7 +45,7 @@ class _CopiedInOrder:
             self._open = list(issued_before)
             self._close()
 
-    def issued(self, moves: list[Move]) -> None:
+    def issued(self, *moves: Move) -> None:
         self._open.extend(moves)
         if len(self._open) >= FREE_EVERY_COPIES:
             self._close()

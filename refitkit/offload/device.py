@@ -44,6 +44,15 @@ def storage_as_bytes(storage: torch.UntypedStorage, nbytes: int | None = None) -
     return flat
 
 
+def regrowable(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` can be freed with ``resize_(0)`` and grown back in place.
+
+    A CPU storage in shared memory (``share_memory_()``) claims to be resizable, but growing it back
+    after ``resize_(0)`` crashes the process (segfault, torch 2.13): it counts as a fixed buffer.
+    """
+    return storage.resizable() and not (storage.device.type == "cpu" and storage.is_shared())
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor that owns real storage: a DTensor's local shard, otherwise the tensor itself."""
     to_local = getattr(tensor, "to_local", None)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from refitkit.offload.arena import HostArena, Slot
-from refitkit.offload.device import SegmentedRegrow, storage_as_bytes, synchronize
+from refitkit.offload.device import SegmentedRegrow, regrowable, storage_as_bytes, synchronize
 
 # At most this many early copies (the largest): once the device's launch queue is full, each launch waits for
 # a queued copy to finish, and the host would sit in the early issue instead of planning the round meanwhile.
@@ -101,10 +101,8 @@ class RoundPlan:
         segments = SegmentedRegrow(self._planned[0][1].device, sizes)
         try:
             for index, storage, slot, nbytes in self._still_planned(arena):
-                if not slot.holds_data or slot.nbytes != nbytes or storage.nbytes() != 0 or not storage.resizable():
-                    continue
-                if storage.device.type == "cpu" and storage.is_shared():
-                    continue  # regrowing shared CPU memory crashes the process; the planned reload refuses it
+                if not slot.holds_data or slot.nbytes != nbytes or storage.nbytes() != 0 or not regrowable(storage):
+                    continue  # (the planned reload refuses what cannot be regrown, naming it)
                 segments.before(index)
                 self._issued[storage._cdata] = (storage, slot, nbytes)
                 storage.resize_(nbytes)
@@ -126,6 +124,11 @@ class RoundPlan:
     def cancel(self) -> None:
         """The move failed before it took the early copies: wait for them; free what a reload regrew."""
         cancel_early(self.take(), regrown=self._regrown)
+
+
+def move_began(plan: RoundPlan | None, issued: Issued) -> float:
+    """When a move began: at its first early copy if it took any (their bytes count, so must their time), else now."""
+    return plan.began if issued and plan is not None else time.perf_counter()
 
 
 def early_device(issued: Issued) -> torch.device | None:

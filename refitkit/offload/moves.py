@@ -14,8 +14,10 @@ from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload._copies import _CopiedInOrder, _issue_to_host, _settle_copies
 from refitkit.offload._packed import copy_run_to_device, packed_runs
 from refitkit.offload.arena import HostArena, Slot, ViewRecord
-from refitkit.offload.early import RoundPlan, cancel_early, early_device, issued_as_planned
-from refitkit.offload.device import SegmentedRegrow, local_tensor, resolved_device, storage_as_bytes, synchronize
+from refitkit.offload.early import RoundPlan, cancel_early, early_device, issued_as_planned, move_began
+from refitkit.offload.device import (
+    SegmentedRegrow, local_tensor, regrowable, resolved_device, storage_as_bytes, synchronize,
+)  # fmt: skip
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -121,11 +123,8 @@ def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGro
     device = _common_device(groups, what)
     if device is not None and device.type == "meta":
         raise InvalidInput(f"{groups[0].first_name!r} is on the meta device and has no bytes to move")
-    on_cpu = device is not None and device.type == "cpu"
     for group in groups:
-        # A CPU storage in shared memory (share_memory_()) claims to be resizable, but growing it back
-        # after resize_(0) crashes the process (segfault, torch 2.13): refuse it like any fixed buffer.
-        if not group.storage.resizable() or (on_cpu and group.storage.is_shared()):
+        if not regrowable(group.storage):
             raise InvalidInput(
                 f"{group.first_name!r} lives in a non-resizable storage (shared memory or an external "
                 "buffer) and cannot be freed in place"
@@ -160,7 +159,7 @@ def offload_tensors(
         if device is None:
             cancel_early(early, regrown=False)
             return EMPTY_MOVE
-        start = plan.began if early and plan is not None else time.perf_counter()  # (from the first copy)
+        start = move_began(plan, early)
         moves = _slotted_moves(arena, groups)
         late = issued_as_planned(early, moves)
         late_ids = {id(move) for move in late}
@@ -252,7 +251,7 @@ def reload_tensors(
         raise
     if not pending:
         return EMPTY_MOVE
-    start = plan.began if early and plan is not None else time.perf_counter()  # (from the first copy)
+    start = move_began(plan, early)
     restoring_group: _StorageGroup | None = None
     popped: Records = {}
     moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
