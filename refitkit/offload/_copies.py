@@ -64,11 +64,13 @@ class _CopiedInOrder:
         Interrupted part-way (or a failed wait), it still finishes the move before raising, so no storage is
         left at 0 bytes without its slot holding the bytes: every copy was issued; they are waited for."""
         moved, freed = 0, 0
+        groups = self._groups
         try:
-            for moves, event in self._groups:
+            for moves, event in groups:
                 if event is not None:
                     event.synchronize()
                 moved += _free_offloaded(moves)
+                groups[freed] = ([], None)  # its moves are released now, while the later copies still run
                 freed += 1
             synchronize(self._device)
         except BaseException:

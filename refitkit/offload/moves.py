@@ -174,8 +174,10 @@ def offload_tensors(
         _settle_copies(device, None)  # nothing is freed and no record changes; no copy outlives the call
         raise
     arena.views.update(records)
+    storages = len(groups)
+    del groups, moves, late, records  # their objects die group by group as free_as_done frees them, while copies run
     moved = copied.free_as_done()
-    return MoveStats(bytes=moved, storages=len(groups), seconds=time.perf_counter() - start)
+    return MoveStats(bytes=moved, storages=storages, seconds=time.perf_counter() - start)
 
 
 Move = tuple[_StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
@@ -276,6 +278,7 @@ def reload_tensors(
             while_copying()
         # the bookkeeping while the copies run; undone below if they fail
         finished = finish_reload(pending, arena, seconds=0.0, restored_views=_views_of(arena, restoring), popped=popped)
+        del early, moves, late, runs, singles  # released while the copies run (a failure needs only pending)
         synchronize(device)
     except BaseException as error:
         if plan is not None:

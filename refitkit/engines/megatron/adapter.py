@@ -50,6 +50,8 @@ class MegatronAdapter(EngineAdapter):
     and with the distributed optimizer the reload all-gathers the param buffers (a collective).
     """
 
+    _drops_grads_while_copying = False  # its grad buffers are freed after the phase's synchronize (drop_grads)
+
     def __init__(
         self,
         model_chunks: torch.nn.Module | Sequence[torch.nn.Module],

@@ -1,5 +1,7 @@
 """An adapter's steady rounds copy early (the last round's plan, before listing its tensors) and stay exact;
-a reload refused after its early copies restores nothing and loses nothing."""
+a reload refused after its early copies restores nothing and loses nothing; the bookkeeping that needs no
+finished copy (freeing unkept grads, releasing a reload's records) runs while the copies do, and a reload
+that fails after releasing its records still refuses a param replaced afterwards."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from torch import nn
 
 from refitkit.engines import DeviceState
 from refitkit.engines.fsdp import FSDPAdapter
-from refitkit.errors import InvalidInput
+from refitkit.errors import InvalidInput, RefitError
 from tests.engines.fsdp import ranks
 from refitkit.offload.device import local_tensor
 from tests.engines.fsdp.test_fsdp_failures import _snapshot, _trained
@@ -86,4 +88,70 @@ def test_a_replaced_param_refused_after_early_copies_restores_nothing_and_loses_
     assert adapter.arena.held_bytes == held
     model.head.weight = original
     adapter.reload()
+    assert _equal(_snapshot(model, optimizer), expected)
+
+
+@pytest.mark.parametrize("keep_grads", [False, True], ids=["grads-dropped", "grads-kept"])
+def test_grads_are_freed_and_records_released_before_the_copies_are_waited_for(monkeypatch, keep_grads):
+    from refitkit.offload import _copies as copies_module
+    from refitkit.offload import moves as moves_module
+
+    model, optimizer = _trained()
+    expected = _snapshot(model, optimizer)
+    adapter = FSDPAdapter(model, optimizer, keep_grads=keep_grads)
+    params = [p for p in model.parameters() if p.requires_grad]
+    at_wait: dict[str, object] = {}
+    offload_wait, reload_wait = copies_module.synchronize, moves_module.synchronize
+
+    def offload_waits(device: torch.device) -> None:  # the offload's last wait for its copies
+        at_wait["grads"] = [p.grad is None for p in params]
+        offload_wait(device)
+
+    def reload_waits(device: torch.device) -> None:  # the reload's wait for its copies
+        at_wait["records"] = {part: len(held) for part, held in adapter._offloaded.items()}
+        reload_wait(device)
+
+    monkeypatch.setattr(copies_module, "synchronize", offload_waits)
+    monkeypatch.setattr(moves_module, "synchronize", reload_waits)
+    count = len(params)  # (the asserts name no param: an offloaded one has no bytes to print)
+    adapter.offload()
+    assert at_wait["grads"] == [not keep_grads] * count, "unkept grads are freed before the wait; kept ones copied"
+    assert [p.grad is None for p in params] == [not keep_grads] * count
+    assert adapter._offloaded["model"] and adapter._offloaded["optimizer"]
+    adapter.reload()
+    assert all(count == 0 for count in at_wait["records"].values()), f"records left at the wait: {at_wait['records']}"
+    assert adapter.state is DeviceState.ON_DEVICE and adapter._offloaded == {}
+    assert _equal(_snapshot(model, optimizer), expected)
+    assert [p.grad is None for p in params] == [not keep_grads] * count
+
+
+def test_a_reload_that_failed_at_its_wait_still_refuses_a_param_replaced_afterwards(monkeypatch):
+    from refitkit.offload import moves as moves_module
+
+    model, optimizer = _trained()
+    expected = _snapshot(model, optimizer)
+    adapter = FSDPAdapter(model, optimizer, keep_grads=True)
+    adapter.offload()
+    real_wait = moves_module.synchronize
+
+    def failing(device: torch.device) -> None:  # the device reports an error once the copies are waited for
+        raise RuntimeError("injected: the copies failed")
+
+    monkeypatch.setattr(moves_module, "synchronize", failing)
+    with pytest.raises(RefitError, match="waiting for the copies"):
+        adapter.reload()
+    monkeypatch.setattr(moves_module, "synchronize", real_wait)
+    assert adapter.state is DeviceState.OFFLOADED
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    original, grad = model.head.weight, model.head.weight.grad
+    model.head.weight = nn.Parameter(torch.zeros(original.shape))
+    with pytest.raises(InvalidInput, match=r"'model\.head\.weight' was replaced or removed while offloaded"):
+        adapter.reload()
+    model.head.weight = original
+    original.grad = torch.zeros(original.shape)
+    with pytest.raises(InvalidInput, match=r"'model\.head\.weight\.grad' was replaced"):
+        adapter.reload()
+    original.grad = grad
+    adapter.reload()
+    assert adapter.state is DeviceState.ON_DEVICE
     assert _equal(_snapshot(model, optimizer), expected)
