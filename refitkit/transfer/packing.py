@@ -121,6 +121,13 @@ def half_bytes_for(listed: list | tuple | None, max_half_bytes: int) -> int:
     return min(max_half_bytes, -(-needed // HALF_GRAIN_BYTES) * HALF_GRAIN_BYTES)
 
 
+def _current_raw_stream(index: int) -> int:
+    """torch's current stream on GPU ``index`` as the driver's handle: ``torch._C._cuda_getCurrentRawStream``
+    (private; checked with torch 2.11 and 2.13, where torch's compilers launch their kernels with it), a fraction
+    of ``torch.cuda.current_stream()``'s cost, paid once per packed tensor."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 class BucketPacker:
     """Copies tensors into the bucket buffer, bucket after bucket.
 
@@ -156,6 +163,11 @@ class BucketPacker:
         self._run_dtype: torch.dtype | None = None
         self._run_start = 0  # the open run's first byte in the current bucket
         self._run_elements = 0
+        # A CUDA buffer's copies go on torch's current stream, which a generator may change between items (it
+        # yields from inside ``torch.cuda.stream(...)``): the streams this bucket's copies went on, joined into
+        # the current one before the bucket ships (the sender announces it after the current stream's work).
+        self._cuda_index = buffer.get_device() if buffer.is_cuda else None
+        self._copy_streams: set[int] = set()
 
     def detach(self) -> None:
         """Forget the buffer and every view of it, so it can be freed while this packer is still referenced."""
@@ -194,10 +206,13 @@ class BucketPacker:
             self._typed_buffer(tensor.dtype).as_strided(tensor.shape, strides, element).copy_(tensor)
         self.entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
         self.used = offset + nbytes
+        if self._cuda_index is not None:  # (a run's copy is queued later: _end_run notes its stream)
+            self._copy_streams.add(_current_raw_stream(self._cuda_index))
 
     def finish(self) -> None:
         """Ship the current bucket as the last one (possibly empty: the receiver still learns the stream ended)."""
         self._end_run()
+        self._join_copy_streams()
         self._send_bucket(self.half, self.wide, self.entries, True)
 
     def _end_run(self) -> None:
@@ -209,6 +224,8 @@ class BucketPacker:
             first = (self.bucket_start + self._run_start) // dtype.itemsize
             torch.cat(self._run, out=self._typed_buffer(dtype)[first : first + self._run_elements])
             self._run = []
+            if self._cuda_index is not None:
+                self._copy_streams.add(_current_raw_stream(self._cuda_index))
         self._run_dtype = None
         self._run_elements = 0
 
@@ -225,6 +242,8 @@ class BucketPacker:
             count = min(self.capacity - offset, nbytes - start)
             first = self.bucket_start + offset
             self._typed_buffer(torch.uint8)[first : first + count].copy_(flat[start : start + count])
+            if self._cuda_index is not None:
+                self._copy_streams.add(_current_raw_stream(self._cuda_index))
             self.entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset, (start, count)))
             self.used = offset + count
             start += count
@@ -233,6 +252,7 @@ class BucketPacker:
         """Ship the current bucket (if it holds anything) and wait until the next one's memory is free."""
         self._end_run()
         if self.entries:
+            self._join_copy_streams()
             self._send_bucket(self.half, self.wide, self.entries, False)
             self.half = 0 if self.wide else self.half ^ 1
         if wide:
@@ -243,6 +263,17 @@ class BucketPacker:
         self.used = 0
         self.entries = []
         self._wait_free(BOTH_HALVES if wide else 1 << self.half)
+
+    def _join_copy_streams(self) -> None:
+        """Make the current stream wait for the other streams this bucket's copies were queued on, so that work
+        queued after it (the sender's announcement, a broadcast) follows every copy of the bucket."""
+        if self._cuda_index is None or not self._copy_streams:
+            return
+        current = torch.cuda.current_stream(self._cuda_index)
+        for handle in self._copy_streams:
+            if handle != current.cuda_stream:
+                current.wait_stream(torch.cuda.ExternalStream(handle, device=current.device))
+        self._copy_streams.clear()
 
     def _typed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         typed = self._typed.get(dtype)
