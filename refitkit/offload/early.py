@@ -35,7 +35,6 @@ Issued = dict[int, tuple[torch.UntypedStorage, Slot, int]]  # storage key -> (st
 
 # (the storage's key when remembered, its slot, its bytes). The storage itself is found again through the
 # slot's weak reference: a tensor would not do, since a DTensor's local view is a new object every time.
-_Planned = tuple[int, Slot, int]
 
 
 def _storage_of(slot: Slot) -> torch.UntypedStorage | None:
@@ -52,22 +51,28 @@ class RoundPlan:
     """The moves of one set of parts' last offload or reload, largest first; issued early by the next move."""
 
     def __init__(self) -> None:
-        self._planned: list[_Planned] = []
+        # the remembered moves as three parallel lists (storage key, slot, bytes): no tuple per storage, which
+        # would live a whole round and be promoted to the oldest generation of the collector every round
+        self._keys: list[int] = []
+        self._slots: list[Slot] = []
+        self._sizes: list[int] = []
         self._issued: Issued = {}
         self._regrown = False  # whether the early copies were a reload's (storages regrown)
         self.began = 0.0  # when the early copies began (perf_counter): a move's time counts from here
 
     def remember(self, moves: list[tuple[object, Slot, int]]) -> None:
         """Keep a finished move's storages (``(group, slot, bytes)``, in the order they were issued)."""
-        self._planned = [(group.storage._cdata, slot, nbytes) for group, slot, nbytes in moves]  # type: ignore[attr-defined]
+        self._keys = [group.storage._cdata for group, _, _ in moves]  # type: ignore[attr-defined]
+        self._slots = [slot for _, slot, _ in moves]
+        self._sizes = [nbytes for _, _, nbytes in moves]
 
     def forget(self) -> None:
         """Issue nothing early next time (a move failed, or moved something else)."""
-        self._planned = []
+        self._keys, self._slots, self._sizes = [], [], []
 
     def _still_planned(self, arena: HostArena) -> Iterator[tuple[int, torch.UntypedStorage, Slot, int]]:
         """(index in the plan, storage, slot, bytes) of each remembered storage still alive and in its slot."""
-        for index, (key, slot, nbytes) in enumerate(self._planned):
+        for index, (key, slot, nbytes) in enumerate(zip(self._keys, self._slots, self._sizes)):
             storage = _storage_of(slot)
             if storage is not None and storage._cdata == key and arena.slot_of(storage) is slot:
                 yield index, storage, slot, nbytes
@@ -94,11 +99,10 @@ class RoundPlan:
     def issue_reload(self, arena: HostArena) -> None:
         """Regrow each remembered storage that is still offloaded into its slot, and copy its bytes back."""
         self._begin(regrown=True)
-        if not self._planned:
+        if not self._slots:
             return
         # shared segments sized from the remembered moves (an entry that no longer qualifies only leaves room)
-        sizes = [planned[2] for planned in self._planned[:EARLY_COPIES_MAX]]
-        segments = SegmentedRegrow(self._planned[0][1].device, sizes)
+        segments = SegmentedRegrow(self._slots[0].device, self._sizes[:EARLY_COPIES_MAX])
         try:
             for index, storage, slot, nbytes in self._still_planned(arena):
                 if not slot.holds_data or slot.nbytes != nbytes or storage.nbytes() != 0 or not regrowable(storage):

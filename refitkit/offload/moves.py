@@ -46,7 +46,10 @@ def named_tensors(tensors: TensorSet, *, prefix: str = "tensors") -> list[tuple[
             name, tensor = f"{prefix}[{index}]", item
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        named.append((name, local_tensor(tensor)))
+        local = local_tensor(tensor)
+        # the caller's own pair when it already is one: a thousand new tuples a move, alive across its collections,
+        # would be promoted to the oldest generation and bring the next full collection of the trainer's heap closer
+        named.append(item if local is tensor and type(item) is tuple else (name, local))
     return named
 
 
