@@ -31,13 +31,14 @@ class ReplacedTensorGuard:
                 held[name] = (storage._cdata, StorageWeakRef(storage))
         return held
 
-    def _release_held(self, parts: list[str]) -> list[str]:
+    def _release_held(self, parts: list[str], released: list[str]) -> None:
         """Release the records of ``parts`` once a reload's checks used them, while its copies still run (a
-        thousand weak references cost ~1 ms on an H200 host after the last copy); the parts released."""
-        released = [part for part in parts if self._offloaded.get(part)]
-        for part in released:
-            self._offloaded[part].clear()
-        return released
+        thousand weak references cost ~1 ms on an H200 host after the last copy); each part is added to
+        ``released`` before its records go, so an interrupt in between still has them rebuilt."""
+        for part in parts:
+            if self._offloaded.get(part):
+                released.append(part)
+                self._offloaded[part].clear()
 
     def _hold_again(self, parts: list[str], named_by_part: dict[str, NamedTensors]) -> None:
         """After a reload that released these records failed: the same records again. Its moves were undone,

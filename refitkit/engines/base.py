@@ -232,11 +232,13 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
             by_part = {"model": model_named, "optimizer": optimizer_named, "grad": grad_named}
             ahead = _Bookkeeping(self, by_part)
             drop_early = "grad" in wanted and not keep and self._drops_grads_while_copying
+            dropped: list[bool] = []  # whether the grads went while the copies ran (not when there was nothing to copy)
 
             def while_copying() -> None:  # (after every check and every copy was issued)
                 ahead.run(held=wanted)
                 if drop_early:
                     self._drop_grads()
+                    dropped.append(True)
 
             # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
             total = offload_tensors(
@@ -251,7 +253,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
             raise
         # marked before the hook: its storages are freed now, so a hook that raises must leave them
         # OFFLOADED (a reload brings them back) rather than ON_DEVICE with no bytes
-        self._mark_offloaded(wanted, keep, by_part, held=ahead.held, grads_dropped=drop_early)
+        self._mark_offloaded(wanted, keep, by_part, held=ahead.held, grads_dropped=bool(dropped))
         self._after_offload(wanted)
         logger.debug("%s offloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
         return ahead.split(total)
@@ -337,7 +339,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
 
             def while_copying() -> None:
                 ahead.run()
-                released.extend(self._release_held([part for part in wanted if part != "optimizer" or not defer]))
+                self._release_held([part for part in wanted if part != "optimizer" or not defer], released)
 
             total = reload_tensors(
                 model_named + restored_now + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,

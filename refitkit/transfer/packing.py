@@ -272,7 +272,8 @@ class BucketPacker:
         current = torch.cuda.current_stream(self._cuda_index)
         for handle in self._copy_streams:
             if handle != current.cuda_stream:
-                current.wait_stream(torch.cuda.ExternalStream(handle, device=current.device))
+                # (not ExternalStream: for handle 0, the default stream, it makes a new stream instead)
+                current.wait_stream(torch.cuda.get_stream_from_external(handle, current.device))
         self._copy_streams.clear()
 
     def _typed_buffer(self, dtype: torch.dtype) -> torch.Tensor:

@@ -25,32 +25,37 @@ def _sources(count: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"layers.{i}.w", torch.randn(256, 1024, generator=generator, device="cuda").to(torch.bfloat16)) for i in range(count)]
 
 
-def _made_on_side_streams(sources: list[tuple[str, torch.Tensor]], side: torch.cuda.Stream, every: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each ``every``-th item is made on ``side`` behind a long kernel and yielded from inside that stream's context
-    (every=1: all of them); the others on the default stream. Each is a fresh tensor: only the timing can go wrong.
-
-    With two items a bucket and every=3, buckets ship while the default stream is current although an item of theirs
-    was copied on the side stream (items 0 and 3 of buckets [0, 1] and [2, 3]): their announcement must wait for it."""
-    for index, (name, tensor) in enumerate(sources):
-        if index % every == 0:
+def _made(sources: list[tuple[str, torch.Tensor]], side: torch.cuda.Stream, plan: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Item i is made as ``plan[i]`` says: ``S`` on ``side`` behind a long kernel, yielded from inside that stream's
+    context; ``s`` the same without the kernel; ``d`` on the default stream behind a long kernel; ``D`` on the
+    default stream at once. Each is a fresh tensor: only the timing can go wrong."""
+    for (name, tensor), how in zip(sources, plan):
+        if how in "Ss":
             with torch.cuda.stream(side):
-                torch.cuda._sleep(SLEEP_CYCLES)
+                if how == "S":
+                    torch.cuda._sleep(SLEEP_CYCLES)
                 made = tensor.clone()  # queued behind the sleep, on the side stream
                 yield name, made
         else:
+            if how == "d":
+                torch.cuda._sleep(SLEEP_CYCLES)
             yield name, tensor.clone()
 
 
+# Two items a bucket with 2 MiB: "SDD" buckets ship while the default stream is current although an item of theirs
+# was copied on the side stream; "dds" buckets ship from inside the side stream, their items copied behind a kernel
+# on the default stream (the default stream's handle is 0: it must be waited for as the default stream itself).
 @pytest.mark.parametrize(
-    ("count", "every", "bucket_bytes"),
-    [(4, 1, 16 << 20), (12, 3, 2 << 20)],
-    ids=["all-on-a-side-stream-one-bucket", "alternating-streams-many-buckets"],
+    ("plan", "bucket_bytes"),
+    [("SSSS", 16 << 20), ("SDD" * 4, 2 << 20), ("dds" * 4, 2 << 20)],
+    ids=["all-on-a-side-stream-one-bucket", "side-stream-items-shipped-from-the-default-stream",
+         "default-stream-items-shipped-from-a-side-stream"],
 )
 def test_copies_queued_on_the_generators_stream_are_waited_for_before_the_bucket_is_announced(
-    receiver_server, endpoint, count, every, bucket_bytes
+    receiver_server, endpoint, plan, bucket_bytes
 ):
-    sources = _sources(count)
+    sources = _sources(len(plan))
     expected = {name: digest(tensor) for name, tensor in sources}
     side = torch.cuda.Stream()
-    roundtrip(receiver_server, endpoint, _made_on_side_streams(sources, side, every), bucket_bytes=bucket_bytes,
+    roundtrip(receiver_server, endpoint, _made(sources, side, plan), bucket_bytes=bucket_bytes,
               case=CUDA_IPC, timeout_s=60, expected=expected)  # fmt: skip

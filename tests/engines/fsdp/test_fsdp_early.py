@@ -155,3 +155,20 @@ def test_a_reload_that_failed_at_its_wait_still_refuses_a_param_replaced_afterwa
     adapter.reload()
     assert adapter.state is DeviceState.ON_DEVICE
     assert _equal(_snapshot(model, optimizer), expected)
+
+
+@pytest.mark.parametrize("order", ["grads-alone", "after-the-rest"])
+def test_unkept_grads_are_freed_when_an_offload_has_nothing_else_to_copy(order):
+    model, optimizer = _trained()
+    adapter = FSDPAdapter(model, optimizer)
+    count = len([p for p in model.parameters() if p.requires_grad])
+    if order == "grads-alone":
+        adapter.offload(model=False, optimizer=False, grad=True)  # no storage to copy: the copies never run
+    else:
+        adapter.offload(grad=False)
+        adapter.offload()  # only the grads are left, and they are not copied
+    assert adapter.part_states.grad is DeviceState.OFFLOADED
+    assert [p.grad is None for p in model.parameters() if p.requires_grad] == [True] * count
+    assert adapter.state_bytes().grad.device_bytes == 0
+    adapter.reload()
+    assert adapter.state is DeviceState.ON_DEVICE
