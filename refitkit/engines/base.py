@@ -91,6 +91,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         self._deferred_before_copy: BeforeCopy | None = None  # tests hold deferred copies back with it
         # per part, name -> the storage offloaded under it: a tensor replaced while offloaded is caught
         self._offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]] = {}
+        self._held_before: dict[str, dict[str, tuple[int, StorageWeakRef]]] = {}  # (see ReplacedTensorGuard)
 
     # --- what an engine supplies -------------------------------------------------------------
 
@@ -317,7 +318,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
             )
         restores = {"model": True, "optimizer": not defer, "grad": self._grads_kept and not zero}
         plan = self._round_plan(part for part in wanted if restores[part])
-        released: list[str] = []  # parts whose held-storage records the reload released while its copies ran
+        retired: list[str] = []  # parts whose held-storage records the reload retired while its copies ran
         try:
             if plan is not None:
                 plan.issue_reload(self.arena)  # last round's copies first; the checks below run meanwhile
@@ -339,7 +340,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
 
             def while_copying() -> None:
                 ahead.run()
-                self._release_held([part for part in wanted if part != "optimizer" or not defer], released)
+                self._retire_held([part for part in wanted if part != "optimizer" or not defer], retired)
 
             total = reload_tensors(
                 model_named + restored_now + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
@@ -348,9 +349,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         except BaseException:
             if plan is not None:
                 plan.cancel()  # storages regrown early that the reload never took: freed again
-            if released:  # the reload undid its moves: the storages are offloaded again, under the same names
-                named_by_part = {"model": model_named, "optimizer": optimizer_named, "grad": self._grads_to_keep()}
-                self._hold_again(released, named_by_part)
+            self._hold_again(retired)  # the reload undid its moves: the storages are offloaded again
             raise
         if "grad" in wanted:
             self._after_grad_reload(zero)
@@ -454,7 +453,10 @@ class _Bookkeeping:
     def run(self, held: list[str] | None = None) -> None:
         self._counts = {part: self._adapter._moved(named) for part, named in self._by_part.items()}
         if held is not None:
-            self.held = {part: self._adapter._held_storages(self._by_part[part], in_flight=True) for part in held}
+            adapter, before = self._adapter, self._adapter._held_before
+            self.held = {
+                part: adapter._held_storages(self._by_part[part], in_flight=True, reuse=before.pop(part, None)) for part in held
+            }
 
     def split(self, total: MoveStats) -> AdapterMove:
         """Per-part stats; the time is the phase's, shared."""

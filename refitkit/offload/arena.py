@@ -137,6 +137,9 @@ class HostArena:
         self._chunks: list[torch.Tensor] = []
         self._slots: dict[int, Slot] = {}
         self.views: dict[int, ViewRecord] = {}  # id(tensor) -> record, while offloaded
+        # id(tensor) -> its record, since its reload: the next offload takes it again if nothing changed (a record
+        # made anew each round lives from one move to the next and is promoted to the collector's oldest generation)
+        self.resident_views: dict[int, ViewRecord] = {}
         self._dropped: dict[int, tuple[StorageWeakRef, int]] = {}  # freed without a copy: size to regrow
         self.reserve_wait_s = checked_seconds(reserve_wait_s, "HostArena(reserve_wait_s)")
         self._pending: list[Reservation] = []  # background reservations not settled yet
@@ -379,6 +382,7 @@ class HostArena:
                 torch.cuda.synchronize(device)
         self._slots.clear()
         self.views.clear()
+        self.resident_views.clear()
         self._dropped.clear()
         _release_chunks(self._chunks, self.pinned)
 

@@ -81,13 +81,23 @@ def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | Non
     return device
 
 
+RESIDENT_SLACK = 1024  # resident records beyond twice a reload's are checked for dead tensors
 Records = dict[int, ViewRecord]  # id(tensor) -> what it looked like when its storage left the device
 
 
-def _view_records(group: _StorageGroup, records: Records) -> None:
+def _view_records(group: _StorageGroup, records: Records, resident: Records) -> None:
+    """Each view's record: its record of the last round (``resident``) when it still describes it, else a new one."""
     key = group.storage._cdata
     for name, t in group.views:
-        records[id(t)] = ViewRecord(weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        old = resident.pop(id(t), None)
+        if (
+            old is not None and old.tensor_ref() is t and old.name == name and old.storage_key == key
+            and old.shape == t.shape and old.stride == t.stride() and old.storage_offset == t.storage_offset()
+            and old.dtype == t.dtype
+        ):  # fmt: skip
+            records[id(t)] = old
+        else:
+            records[id(t)] = ViewRecord(weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
 def _check_views(arena: HostArena, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -170,7 +180,7 @@ def offload_tensors(
         _issue_to_host(late, arena, pack_below_bytes, non_blocking=non_blocking, copied=copied)
         if plan is not None:
             plan.remember(moves)  # while the copies run (forgotten again if the move fails)
-        records = _while_copying(moves, while_copying)
+        records = _while_copying(moves, while_copying, arena)
     except BaseException:
         if plan is not None:
             plan.forget()
@@ -192,13 +202,14 @@ def _largest_first(moves: list[Move]) -> list[Move]:
     return sorted(moves, key=lambda move: -move[2])
 
 
-def _while_copying(moves: list[Move], extra: Callable[[], None] | None) -> Records:
+def _while_copying(moves: list[Move], extra: Callable[[], None] | None, arena: HostArena) -> Records:
     """The bookkeeping that needs no finished copy, done while the copies run rather than after them; the
     view records to file once the copies are done (a failed move leaves the arena's records as they were)."""
     records: Records = {}
+    resident = arena.resident_views
     for group, slot, nbytes in moves:
         slot.nbytes, slot.device = nbytes, group.storage.device
-        _view_records(group, records)
+        _view_records(group, records, resident)
     if extra is not None:
         extra()
     return records
@@ -354,10 +365,15 @@ def finish_reload(
         moved += slot.nbytes
     if restored_views is None:
         restored_views = _views_of(arena, {group.storage._cdata for group, _ in pending})
+    resident = arena.resident_views
     for tensor_id in restored_views:
         record = arena.views.pop(tensor_id, None)
-        if popped is not None and record is not None:
-            popped[tensor_id] = record
+        if record is not None:
+            resident[tensor_id] = record  # (for the next offload: see HostArena.resident_views)
+            if popped is not None:
+                popped[tensor_id] = record
+    if len(resident) > 2 * len(restored_views) + RESIDENT_SLACK:  # records of tensors that died since: dropped
+        arena.resident_views = {key: record for key, record in resident.items() if record.tensor_ref() is not None}
     return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 

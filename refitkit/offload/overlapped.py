@@ -104,7 +104,7 @@ def start_offload(tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.S
     if device is None:
         return OffloadCopies(arena, [], {}, None, None, started)
     moves = _slotted_moves(arena, groups)  # waits for a background reservation first (bounded)
-    records = _while_copying(moves, None)
+    records = _while_copying(moves, None, arena)
     if device.type != "cuda":
         _issue_to_host(moves, arena, 0, non_blocking=True)  # (CPU copies are done when issued)
         return OffloadCopies(arena, moves, records, device, None, started)

@@ -321,3 +321,40 @@ def test_cancelling_an_overlapped_offload_keeps_the_records_of_a_storage_another
     model_view.data = torch.zeros(4, 4)  # replaced while offloaded
     with pytest.raises(InvalidInput, match="'param' was replaced between offload and reload"):
         reload_tensors({"param": model_view}, arena)
+
+
+def test_a_tensor_reviewed_on_the_device_between_rounds_is_recorded_anew():
+    # a round's view records are taken again by the next offload only when they still describe the tensor
+    t = torch.arange(12, dtype=torch.float32)
+    other = torch.arange(6, dtype=torch.float32)
+    arena = HostArena()
+    offload_tensors({"w": t, "v": other}, arena)
+    reload_tensors({"w": t, "v": other}, arena)
+    t.set_(t.untyped_storage(), 2, (5, 2), (2, 1))  # re-viewed on the device: same storage, new shape and offset
+    before = storage_bytes(t)
+    offload_tensors({"w": t, "v": other}, arena)
+    try:  # not refused as "re-viewed": its record is the new view (a traceback would print offloaded tensors)
+        storages, refused = reload_tensors({"w": t, "v": other}, arena).storages, None
+    except InvalidInput as error:
+        storages, refused = 0, str(error)
+    assert refused is None, refused
+    assert storages == 2 and (t.shape, t.stride(), t.storage_offset()) == ((5, 2), (2, 1), 2)
+    assert storage_bytes(t) == before and torch.equal(other, torch.arange(6, dtype=torch.float32))
+    offload_tensors({"w": t, "v": other}, arena)
+    t.resize_(3)  # re-viewed while offloaded is still refused, with the reused records too
+    with pytest.raises(InvalidInput, match=r"'w' was resized or re-viewed"):
+        reload_tensors({"w": t, "v": other}, arena)
+
+
+def test_records_kept_for_the_next_round_do_not_pile_up_for_tensors_that_died():
+    arena = HostArena()
+    many = {f"old{i}": torch.randn(8) for i in range(2000)}
+    offload_tensors(many, arena)
+    reload_tensors(many, arena)
+    assert len(arena.resident_views) == 2000  # kept for the next offload of the same tensors
+    del many  # (e.g. optimizer state rebuilt): their records can never be taken again
+    few = {f"new{i}": torch.randn(8) for i in range(10)}
+    offload_tensors(few, arena)
+    reload_tensors(few, arena)
+    assert len(arena.resident_views) == 10
+    assert all(record.tensor_ref() is not None for record in arena.resident_views.values())

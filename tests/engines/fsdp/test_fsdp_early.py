@@ -172,3 +172,31 @@ def test_unkept_grads_are_freed_when_an_offload_has_nothing_else_to_copy(order):
     assert adapter.state_bytes().grad.device_bytes == 0
     adapter.reload()
     assert adapter.state is DeviceState.ON_DEVICE
+
+
+@pytest.mark.parametrize("old_kept", [True, False], ids=["old-param-still-referenced", "old-param-gone"])
+def test_a_param_replaced_on_the_device_between_rounds_moves_under_its_name(old_kept):
+    # the records of a round are reused by the next one only for a name whose storage is still the same
+    model, optimizer = _trained()
+    adapter = FSDPAdapter(model)  # (the optimizer would keep the old param: here only the model moves)
+    adapter.offload()
+    adapter.reload()
+    old = model.head.weight
+    model.head.weight = nn.Parameter(torch.randn(old.shape))
+    kept = [old] if old_kept else []
+    del old
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for _ in range(2):  # (each assert on a plain bool: an offloaded tensor has no bytes to print)
+        adapter.offload()
+        freed = model.head.weight.untyped_storage().nbytes() == 0
+        assert freed
+        try:  # (a traceback through the move would print its offloaded arguments)
+            adapter.reload()
+            refused = None
+        except InvalidInput as error:
+            refused = str(error)
+        assert refused is None, refused
+        restored = all(torch.equal(p, expected[name]) for name, p in model.named_parameters())
+        assert restored
+    untouched = all(t.untyped_storage().nbytes() > 0 for t in kept)
+    assert untouched, "the old param was never part of the moves"
