@@ -33,9 +33,6 @@ EARLY_COPIES_MAX = 256
 Issued = dict[int, tuple[torch.UntypedStorage, Slot, int]]  # storage key -> (storage, slot, bytes) copied early
 
 
-# (the storage's key when remembered, its slot, its bytes). The storage itself is found again through the
-# slot's weak reference: a tensor would not do, since a DTensor's local view is a new object every time.
-
 
 def _storage_of(slot: Slot) -> torch.UntypedStorage | None:
     """The storage ``slot`` serves, if it is alive: a strong reference made from the slot's weak one.
@@ -52,7 +49,9 @@ class RoundPlan:
 
     def __init__(self) -> None:
         # the remembered moves as three parallel lists (storage key, slot, bytes): no tuple per storage, which
-        # would live a whole round and be promoted to the oldest generation of the collector every round
+        # would live a whole round and be promoted to the oldest generation of the collector every round. The
+        # storage itself is found again through the slot's weak reference: a tensor would not do, since a
+        # DTensor's local view is a new object every time.
         self._keys: list[int] = []
         self._slots: list[Slot] = []
         self._sizes: list[int] = []

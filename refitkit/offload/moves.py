@@ -85,16 +85,21 @@ RESIDENT_SLACK = 1024  # resident records beyond twice a reload's are checked fo
 Records = dict[int, ViewRecord]  # id(tensor) -> what it looked like when its storage left the device
 
 
+def _same_view(record: ViewRecord, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still has the shape, stride, offset and dtype ``record`` says it had."""
+    return (
+        record.shape == tensor.shape and record.stride == tensor.stride()
+        and record.storage_offset == tensor.storage_offset() and record.dtype == tensor.dtype
+    )  # fmt: skip
+
+
 def _view_records(group: _StorageGroup, records: Records, resident: Records) -> None:
     """Each view's record: its record of the last round (``resident``) when it still describes it, else a new one."""
     key = group.storage._cdata
     for name, t in group.views:
         old = resident.pop(id(t), None)
-        if (
-            old is not None and old.tensor_ref() is t and old.name == name and old.storage_key == key
-            and old.shape == t.shape and old.stride == t.stride() and old.storage_offset == t.storage_offset()
-            and old.dtype == t.dtype
-        ):  # fmt: skip
+        reusable = old is not None and old.tensor_ref() is t and old.name == name and old.storage_key == key
+        if reusable and _same_view(old, t):  # type: ignore[union-attr]
             records[id(t)] = old
         else:
             records[id(t)] = ViewRecord(weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
@@ -111,9 +116,9 @@ def _check_views(arena: HostArena, named: list[tuple[str, torch.Tensor]]) -> Non
                 f"{name!r} was replaced between offload and reload (it now points at another storage, "
                 "e.g. after `.data = ...` or `set_()`); its offloaded bytes were kept, nothing was restored"
             )
-        now = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
-        before = (record.shape, record.stride, record.storage_offset, record.dtype)
-        if now != before:
+        if not _same_view(record, tensor):
+            now = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+            before = (record.shape, record.stride, record.storage_offset, record.dtype)
             raise InvalidInput(
                 f"{name!r} was resized or re-viewed between offload and reload: (shape, stride, offset, dtype) "
                 f"was {before}, now {now}; nothing was restored"

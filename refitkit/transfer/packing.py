@@ -204,10 +204,9 @@ class BucketPacker:
             strides = tensor.stride() if tensor.is_contiguous() else contiguous_strides(tensor.shape)
             element = (self.bucket_start + offset) // tensor.element_size()
             self._typed_buffer(tensor.dtype).as_strided(tensor.shape, strides, element).copy_(tensor)
+            self._note_copy_stream()  # (a run's copy is queued later: _end_run notes its stream)
         self.entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
         self.used = offset + nbytes
-        if self._cuda_index is not None:  # (a run's copy is queued later: _end_run notes its stream)
-            self._copy_streams.add(_current_raw_stream(self._cuda_index))
 
     def finish(self) -> None:
         """Ship the current bucket as the last one (possibly empty: the receiver still learns the stream ended)."""
@@ -224,8 +223,7 @@ class BucketPacker:
             first = (self.bucket_start + self._run_start) // dtype.itemsize
             torch.cat(self._run, out=self._typed_buffer(dtype)[first : first + self._run_elements])
             self._run = []
-            if self._cuda_index is not None:
-                self._copy_streams.add(_current_raw_stream(self._cuda_index))
+            self._note_copy_stream()
         self._run_dtype = None
         self._run_elements = 0
 
@@ -242,8 +240,7 @@ class BucketPacker:
             count = min(self.capacity - offset, nbytes - start)
             first = self.bucket_start + offset
             self._typed_buffer(torch.uint8)[first : first + count].copy_(flat[start : start + count])
-            if self._cuda_index is not None:
-                self._copy_streams.add(_current_raw_stream(self._cuda_index))
+            self._note_copy_stream()
             self.entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset, (start, count)))
             self.used = offset + count
             start += count
@@ -263,6 +260,11 @@ class BucketPacker:
         self.used = 0
         self.entries = []
         self._wait_free(BOTH_HALVES if wide else 1 << self.half)
+
+    def _note_copy_stream(self) -> None:
+        """Note the stream the copy just issued into a CUDA buffer went on (torch's current one)."""
+        if self._cuda_index is not None:
+            self._copy_streams.add(_current_raw_stream(self._cuda_index))
 
     def _join_copy_streams(self) -> None:
         """Make the current stream wait for the other streams this bucket's copies were queued on, so that work
