@@ -171,6 +171,14 @@ def plan_weight_sync(machine: Machine) -> BenchPlan:
     return BenchPlan("weight_sync.py", skip=f"Qwen3-0.6B needs more than the {_gib(machine.gpu_bytes)} GPU budget")
 
 
+def plan_sync_floor(machine: Machine) -> BenchPlan:
+    """benchmarks/sync_floor.py: the same GPU memory as weight_sync.py (GPU only: its hand-offs are stream operations)."""
+    if not machine.has_gpu:
+        return BenchPlan("sync_floor.py", skip="needs a CUDA GPU")
+    sync = plan_weight_sync(machine)
+    return BenchPlan("sync_floor.py", sync.args, note=sync.note) if sync.runs else BenchPlan("sync_floor.py", skip=sync.skip)
+
+
 MEGATRON_HIDDEN, MEGATRON_LAYERS, MEGATRON_VOCAB = 2048, 8, 32000
 
 
@@ -223,6 +231,7 @@ PLANNERS: dict[str, Callable[[Machine], BenchPlan]] = {
     "offload": plan_offload,
     "pinning": plan_pinning,
     "refit_cycle": plan_refit_cycle,
+    "sync_floor": plan_sync_floor,
     "weight_sync": plan_weight_sync,
 }
 

@@ -67,7 +67,7 @@ BAD_OPTIONS = [
     (["demo", "--rounds", "-1"], "refitkit demo: error: argument --rounds: must be >= 1, got -1"),
     (["demo", "--device", "bogus"], "refitkit demo: error: --device 'bogus': not a device (expected cpu, cuda or cuda:N)"),
     (["demo", "--device", "meta"], "refitkit demo: error: --device meta: the demo runs on cpu or cuda"),
-    (["bench", "--only", "nope"], "refitkit bench: error: --only nope: no such benchmark (choose from fsdp_offload, megatron_offload, offload, pinning, refit_cycle, weight_sync)"),
+    (["bench", "--only", "nope"], "refitkit bench: error: --only nope: no such benchmark (choose from fsdp_offload, megatron_offload, offload, pinning, refit_cycle, sync_floor, weight_sync)"),
     (["bench", "--host-memory-gib", "-1"], "refitkit bench: error: argument --host-memory-gib: must be a finite number > 0, got '-1'"),
     (["bench", "--gpu-memory-gib", "nan"], "refitkit bench: error: argument --gpu-memory-gib: must be a finite number >= 0, got 'nan'"),
     pytest.param(["demo", "--device", "cuda"], "refitkit demo: error: --device cuda: CUDA is not available here", marks=NO_CUDA),
