@@ -176,8 +176,10 @@ def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: A
         calls.append((len(weights), is_last))
         if mode == "raise" and len(calls) == arg:
             raise RuntimeError(f"loader exploded at bucket {arg}")
-        if mode == "kill" and len(calls) == arg:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "kill":  # reads nothing on its way: a test that times the sender must not time our digests
+            if len(calls) == arg:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
         for name, tensor in weights:
             got[name] = digest(tensor)
             if mode == "keep_view":
@@ -288,6 +290,8 @@ class ReceiverServer:
 
 def one_shot_receiver_main(endpoint: str, device: str, timeout_s: float, mode: str, arg: Any, conn: Any) -> None:
     """One receiving session in its own process (for modes that kill the process)."""
+    import refitkit.transfer  # noqa: F401  imported up front too: a test that times the session must not time this
+
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.zeros(1, device=device)  # CUDA context up front: the test times the session, not CUDA's start

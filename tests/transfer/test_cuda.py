@@ -75,7 +75,7 @@ def test_sigkilled_receiver_does_not_strand_the_bucket(receiver_server, endpoint
             began = time.monotonic()
             with pytest.raises(TransferTimeout):
                 sender.send(weights)
-            assert time.monotonic() - began < 5.0 + 1.0 + 2.0  # + the victim's CUDA start before its hello
+            assert time.monotonic() - began < 5.0 + 2.0  # timeout_s, + the victim's hello and our cleanup (~0.02 s)
             assert torch.cuda.memory_reserved() == reserved_before  # nothing parked in a limbo
     finally:
         victim.join(30)
