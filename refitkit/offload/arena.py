@@ -140,6 +140,7 @@ class HostArena:
         # id(tensor) -> its record, since its reload: the next offload takes it again if nothing changed (a record
         # made anew each round lives from one move to the next and is promoted to the collector's oldest generation)
         self.resident_views: dict[int, ViewRecord] = {}
+        self.resident_alive = 0  # how many of them were alive at the last sweep for dead ones
         self._dropped: dict[int, tuple[StorageWeakRef, int]] = {}  # freed without a copy: size to regrow
         self.reserve_wait_s = checked_seconds(reserve_wait_s, "HostArena(reserve_wait_s)")
         self._pending: list[Reservation] = []  # background reservations not settled yet
@@ -383,6 +384,7 @@ class HostArena:
         self._slots.clear()
         self.views.clear()
         self.resident_views.clear()
+        self.resident_alive = 0
         self._dropped.clear()
         _release_chunks(self._chunks, self.pinned)
 

@@ -81,7 +81,9 @@ def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | Non
     return device
 
 
-RESIDENT_SLACK = 1024  # resident records beyond twice a reload's are checked for dead tensors
+# Resident records beyond twice those alive at the last sweep (or a reload's) are checked for dead tensors: each
+# sweep is paid for by as many new records, so small reloads beside many live records do not sweep every time.
+RESIDENT_SLACK = 1024
 Records = dict[int, ViewRecord]  # id(tensor) -> what it looked like when its storage left the device
 
 
@@ -377,8 +379,9 @@ def finish_reload(
             resident[tensor_id] = record  # (for the next offload: see HostArena.resident_views)
             if popped is not None:
                 popped[tensor_id] = record
-    if len(resident) > 2 * len(restored_views) + RESIDENT_SLACK:  # records of tensors that died since: dropped
+    if len(resident) > 2 * max(arena.resident_alive, len(restored_views)) + RESIDENT_SLACK:  # sweep out dead tensors' records
         arena.resident_views = {key: record for key, record in resident.items() if record.tensor_ref() is not None}
+        arena.resident_alive = len(arena.resident_views)
     return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 

@@ -358,3 +358,18 @@ def test_records_kept_for_the_next_round_do_not_pile_up_for_tensors_that_died():
     reload_tensors(few, arena)
     assert len(arena.resident_views) == 10
     assert all(record.tensor_ref() is not None for record in arena.resident_views.values())
+
+
+def test_small_reloads_beside_many_live_records_do_not_sweep_them_every_time():
+    arena = HostArena()
+    many = {f"live{i}": torch.randn(8) for i in range(2000)}  # e.g. the other parts of a model, all alive
+    offload_tensors(many, arena)
+    reload_tensors(many, arena)
+    one = {"small": torch.randn(8)}
+    offload_tensors(one, arena)
+    reload_tensors(one, arena)
+    kept = arena.resident_views  # a sweep builds a new dict: the same one means no sweep ran
+    for _ in range(5):  # each sweep would read all 2001 records and drop none
+        offload_tensors(one, arena)
+        reload_tensors(one, arena)
+    assert arena.resident_views is kept and len(kept) == 2001
