@@ -71,9 +71,9 @@ class _Counters:
         self.host, self.device = host, device.value
 
     def _call(self, name: str, *args) -> None:
-        result = getattr(self.lib, name)(*args)
-        if result != 0:
-            raise RuntimeError(f"{name} failed: CUDA error {result}")
+        from refitkit.transfer.cuda_ipc import _check
+
+        _check(self.lib, getattr(self.lib, name)(*args), name)
 
     def write_after(self, which: int, value: int) -> None:
         """Set counter ``which`` to ``value`` once the current stream's earlier work is done."""
@@ -133,8 +133,10 @@ def _recv_json(conn, what: str, timeout_s: float):
 
 
 def digests(tensors: list[torch.Tensor]) -> list[int]:
-    """One integer per tensor from its raw bits (outside the timed window)."""
-    return [int(t.view(torch.int16).sum(dtype=torch.int64)) for t in tensors]
+    """weight_sync.py's checksum per tensor (outside the timed window)."""
+    from benchmarks.weight_sync import checksums
+
+    return checksums([("", t) for t in tensors])
 
 
 def receiver_main(counters_path: str, shapes: list, half_bytes: int, rounds: int, timeout_s: float, conn) -> None:

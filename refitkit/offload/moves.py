@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Union
@@ -13,7 +12,8 @@ import torch
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload._copies import _CopiedInOrder, _issue_to_host, _settle_copies
 from refitkit.offload._packed import copy_run_to_device, packed_runs
-from refitkit.offload.arena import HostArena, Slot, ViewRecord
+from refitkit.offload._views import Records, _check_views, _forget_views, _keep_resident, _view_records, _views_of
+from refitkit.offload.arena import HostArena, Slot
 from refitkit.offload.early import RoundPlan, cancel_early, early_device, issued_as_planned, move_began
 from refitkit.offload.device import (
     SegmentedRegrow, local_tensor, regrowable, resolved_device, storage_as_bytes, synchronize,
@@ -79,62 +79,6 @@ def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | Non
                 f"{group.storage.device}; pass one device's tensors per call"
             )
     return device
-
-
-# Resident records beyond twice those alive at the last sweep (or a reload's) are checked for dead tensors: each
-# sweep is paid for by as many new records, so small reloads beside many live records do not sweep every time.
-RESIDENT_SLACK = 1024
-Records = dict[int, ViewRecord]  # id(tensor) -> what it looked like when its storage left the device
-
-
-def _same_view(record: ViewRecord, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` still has the shape, stride, offset and dtype ``record`` says it had."""
-    return (
-        record.shape == tensor.shape and record.stride == tensor.stride()
-        and record.storage_offset == tensor.storage_offset() and record.dtype == tensor.dtype
-    )  # fmt: skip
-
-
-def _view_records(group: _StorageGroup, records: Records, resident: Records) -> None:
-    """Each view's record: its record of the last round (``resident``) when it still describes it, else a new one."""
-    key = group.storage._cdata
-    for name, t in group.views:
-        old = resident.pop(id(t), None)
-        reusable = old is not None and old.tensor_ref() is t and old.name == name and old.storage_key == key
-        if reusable and _same_view(old, t):  # type: ignore[union-attr]
-            records[id(t)] = old
-        else:
-            records[id(t)] = ViewRecord(weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
-
-
-def _check_views(arena: HostArena, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Refuse tensors that were replaced (new storage) or re-viewed since they were offloaded."""
-    for name, tensor in named:
-        record = arena.views.get(id(tensor))
-        if record is None or record.tensor_ref() is not tensor:
-            continue
-        if tensor.untyped_storage()._cdata != record.storage_key:
-            raise InvalidInput(
-                f"{name!r} was replaced between offload and reload (it now points at another storage, "
-                "e.g. after `.data = ...` or `set_()`); its offloaded bytes were kept, nothing was restored"
-            )
-        if not _same_view(record, tensor):
-            now = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
-            before = (record.shape, record.stride, record.storage_offset, record.dtype)
-            raise InvalidInput(
-                f"{name!r} was resized or re-viewed between offload and reload: (shape, stride, offset, dtype) "
-                f"was {before}, now {now}; nothing was restored"
-            )
-
-
-def _views_of(arena: HostArena, keys: set[int]) -> list[int]:
-    """The view records of these storages (and of tensors that died), by key."""
-    return [i for i, r in arena.views.items() if r.storage_key in keys or r.tensor_ref() is None]
-
-
-def _forget_views(arena: HostArena, keys: set[int]) -> None:
-    for tensor_id in _views_of(arena, keys):
-        del arena.views[tensor_id]
 
 
 def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGroup], torch.device | None]:
@@ -216,7 +160,7 @@ def _while_copying(moves: list[Move], extra: Callable[[], None] | None, arena: H
     resident = arena.resident_views
     for group, slot, nbytes in moves:
         slot.nbytes, slot.device = nbytes, group.storage.device
-        _view_records(group, records, resident)
+        _view_records(group.storage._cdata, group.views, records, resident)
     if extra is not None:
         extra()
     return records
@@ -372,16 +316,7 @@ def finish_reload(
         moved += slot.nbytes
     if restored_views is None:
         restored_views = _views_of(arena, {group.storage._cdata for group, _ in pending})
-    resident = arena.resident_views
-    for tensor_id in restored_views:
-        record = arena.views.pop(tensor_id, None)
-        if record is not None:
-            resident[tensor_id] = record  # (for the next offload: see HostArena.resident_views)
-            if popped is not None:
-                popped[tensor_id] = record
-    if len(resident) > 2 * max(arena.resident_alive, len(restored_views)) + RESIDENT_SLACK:  # sweep out dead tensors' records
-        arena.resident_views = {key: record for key, record in resident.items() if record.tensor_ref() is not None}
-        arena.resident_alive = len(arena.resident_views)
+    _keep_resident(arena, restored_views, popped)
     return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 
