@@ -48,3 +48,26 @@ class RankFailure(RefitError):
 
 class DeferredTimeout(RefitError, TimeoutError):
     """State reloaded with ``defer_optimizer=True`` did not arrive within ``deferred_timeout_s``; nothing was lost."""
+
+
+class EngineError(RefitError):
+    """The inference engine refused or failed a phase of the cycle (wake, sleep, receive); names the phase."""
+
+
+class EngineAsleep(EngineError):
+    """A push was refused because the engine's weights are asleep (vLLM crashes when weights change while asleep)."""
+
+
+class KVCacheWontFit(EngineError):
+    """Waking the engine's KV cache was refused: its bytes exceed the device's free memory (the trainer still holds it).
+
+    ``needed_bytes`` and ``free_bytes`` are the figures the refusal was based on; the engine keeps serving as it was.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes, self.free_bytes = needed_bytes, free_bytes
+
+
+class EngineTimeout(EngineError, TimeoutError):
+    """A call into the engine (sleep, wake-up, an rpc) did not return within its bound."""

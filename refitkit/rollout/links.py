@@ -12,22 +12,50 @@ two different sets of weights.
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
-from refitkit.errors import InvalidInput
+from refitkit.errors import EngineError, EngineTimeout, InvalidInput, KVCacheWontFit, RefitError
+from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout.vllm import VllmPushStats, push_weights, push_weights_broadcast
 from refitkit.transfer.broadcast_sender import BroadcastWeightSender, checked_version
 from refitkit.transfer.phases import TransferStats
 from refitkit.transfer.sender import BucketedWeightSender
 
 
+class EngineMemory(Enum):
+    """Where a linked engine's memory is, as the link drove it."""
+
+    SERVING = "serving"  # weights and KV cache resident
+    ASLEEP = "asleep"  # LLM.sleep(level): weights and KV cache released
+    WEIGHTS_AWAKE = "weights awake"  # weights back for a sync, KV cache still released
+
+
 class VllmLink:
-    """A vLLM ``LLM`` (running ``RefitWorkerExtension``) fed by a ``BucketedWeightSender`` (same host) or a
-    ``BroadcastWeightSender`` (then ``secret`` is the job's secret and the workers join as ranks ``first_rank``..)."""
+    """A vLLM ``LLM`` fed by a ``BucketedWeightSender`` (same host) or a ``BroadcastWeightSender`` (then ``secret`` is
+    the job's secret and the workers join as ranks ``first_rank``..), and, with ``sleep_level``, its memory.
+
+    The engine receives through ``RefitWorkerExtension`` (``worker_extension_cls``) or the ``refitkit``
+    weight-transfer backend. With ``sleep_level`` (1 or 2; the engine made with ``enable_sleep_mode=True``)
+    the link drives the engine's memory around a ``RefitCycle`` (which calls the three methods below on
+    the sending rank): ``wake_for_sync`` before the weights stream (weights back), ``wake_for_rollout``
+    after the cross-rank barrier (the KV cache back, refused with ``KVCacheWontFit`` when it cannot fit;
+    then a fresh prefix cache), ``sleep_for_training`` before the trainer's resume. Level 2 discards the
+    weights (the engine is incomplete until a full sync lands): use 1 for LoRA or partial syncs. Every
+    call is bounded by ``engine_timeout_s`` (``EngineTimeout``). Without ``sleep_level`` the link never
+    sleeps or wakes the engine (drive it by hand); it still resets the prefix cache after every sync.
+
+    vLLM in a process that has used CUDA, or only asked whether it exists (``torch.cuda.is_available()``,
+    which refitkit does), must start its workers with ``VLLM_WORKER_MULTIPROC_METHOD=spawn``: with fork its
+    engine core dies ("Cannot re-initialize CUDA in forked subprocess").
+    """
 
     def __init__(
         self, llm: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None = None,
-        first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None,
+        first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None, sleep_level: int | None = None,
+        engine_timeout_s: float = 120.0, kv_headroom_bytes: int = 256 << 20,
     ) -> None:  # fmt: skip
         if not callable(getattr(llm, "collective_rpc", None)):
             raise InvalidInput(f"VllmLink: llm must be a vllm.LLM (with collective_rpc), got a {type(llm).__name__}")
@@ -38,12 +66,31 @@ class VllmLink:
             )
         if self.broadcast and secret is None:
             raise InvalidInput("VllmLink: a BroadcastWeightSender needs secret= (the job's secret, as given to the sender)")
+        if sleep_level not in (None, 1, 2):
+            raise InvalidInput(f"VllmLink: sleep_level={sleep_level!r}; need 1 (weights kept on the host), 2 (discarded) or None")
+        if sleep_level is not None and not internals.sleep_mode_enabled(llm):
+            raise InvalidInput("VllmLink: sleep_level needs an engine made with enable_sleep_mode=True (or pass sleep_level=None)")
+        if isinstance(engine_timeout_s, bool) or not isinstance(engine_timeout_s, (int, float)) or not engine_timeout_s > 0:
+            raise InvalidInput(f"VllmLink: engine_timeout_s={engine_timeout_s!r}; need a positive number of seconds")
+        if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
+            raise InvalidInput(f"VllmLink: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
         self.llm, self.sender, self.secret, self.first_rank, self.timeout_s = llm, sender, secret, first_rank, timeout_s
+        self.sleep_level, self.engine_timeout_s, self.kv_headroom_bytes = sleep_level, float(engine_timeout_s), kv_headroom_bytes
         self.next_version = checked_version(first_version)
+        self.memory = EngineMemory.SERVING
         self.last_push: VllmPushStats | None = None
 
+    @property
+    def drives_memory(self) -> bool:
+        """Whether ``RefitCycle`` should call the link's memory steps (it has a ``sleep_level``)."""
+        return self.sleep_level is not None
+
     def send(self, weights: Any) -> TransferStats:
-        """Push ``weights`` into the engine as version ``next_version``; the sender's stats (the workers' in ``last_push``)."""
+        """Push ``weights`` into the engine as version ``next_version``; the sender's stats (the workers' in ``last_push``).
+
+        A driven engine that sleeps gets its weights woken first; a push into an engine put to sleep by
+        hand is refused (``EngineAsleep``) before any byte lands."""
+        self.wake_for_sync()
         version, self.next_version = self.next_version, self.next_version + 1
         if self.broadcast:
             pushed = push_weights_broadcast(
@@ -53,7 +100,66 @@ class VllmLink:
         else:
             pushed = push_weights(self.llm, self.sender, weights, version=version, timeout_s=self.timeout_s)
         self.last_push = pushed
+        if self.memory is EngineMemory.SERVING:
+            self._bounded("reset_prefix_cache", self.llm.reset_prefix_cache)  # cached KV of the old weights is stale
         return pushed.sender
+
+    # -- the engine's memory around a refit cycle -------------------------------------------------
+
+    def wake_for_sync(self) -> None:
+        """Weights back on the device for a sync (a no-op unless the link put the engine to sleep)."""
+        if self.memory is EngineMemory.ASLEEP:
+            self._bounded("wake_up(tags=['weights'])", lambda: self.llm.wake_up(tags=["weights"]))
+            self.memory = EngineMemory.WEIGHTS_AWAKE
+
+    def wake_for_rollout(self) -> None:
+        """The KV cache back once every trainer rank freed its memory, then a fresh prefix cache; ``KVCacheWontFit``
+        (naming the bytes needed and free) instead of an out-of-memory inside vLLM, the engine left as it was."""
+        if self.memory is EngineMemory.ASLEEP:
+            self.wake_for_sync()
+        if self.memory is not EngineMemory.WEIGHTS_AWAKE:
+            return
+        for rank, state in enumerate(self._bounded("refit_memory", lambda: self.llm.collective_rpc("refit_memory"))):
+            needed = int(state["asleep"].get("kv_cache", 0))
+            if needed + self.kv_headroom_bytes > state["free_bytes"]:
+                raise KVCacheWontFit(
+                    f"waking vLLM worker {rank}'s KV cache needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes="
+                    f"{self.kv_headroom_bytes / 2**20:.0f} MiB) but its device has {state['free_bytes'] / 2**20:.0f} MiB free: "
+                    "the trainer still holds memory (offload and flush_device first, or lower gpu_memory_utilization); "
+                    "the engine's weights stay awake, its KV cache asleep",
+                    needed_bytes=needed, free_bytes=int(state["free_bytes"]),
+                )  # fmt: skip
+        self._bounded("wake_up(tags=['kv_cache'])", lambda: self.llm.wake_up(tags=["kv_cache"]))
+        self.memory = EngineMemory.SERVING
+        self._bounded("reset_prefix_cache", self.llm.reset_prefix_cache)
+
+    def sleep_for_training(self) -> None:
+        """Release the engine's memory before the trainer's state comes back (``sleep_level``; a no-op without it)."""
+        if self.sleep_level is None or self.memory is EngineMemory.ASLEEP:
+            return
+        self._bounded(f"sleep(level={self.sleep_level})", lambda: self.llm.sleep(level=self.sleep_level))
+        self.memory = EngineMemory.ASLEEP
+        if self.sleep_level == 2:  # the weights are gone until the next full sync
+            self._bounded("refit_weights_discarded", lambda: self.llm.collective_rpc("refit_weights_discarded"))
+
+    def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` in a helper thread, at most ``engine_timeout_s``; a vLLM error becomes an ``EngineError`` naming it."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-memory")
+        try:
+            future = pool.submit(call)
+            try:
+                return future.result(timeout=self.engine_timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise EngineTimeout(
+                    f"vLLM's {what} did not return within engine_timeout_s={self.engine_timeout_s:g} "
+                    f"(engine memory: {self.memory.value}); raise engine_timeout_s if the engine is only slow"
+                ) from None
+            except RefitError:
+                raise
+            except Exception as exc:
+                raise EngineError(f"vLLM's {what} failed (engine memory: {self.memory.value}): {type(exc).__name__}: {exc}") from exc
+        finally:
+            pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound
 
 
 class BroadcastLink:

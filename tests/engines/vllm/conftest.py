@@ -12,6 +12,9 @@ import pytest
 
 # Set before the engine's processes start, so they inherit it.
 os.environ.setdefault("REFITKIT_SOCKET_DIR", tempfile.mkdtemp(prefix="rk-sock-"))
+# torch.cuda.is_available() (asked by refitkit and these tests before any engine starts) poisons fork on a GPU
+# machine: vLLM must spawn its engine core there (VllmLink's docstring says the same to users).
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 if importlib.util.find_spec("vllm") is None:  # the core venv: these tests run in .venv-vllm (make test-vllm)
     collect_ignore_glob = ["test_*.py"]
@@ -42,6 +45,7 @@ def engine(tmp_path_factory):
     llm = LLM(
         model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
         worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
+        weight_transfer_config={"backend": "refitkit"},  # the same receiver, also through vLLM's own API
         **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
     )  # fmt: skip
     try:

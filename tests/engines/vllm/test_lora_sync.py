@@ -19,6 +19,17 @@ pytestmark = pytest.mark.timeout(400)
 SECRET = "job-secret-0123456789abcdef"
 
 
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# GPU vLLM's LoRA kernels take fp16/bf16 weights only (an fp32 engine fails its start-up in lora_expand):
+# on the GPU the engine holds the fp32 checkpoint as fp16, so it is compared with the fp32 HF forward more loosely.
+LORA_TOLERANCE = 1e-2 if _on_gpu() else LOGPROB_TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def lora_llm(tmp_path_factory):
     import torch
@@ -28,7 +39,8 @@ def lora_llm(tmp_path_factory):
     save_checkpoint(random_llama(seed=0), path)
     cuda = torch.cuda.is_available()
     llm = LLM(
-        model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128, enable_lora=True, max_lora_rank=8,
+        model=path, dtype="float16" if cuda else "float32", enforce_eager=True, seed=0, max_model_len=128,
+        enable_lora=True, max_lora_rank=8,
         max_loras=2, **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
     )  # fmt: skip
     try:
@@ -62,7 +74,7 @@ def sync_adapter(lora_seed: int, version: int):
 
 def test_adapter_sync_serves_the_trainers_lora_in_vllm(lora_llm):
     base_before = logprobs(lora_llm)
-    assert base_before == pytest.approx(reference_logprobs(random_llama(seed=0)), abs=LOGPROB_TOLERANCE)
+    assert base_before == pytest.approx(reference_logprobs(random_llama(seed=0)), abs=LORA_TOLERANCE)
     loader = VllmLoraLoader(lora_llm)
     previous = None
     for version, lora_seed in ((1, 11), (2, 12)):
@@ -73,8 +85,9 @@ def test_adapter_sync_serves_the_trainers_lora_in_vllm(lora_llm):
         assert request.lora_name == f"refitkit-v{version}"
         got = logprobs(lora_llm, request)
         want = reference_logprobs(lora_llama(0, lora_seed))
-        assert got == pytest.approx(want, abs=LOGPROB_TOLERANCE)
-        assert max(abs(a - b) for a, b in zip(got, base_before)) > 0.01  # the adapter really changes the outputs
+        assert got == pytest.approx(want, abs=LORA_TOLERANCE)
+        change = max(abs(a - b) for a, b in zip(got, base_before))
+        assert change > 2 * LORA_TOLERANCE, change  # the adapter really changes the outputs, beyond the tolerance
         assert set(lora_llm.llm_engine.list_loras()) == {request.lora_int_id}  # the previous version was removed
         if previous is not None:
             assert previous.lora_int_id != request.lora_int_id

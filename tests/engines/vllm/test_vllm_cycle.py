@@ -62,3 +62,18 @@ def test_a_link_refuses_what_cannot_work(engine):
     with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S) as sender:
         with pytest.raises(InvalidInput, match="a BroadcastWeightSender needs secret="):
             VllmLink(engine.llm, sender)
+
+
+def test_a_link_drives_memory_only_on_a_sleep_mode_engine(engine):
+    with BucketedWeightSender("vllm-no-sleep", transport="shm", timeout_s=TIMEOUT_S) as sender:
+        with pytest.raises(InvalidInput, match="sleep_level needs an engine made with enable_sleep_mode=True"):
+            VllmLink(engine.llm, sender, sleep_level=1)
+        with pytest.raises(InvalidInput, match="sleep_level=3; need 1"):
+            VllmLink(engine.llm, sender, sleep_level=3)
+        with pytest.raises(InvalidInput, match="engine_timeout_s=0"):
+            VllmLink(engine.llm, sender, engine_timeout_s=0)
+        link = VllmLink(engine.llm, sender)
+        assert not link.drives_memory  # RefitCycle then adds no engine phases (see run_cycle)
+        link.sleep_for_training()
+        link.wake_for_rollout()  # both no-ops without sleep_level: the engine kept serving
+        assert len(prompt_logprobs(engine.llm)) == len(PROMPT) - 1

@@ -40,7 +40,8 @@ def test_push_replaces_the_weights_vllm_computes_with(engine, trainer):
     assert stats.sender.buckets > 4  # the small bucket really was reused many times
     [worker] = stats.workers
     assert (worker["tensors"], worker["bytes"], worker["buckets"]) == (stats.sender.tensors, sent_bytes, stats.sender.buckets)
-    assert all(isinstance(value, (int, float, bool, list)) or value is None for value in worker.values())  # plain values crossed the rpc
+    assert all(isinstance(value, (int, float, bool, list, str)) or value is None for value in worker.values())  # plain values crossed the rpc
+    assert worker["load_path"] in ("in_place", "layerwise")
     assert (worker["complete"], worker["missing"], worker["expected"]) == (True, [], 21)
 
 
@@ -139,3 +140,12 @@ def test_push_weights_rejects_a_bad_timeout(engine):
     with BucketedWeightSender("vllm-refit-bad", transport="shm", timeout_s=TIMEOUT_S) as sender:
         with pytest.raises(InvalidInput, match="timeout_s=0"):
             push_weights(engine.llm, sender, [], timeout_s=0)
+
+
+def test_the_load_path_is_in_place_on_gpu_and_layerwise_on_vllm_cpu(engine, trainer):
+    push(engine, trainer.named_parameters())
+    info = worker_info(engine.llm)
+    # GPU vLLM, unquantized layers: the loaders copy each bucket view once into the params (no clone, no re-buffering);
+    # vllm-cpu repacks linear weights after loading, so there every sync is a layerwise reload of clones.
+    assert info["load_path"] == ("in_place" if torch.cuda.is_available() else "layerwise")
+    assert_engine_holds(engine, trainer)
