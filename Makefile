@@ -12,7 +12,7 @@ CORE_TEST_DIRS := tests/offload tests/refit tests/rollout tests/watchdog tests/t
 ENGINE_ENVS := megatron torchtitan automodel vllm
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-core test-engines bench audit clean
+.PHONY: demo test test-core test-engines test-gpu bench audit clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,19 @@ test-$(1): .venv-$(1)/.installed
 	.venv-$(1)/bin/python -m pytest $$(PYTEST_FLAGS) tests/engines/$(1)
 endef
 $(foreach engine,$(ENGINE_ENVS),$(eval $(call ENGINE_TEST_RULE,$(engine))))
+
+# On a GPU machine whose Python already has CUDA torch (and GPU vLLM, e.g. from a wheel kit): every GPU suite,
+# each in its own pytest process; the cuda-marked tests of each suite, and the whole vLLM suite against GPU vLLM.
+GPU_PYTHON ?= python3
+GPU_SUITES := tests/offload tests/transfer tests/refit tests/watchdog tests/rollout tests/engines/fsdp \
+	tests/engines/megatron tests/engines/torchtitan tests/engines/automodel
+test-gpu:
+	@status=0; for suite in $(GPU_SUITES); do \
+	  echo "== $$suite (-m cuda)"; $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m cuda $$suite; rc=$$?; \
+	  [ $$rc = 0 ] || [ $$rc = 5 ] || status=1; done; \
+	echo "== tests/engines/vllm (whole suite)"; \
+	VLLM_WORKER_MULTIPROC_METHOD=spawn $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) tests/engines/vllm || status=1; \
+	exit $$status
 
 bench: $(VENV)/.installed
 	$(PY) -m refitkit.cli bench

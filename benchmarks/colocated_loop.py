@@ -1,0 +1,238 @@
+"""A trainer and a live GPU vLLM engine on one GPU, through the whole RL loop, with the engine's memory driven.
+
+An ``FSDPAdapter`` over a Hugging Face Qwen3 model (Qwen3-0.6B or -8B shapes, random bf16 weights, written
+as a local checkpoint first) with AdamW, and a GPU vLLM engine of that checkpoint with sleep mode, made
+with ``RefitWorkerExtension`` and fed through ``VllmLink(sleep_level=...)`` over CUDA IPC. Each step:
+
+    generate → resume (engine sleeps, trainer state back) → train step →
+    refit (wake weights, sync, offload, flush, barrier, wake KV cache) → generate
+
+It prints each phase's ms, device free memory at every boundary (NVML), the KV-cache bytes the
+engine got back, the bytes the sender kept after its sync, and checks every step that every engine
+parameter equals the trainer's (``tensor_fingerprint`` of each, q/k/v and gate/up stacked as vLLM
+stacks them; ``--sha256`` also compares full sha256 digests on the last step). Measured in the same
+run: the flat pinned D2H rate (``benchmarks/limits.py``), against which the refit is held:
+``refit / (trainer state bytes / D2H rate)``.
+
+    VLLM_WORKER_MULTIPROC_METHOD=spawn python benchmarks/colocated_loop.py --models 0.6b,8b --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
+
+from benchmarks.limits import measure_copy_limits  # noqa: E402
+from refitkit.shapes import QWEN3_0_6B, QWEN3_8B, DecoderConfig  # noqa: E402
+
+MODELS: dict[str, DecoderConfig] = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
+PROMPTS = [[1 + (7 * i + j) % 1000 for j in range(32)] for i in range(8)]
+TIMEOUT_S = 300.0
+
+
+def nvml_free_bytes() -> int:
+    """Device 0's free memory as the driver sees it (every process's allocations, the engine's too)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def hf_model(config: DecoderConfig) -> torch.nn.Module:
+    """A Hugging Face Qwen3 causal LM with ``config``'s shapes, random bf16 weights, on the GPU."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hf_config = Qwen3Config(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
+        tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=4096, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(hf_config).to(torch.bfloat16)
+    return model
+
+
+def expected_digests(model: torch.nn.Module, digest) -> dict:
+    """What the engine's ``refit_fingerprints`` / ``refit_checksums`` must say for ``model``'s weights under ``digest``
+    (``tensor_fingerprint`` / ``tensor_sha256``): vLLM stacks q/k/v and gate/up."""
+    params = dict(model.named_parameters())
+    expected = {}
+    for name, tensor in params.items():
+        if ".q_proj." in name:
+            parts = [params[name.replace("q_proj", part)] for part in ("q_proj", "k_proj", "v_proj")]
+            expected[name.replace("q_proj", "qkv_proj")] = digest(torch.cat(parts))
+        elif ".gate_proj." in name:
+            parts = [params[name.replace("gate_proj", part)] for part in ("gate_proj", "up_proj")]
+            expected[name.replace("gate_proj", "gate_up_proj")] = digest(torch.cat(parts))
+        elif not any(part in name for part in (".k_proj.", ".v_proj.", ".up_proj.")):
+            expected[name] = digest(tensor)
+    return expected
+
+
+def generate_ms(llm) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)
+    return (time.perf_counter() - start) * 1e3
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    batch = torch.tensor(PROMPTS[:2], device="cuda")
+    start = time.perf_counter()
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # grads stay: the offload moves (drops) them like a real step's
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def bench_model(
+    key: str, *, steps: int, bucket_bytes: int, sleep_level: int, utilization: float, sha256: bool, eager: bool
+) -> dict:  # fmt: skip
+    from vllm import LLM
+
+    from refitkit.engines.fsdp import FSDPAdapter
+    from refitkit.refit import RefitCycle
+    from refitkit.rollout import VllmLink, clean_weight_version
+    from refitkit.transfer import BucketedWeightSender
+
+    config = MODELS[key]
+    model = hf_model(config)
+    checkpoint = tempfile.mkdtemp(prefix=f"rk-colocated-{key}-")
+    model.save_pretrained(checkpoint, safe_serialization=True)
+    llm = LLM(
+        model=checkpoint, dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=utilization,
+        enable_sleep_mode=True, skip_tokenizer_init=True, enforce_eager=eager,
+        worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    limits = measure_copy_limits(1 << 30)
+    rows = []
+    memory_log: list[tuple[str, int]] = []
+    reserved: dict[str, int] = {}  # this process's reserved bytes before the refit and after its sync
+
+    def on_phase(phase: str) -> None:
+        reserved[phase] = torch.cuda.memory_reserved()
+        memory_log.append((phase, nvml_free_bytes()))
+
+    with BucketedWeightSender(f"colocated-{key}", bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+        link = VllmLink(llm, sender, sleep_level=sleep_level, engine_timeout_s=TIMEOUT_S)
+        adapter = FSDPAdapter(model, optimizer)
+        with RefitCycle(adapter, link, on_phase=on_phase) as cycle:
+            for step in range(steps):
+                memory_log.clear()
+                row: dict = {"model": key, "step": step, "generate_ms": generate_ms(llm)}
+                memory_log.append(("generate", nvml_free_bytes()))
+                if step == 0:  # the trainer's state is still on the device: only the engine goes to sleep
+                    start = time.perf_counter()
+                    link.sleep_for_training()
+                    row["resume_ms"] = (time.perf_counter() - start) * 1e3
+                    memory_log.append(("engine_sleep", nvml_free_bytes()))
+                else:
+                    resumed = cycle.resume(step)
+                    row["resume_ms"] = sum(phase.seconds for phase in resumed.phases) * 1e3
+                    row.update({f"{phase.name}_ms": phase.seconds * 1e3 for phase in resumed.phases})
+                row["train_ms"] = train_step(model, optimizer)
+                memory_log.append(("train_step", nvml_free_bytes()))
+                from refitkit.rollout import tensor_fingerprint, tensor_sha256
+
+                expected = expected_digests(model, tensor_fingerprint)
+                last_sha = sha256 and step == steps - 1
+                expected_sha = expected_digests(model, tensor_sha256) if last_sha else None
+                reserved.clear()
+                reserved["before"] = torch.cuda.memory_reserved()
+                kv_asleep = llm.collective_rpc("refit_memory")[0]["asleep"].get("kv_cache", 0)
+                report = cycle.refit(step)
+                row.update({f"{phase.name}_ms": phase.seconds * 1e3 for phase in report.phases})
+                row["refit_ms"] = sum(phase.seconds for phase in report.phases) * 1e3
+                state_bytes = report.phase("offload").bytes
+                row["state_gb"] = state_bytes / 1e9
+                row["flat_d2h_ms"] = state_bytes / (limits.pinned_d2h_gbps * 1e9) * 1e3
+                row["refit_vs_flat_d2h"] = row["refit_ms"] / row["flat_d2h_ms"]
+                row["sender_kept_mib"] = (reserved["sync_weights"] - reserved["before"]) / 2**20
+                after = llm.collective_rpc("refit_memory")[0]
+                row["kv_cache_back_gib"] = after["resident"].get("kv_cache", 0) / 2**30
+                row["kv_cache_was_asleep_gib"] = kv_asleep / 2**30
+                worker = link.last_push.workers[0] if link.last_push else {}
+                row["load_path"] = worker.get("load_path")
+                row["engine_load_ms"] = worker.get("load_s", 0.0) * 1e3
+                held = llm.collective_rpc("refit_fingerprints")[0]
+                mismatched = sorted(name for name in expected if held.get(name) != expected[name])
+                row["params_equal"] = not mismatched and sorted(held) == sorted(expected)
+                if mismatched:
+                    row["mismatched"] = mismatched[:5]
+                if expected_sha is not None:
+                    row["sha256_equal"] = llm.collective_rpc("refit_checksums")[0] == expected_sha
+                row["version"] = clean_weight_version(llm)
+                row["generate_after_ms"] = generate_ms(llm)
+                row["free_gib"] = {phase: round(free / 2**30, 1) for phase, free in memory_log}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return {"model": key, "limits": limits.__dict__, "rows": rows}
+
+
+def print_summary(result: dict) -> None:
+    steady = result["rows"][1:] or result["rows"]
+
+    def med(key: str) -> float:
+        values = sorted(row[key] for row in steady if key in row)
+        return values[len(values) // 2] if values else float("nan")
+
+    print(
+        f"{result['model']}: sync {med('sync_weights_ms'):.1f} ms (engine load {med('engine_load_ms'):.1f}), refit "
+        f"{med('refit_ms'):.0f} ms = {med('refit_vs_flat_d2h'):.3f}x flat D2H of {med('state_gb'):.1f} GB "
+        f"({result['limits']['pinned_d2h_gbps']:.1f} GB/s), wake weights {med('engine_wake_weights_ms'):.0f} ms, "
+        f"wake KV {med('engine_wake_kv_cache_ms'):.0f} ms, engine sleep {med('engine_sleep_ms'):.0f} ms, "
+        f"sender kept {med('sender_kept_mib'):.0f} MiB, params equal every step: "
+        f"{all(row['params_equal'] for row in result['rows'])}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="0.6b,8b")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--bucket-gib", type=float, default=2.0)
+    parser.add_argument("--sleep-level", type=int, default=2, choices=(1, 2))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--sha256", action="store_true", help="also compare full sha256 digests on the last step")
+    parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (slower start)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process uses CUDA before vLLM starts
+    results = []
+    for key in args.models.split(","):
+        result = bench_model(
+            key, steps=args.steps, bucket_bytes=int(args.bucket_gib * (1 << 30)), sleep_level=args.sleep_level,
+            utilization=args.gpu_memory_utilization, sha256=args.sha256, eager=not args.cuda_graphs,
+        )  # fmt: skip
+        print_summary(result)
+        results.append(result)
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
