@@ -92,7 +92,7 @@ def test_a_push_into_sleeping_weights_is_refused_not_a_crash(sleepy):
     try:
         with BucketedWeightSender("vllm-sleepy-push", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
             began = time.monotonic()
-            with pytest.raises(EngineAsleep, match=r"weights are asleep .* wake_up\(tags=\['weights'\]\)"):
+            with pytest.raises(EngineAsleep, match=r"weights are asleep .*wake_up\(tags=\['weights'\]\)"):
                 push_weights(sleepy, sender, trainer.named_parameters())
             assert time.monotonic() - began < TIMEOUT_S / 2  # refused by the worker, not found by a timeout
         assert memory(sleepy)["asleep"]["weights"] > 0
