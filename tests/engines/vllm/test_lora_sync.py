@@ -87,7 +87,7 @@ def test_adapter_sync_serves_the_trainers_lora_in_vllm(lora_llm):
         want = reference_logprobs(lora_llama(0, lora_seed))
         assert got == pytest.approx(want, abs=LORA_TOLERANCE)
         change = max(abs(a - b) for a, b in zip(got, base_before))
-        assert change > 2 * LORA_TOLERANCE, change  # the adapter really changes the outputs, beyond the tolerance
+        assert change > max(0.01, 2 * LORA_TOLERANCE), change  # the adapter really changes the outputs, beyond the tolerance
         assert set(lora_llm.llm_engine.list_loras()) == {request.lora_int_id}  # the previous version was removed
         if previous is not None:
             assert previous.lora_int_id != request.lora_int_id
