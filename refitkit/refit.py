@@ -115,24 +115,37 @@ class RefitCycle:
         self.ranks = RankGroup(group, timeout_s=barrier_timeout_s)
         self.barrier_timeout_s = self.ranks.timeout_s
         self.on_phase = on_phase  # e.g. RSSWatchdog.mark, to sample at every phase boundary
-        self._origin = 0.0
-        self._engine_records: list[PhaseRecord] = []  # the engine link's phases inside the sync (its weights' wake)
 
     def refit(self, step: int) -> RefitReport:
-        """Sync weights, offload everything, flush the device, barrier; raises on every rank if any failed."""
+        """Sync weights, offload everything, flush the device, barrier; raises on every rank if any failed.
+
+        With a link that drives its engine's memory (``VllmLink(sleep_level=...)``) the sending rank first
+        wakes the engine's weights (phase ``engine_wake_weights``, while the optimizer copies already run)
+        and, after the barrier, its KV cache (``engine_wake_kv_cache``).
+        """
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
-        self._origin, self._engine_records = origin, []
         failures: list[BaseException] = []
+        woken: list[BaseException] = []  # a failed wake of the engine's weights, exchanged in the sync's outcome
         started: list[OffloadInFlight | BaseException] = []  # optimizer copies started before the sync
+        wake = _memory_step(self.sender, "wake_for_sync")
 
-        def sync_weights() -> int:
-            if self.overlap:  # timed with the sync it overlaps: issuing the copies can wait for queue room
+        def begin_offload() -> None:
+            if self.overlap and not started:  # timed with what it overlaps: issuing the copies can wait for queue room
                 with record_function("refitkit.offload_start"):
                     started.append(_begun(self.adapter))
-            return self._sync_weights()
+
+        def wake_weights() -> None:
+            begin_offload()  # the optimizer copies run while the engine maps its weights back
+            _attempt(wake, woken)  # type: ignore[arg-type]
+
+        def sync_weights() -> int:
+            begin_offload()
+            return self._sync_weights(woken)
 
         try:
+            if wake is not None:
+                records.append(self._timed("engine_wake_weights", origin, wake_weights))
             records.append(self._timed("sync_weights", origin, sync_weights))
         except BaseException as error:
             self._cancel(started[0] if started else None, error)
@@ -143,7 +156,7 @@ class RefitCycle:
         records.append(self._timed("barrier", origin, lambda: self._settle("offload", failures)))
         # Only now may the engine take its KV cache back: every rank has offloaded and flushed.
         records.extend(self._engine_phase("engine_wake_kv_cache", "wake_for_rollout", origin))
-        return RefitReport(step=step, rank=self.ranks.rank, phases=(*self._engine_records, *records))
+        return RefitReport(step=step, rank=self.ranks.rank, phases=tuple(records))
 
     def resume(self, step: int, *, defer_optimizer: bool = False) -> RefitReport:
         """Bring the training state back to the device, then line up; raises on every rank if any failed.
@@ -214,16 +227,14 @@ class RefitCycle:
             except Exception as cancel_error:
                 error.add_note(f"refitkit: waiting for the optimizer copies after this failure failed too: {cancel_error!r}")
 
-    def _sync_weights(self) -> int:
+    def _sync_weights(self, earlier: list[BaseException]) -> int:
+        """The sync phase; ``earlier``: this rank's failure before it (waking the engine), exchanged in its outcome."""
         # Line up before the first gather: a rank that never calls refit() (it crashed in its step, or hangs)
         # then gives the others BarrierTimeout after barrier_timeout_s, not a wait inside the trainer's
         # (NCCL) all-gather until its watchdog kills the process. One small gloo exchange per refit.
         self.ranks.settle(ARRIVAL, None)
-        failures: list[BaseException] = []
+        failures: list[BaseException] = list(earlier)
         weights = _Weights(iter(self.adapter.named_weights()))
-        wake = _memory_step(self.sender, "wake_for_sync")
-        if wake is not None:  # an engine link that drives the engine's memory: its weights back before they stream
-            self._engine_records.append(self._timed("engine_wake_weights", self._origin, lambda: _attempt(wake, failures)))
         if self.sender is None or failures:
             _attempt(weights.drain, failures)  # take part in the gathers; another rank sends
             moved = 0
