@@ -71,3 +71,8 @@ class KVCacheWontFit(EngineError):
 
 class EngineTimeout(EngineError, TimeoutError):
     """A call into the engine (sleep, wake-up, an rpc) did not return within its bound."""
+
+
+class OffloadedStateError(RefitError):
+    """A call that reads or saves training state ran while that state is offloaded (0-byte device storages):
+    a forward, ``state_dict()`` or an optimizer step would crash the process or save garbage. Reload first."""

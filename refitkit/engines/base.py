@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import abc
 import logging
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -34,7 +36,7 @@ from refitkit.engines._states import (
 )
 from refitkit.engines._states import empty_move as _empty_move
 from refitkit.engines._states import unique_storages as _unique_storages
-from refitkit.errors import InvalidInput
+from refitkit.errors import InvalidInput, OffloadedStateError
 from refitkit.offload import (
     HostArena,
     MoveStats,
@@ -94,6 +96,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         # per part, name -> the storage offloaded under it: a tensor replaced while offloaded is caught
         self._offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]] = {}
         self._held_before: dict[str, dict[str, tuple[int, StorageWeakRef]]] = {}  # (see ReplacedTensorGuard)
+        self._guard: _OffloadGuard | None = None  # refuses forward / state_dict / step while state is offloaded
 
     # --- what an engine supplies -------------------------------------------------------------
 
@@ -135,6 +138,10 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
 
     def _step_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers whose ``step`` (and ``state_dict``/``load_state_dict``) a deferred reload hooks to wait."""
+        return []
+
+    def _guarded_modules(self) -> list[torch.nn.Module]:
+        """The root modules whose forward and ``state_dict()`` are refused while the model part is offloaded."""
         return []
 
     # --- grads: where an engine keeps them (default: ``param.grad``) ------------------------
@@ -277,6 +284,8 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         """
         if "grad" in parts and not keep and not grads_dropped:
             self._drop_grads()
+        if self._guard is None and ("model" in parts or "optimizer" in parts):  # hooks only while state is away
+            self._guard = _OffloadGuard(self)
         for part in parts:
             self._states[part] = DeviceState.OFFLOADED
             self._offloaded[part] = held[part] if held is not None else self._held_storages(named_by_part[part])
@@ -362,9 +371,11 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
             self._states[part] = DeviceState.ON_DEVICE
             self._offloaded.pop(part, None)
         if not defer:
+            self._release_guard()
             logger.debug("%s reloaded %s: %d bytes in %.4f s", type(self).__name__, wanted, total.bytes, total.seconds)
             return ahead.split(total)
         deferred = self._start_deferred_optimizer(deferred_plan, step_optimizers, timeout_s=timeout_s)
+        self._release_guard()  # the deferred reload's own hooks answer from here (a step waits for the state)
         logger.debug(
             "%s reloaded %s: %d bytes in %.4f s; %d optimizer bytes arriving",
             type(self).__name__, wanted, total.bytes, total.seconds, deferred.nbytes,
@@ -393,6 +404,12 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
             )
         return self.reload(model=model, optimizer=optimizer, grad=grad)
 
+    def _release_guard(self) -> None:
+        """Remove the offloaded-state hooks once neither the model nor the optimizer state is offloaded."""
+        if self._guard is not None and all(self._states[part] is not DeviceState.OFFLOADED for part in ("model", "optimizer")):
+            self._guard.remove()
+            self._guard = None
+
     def _pending(self, asked: dict[str, bool], from_state: DeviceState) -> list[str]:
         for part, flag in asked.items():
             if not isinstance(flag, bool):
@@ -414,6 +431,69 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
     def __repr__(self) -> str:
         states = ", ".join(f"{part}={state.name}" for part, state in self._states.items())
         return f"{type(self).__name__}({states}, arena={self.arena!r})"
+
+
+class _OffloadGuard:
+    """Refuses, with ``OffloadedStateError``, what would read or save offloaded state: a guarded module's forward and
+    ``state_dict()`` while the model part is offloaded, an optimizer's ``step`` while the params or its state are, and
+    its ``state_dict()`` while its state is. Installed when the model or optimizer state is offloaded and removed once
+    both are back (nothing runs on a step while everything is on the device); each hook reads the adapter's part
+    states at the call (the adapter is held through a weak reference: no reference cycle keeps it alive)."""
+
+    def __init__(self, adapter: EngineAdapter) -> None:
+        owner = weakref.ref(adapter)
+        self.handles: list[Any] = []
+        for module in adapter._guarded_modules():
+            self.handles.append(module.register_forward_pre_hook(_refusal(owner, ("model",), f"{type(module).__name__}.forward()")))
+            self.handles.append(module.register_state_dict_pre_hook(_refusal(owner, ("model",), "the model's state_dict()")))
+        self.optimizers = adapter._step_optimizers()
+        for optimizer in self.optimizers:
+            name = type(optimizer).__name__
+            _guard_step(optimizer, _refusal(owner, ("model", "optimizer"), f"{name}.step()"))
+            self.handles.append(optimizer.register_state_dict_pre_hook(_refusal(owner, ("optimizer",), f"{name}.state_dict()")))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for optimizer in self.optimizers:
+            _GUARDED_STEPS.pop(optimizer, None)
+
+
+# Steps are guarded through torch's one global step pre-hook, not a hook per optimizer: an optimizer's own
+# step hooks stay those of the trainer and of a deferred reload.
+_GUARDED_STEPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+_STEP_HOOK: list[Any] = []
+
+
+def _guard_step(optimizer: torch.optim.Optimizer, refuse: Any) -> None:
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_step))
+    _GUARDED_STEPS[optimizer] = refuse
+
+
+def _check_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    refuse = _GUARDED_STEPS.get(optimizer)
+    if refuse is not None:
+        refuse()
+
+
+def _refusal(owner: weakref.ref, parts: tuple[str, ...], what: str) -> Any:
+    def refuse(*_: Any) -> None:
+        adapter = owner()
+        if adapter is None or adapter._gate is not None:  # gone, or a deferred reload's own hooks answer (they wait)
+            return
+        offloaded = [part for part in parts if adapter._states[part] is DeviceState.OFFLOADED]
+        if offloaded:
+            raise OffloadedStateError(
+                f"{type(adapter).__name__}: {what} while the {' and '.join(offloaded)} state is offloaded (its tensors "
+                "hold 0 bytes on the device: this would crash the process or read garbage). Call adapter.reload() "
+                "(or RefitCycle.resume()) first"
+            )
+
+    return refuse
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:

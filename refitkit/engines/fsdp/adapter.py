@@ -99,6 +99,9 @@ class FSDPAdapter(EngineAdapter):
             named.extend((f"{prefix}{name}", tensor) for name, tensor in optimizer_state_tensors(optimizer))
         return named
 
+    def _guarded_modules(self) -> list[nn.Module]:
+        return list(self.model_parts)
+
     def _step_optimizers(self) -> list[torch.optim.Optimizer]:
         # torchtitan's OptimizersContainer steps (and saves and loads) each of these: hooking them covers the container too
         return list(self.optimizers)

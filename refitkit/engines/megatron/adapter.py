@@ -103,6 +103,9 @@ class MegatronAdapter(EngineAdapter):
     def _optimizer_tensors(self) -> NamedTensors:
         return copy_param_tensors(self._leaves, self._leaves) + state_tensors(self._leaves, self._leaves)
 
+    def _guarded_modules(self) -> list[torch.nn.Module]:
+        return list(self.chunks)
+
     def _step_optimizers(self) -> list[torch.optim.Optimizer]:
         return step_optimizers(self._leaves)
 
