@@ -113,6 +113,11 @@ class RefitCycle:
         self.overlap = overlap
         self.group = group
         self.ranks = RankGroup(group, timeout_s=barrier_timeout_s)
+        if sender is None and self.ranks.size == 1:
+            logger.warning(
+                "RefitCycle on a single rank without a sender: refit() offloads %s but sends its weights nowhere "
+                "(pass a BucketedWeightSender or an engine link to sync them)", type(adapter).__name__,
+            )  # fmt: skip
         self.barrier_timeout_s = self.ranks.timeout_s
         self.on_phase = on_phase  # e.g. RSSWatchdog.mark, to sample at every phase boundary
 

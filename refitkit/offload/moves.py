@@ -207,7 +207,14 @@ def reload_tensors(
     pack_below_bytes = _checked_pack(pack_below_bytes)
     early = plan.take() if plan is not None else {}
     try:
-        pending = reload_plan(named_tensors(tensors), arena, device=device, regrown_early=early)
+        named = named_tensors(tensors)
+        if not named and not isinstance(tensors, (list, tuple, Mapping)) and arena.held_bytes:
+            raise InvalidInput(
+                f"reload_tensors got no tensors from a {type(tensors).__name__} while the arena still holds "
+                f"{arena.held_bytes} offloaded bytes: was it already consumed (a generator such as model.parameters() "
+                "can be iterated once)? Nothing was reloaded; pass the tensors again (a list)"
+            )
+        pending = reload_plan(named, arena, device=device, regrown_early=early)
         device = _common_device([g for g, _ in pending], "reload_tensors")
         restoring = {group.storage._cdata for group, _ in pending}
         cancel_early({key: copy for key, copy in early.items() if key not in restoring}, regrown=True)
