@@ -245,6 +245,9 @@ def _check_audit_options(args: argparse.Namespace, parser: argparse.ArgumentPars
     import psutil
     import torch
 
+    if args.cycles < args.warmup + 3:  # the trend starts after the warm-up and needs 3 points: else nothing is judged
+        parser.error(f"--cycles {args.cycles} leaves no cycle to judge after --warmup {args.warmup}: "
+                     f"need --cycles >= {args.warmup + 3} (or a smaller --warmup)")  # fmt: skip
     params = 4 * (args.width * args.width + args.width)
     need = AUDIT_BASE_BYTES + AUDIT_BYTES_PER_PARAM * params
     available = psutil.virtual_memory().available
@@ -292,7 +295,8 @@ def _add_audit_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold-mib-per-cycle", type=_finite_float(allow_zero=False), default=1.0,
                         help="RSS growth that counts as a leak, MiB per cycle (default 1.0)")  # fmt: skip
     parser.add_argument("--plant", choices=("none", "cycle", "bytes"), default="none",
-                        help="plant a 1 MiB/cycle leak to see what a finding looks like (default none)")  # fmt: skip
+                        help="plant a leak (cycle: 1 MiB held by a reference cycle; bytes: 4 MiB of RSS) per cycle "
+                             "to see what a finding looks like (default none)")  # fmt: skip
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of host RSS and GPU memory per phase (needs matplotlib)")
     parser.add_argument("--memory-history", metavar="PATH", help="(CUDA) record allocator history for the last cycle and dump it here")
 

@@ -59,6 +59,7 @@ BAD_OPTIONS = [
     (["audit", "--width", "1000000"], "refitkit audit: error: --width 1000000: the demo model needs ~"),
     (["audit", "--warmup", "-1"], "refitkit audit: error: argument --warmup: must be >= 0, got -1"),
     (["audit", "--cycles", "x"], "refitkit audit: error: argument --cycles: expected an integer, got 'x'"),
+    (["audit", "--cycles", "2"], "refitkit audit: error: --cycles 2 leaves no cycle to judge after --warmup 5: need --cycles >= 8"),
     (["audit", "--threshold-mib-per-cycle", "nan"], "refitkit audit: error: argument --threshold-mib-per-cycle: must be a finite number > 0"),
     (["audit", "--threshold-mib-per-cycle", "inf"], "refitkit audit: error: argument --threshold-mib-per-cycle: must be a finite number > 0"),
     (["audit", "--plot", "/nonexistent-refitkit/audit.png"], "refitkit audit: error: --plot /nonexistent-refitkit/audit.png: folder /nonexistent-refitkit does not exist"),

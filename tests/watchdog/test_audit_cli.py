@@ -39,6 +39,14 @@ def test_planted_bytes_leak_is_flagged_by_the_rss_watchdog(capsys):
     assert "growing from cycle" in out
 
 
+@pytest.mark.timeout(300)
+def test_the_planted_bytes_leak_is_flagged_at_the_default_threshold_every_time(capsys):
+    """It once planted exactly the threshold (1 MiB/cycle) and said "ok" on its own leak in 2 runs of 3."""
+    for _ in range(3):
+        assert main(["--cycles", "12", "--width", "128", "--plant", "bytes"]) == 1
+        assert "growing from cycle" in capsys.readouterr().out
+
+
 def test_bad_cycles_is_a_usage_error():
     with pytest.raises(SystemExit) as exited:
         main(["--cycles", "0"])
