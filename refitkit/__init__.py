@@ -5,24 +5,38 @@
 
 from refitkit.errors import (
     BarrierTimeout,
+    EngineAsleep,
+    EngineError,
+    EngineTimeout,
     InvalidInput,
+    KVCacheWontFit,
     LeakDetected,
+    OffloadedStateError,
     ProtocolError,
+    RankFailure,
     RefitError,
     TransferError,
     TransferTimeout,
 )
 from refitkit.offload import HostArena, MoveStats, flush_device, offload_tensors, reload_tensors
+from refitkit.refit import RefitCycle
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BarrierTimeout",
+    "EngineAsleep",
+    "EngineError",
+    "EngineTimeout",
     "HostArena",
     "InvalidInput",
+    "KVCacheWontFit",
     "LeakDetected",
     "MoveStats",
+    "OffloadedStateError",
     "ProtocolError",
+    "RankFailure",
+    "RefitCycle",
     "RefitError",
     "TransferError",
     "TransferTimeout",
