@@ -23,12 +23,21 @@ class TransferTimeout(TransferError, TimeoutError):
     """A bounded wait in a transfer session ran out (dead or silent peer)."""
 
 
+class PeerGone(TransferTimeout):
+    """The peer's connection broke (it died or gave up): a send to it was refused at once, or a collective failed.
+    Nothing timed out, but the caller handles it as the timeout it would otherwise have become."""
+
+
 class ProtocolError(TransferError):
     """A frame on the socket was not a valid refitkit message (wrong version, unknown kind, garbage)."""
 
 
 class BarrierTimeout(RefitError, TimeoutError):
     """Trainer ranks did not line up within the barrier's timeout."""
+
+
+class ReserveTimeout(RefitError, TimeoutError):
+    """A background reservation did not finish allocating and pinning within the wait's bound."""
 
 
 class LeakDetected(RefitError):

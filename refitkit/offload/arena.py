@@ -14,7 +14,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from refitkit._knobs import checked_seconds
 from refitkit.errors import InvalidInput, RefitError
-from refitkit.offload.reservation import Reservation, ReserveTimeout
+from refitkit.errors import ReserveTimeout
+from refitkit.offload.reservation import Reservation
 
 logger = logging.getLogger(__name__)
 

@@ -10,14 +10,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from refitkit._knobs import checked_seconds
-from refitkit.errors import RefitError
 
 if TYPE_CHECKING:
     from refitkit.offload.arena import HostArena
-
-
-class ReserveTimeout(RefitError, TimeoutError):
-    """A background reservation did not finish allocating and pinning within the wait's bound."""
 
 
 class Reservation:

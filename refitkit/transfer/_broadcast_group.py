@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import msgpack
 import torch
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferTimeout
+from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferTimeout
 from refitkit.transfer.protocol import brief
 
 log = logging.getLogger("refitkit.transfer.broadcast")
@@ -42,10 +42,6 @@ STORE_POLL_S = 0.02  # how often a wait for a collective asks the store whether 
 MAX_OFFER_BYTES = 1 << 16
 BACKENDS = ("gloo", "nccl")
 NCCL_WATCHDOG_SLACK_S = 60.0
-
-
-class PeerGone(TransferTimeout):
-    """A collective failed because a peer's connection broke (it died or gave up); nothing timed out."""
 
 
 def parse_rendezvous(rendezvous: object) -> tuple[str, int]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from torch.profiler import record_function
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item
 from refitkit.transfer.phases import SendState, TransferStats
@@ -31,10 +31,6 @@ log = logging.getLogger("refitkit.transfer.sender")  # one logger for the sender
 
 END = object()  # what ``pull()`` returns when the caller's iterable is exhausted
 CANCEL_SLICE_S = 0.05  # how often a wait with nothing to spin on (the lock, a hello, an async item) looks for cancellation
-
-
-class _PeerGone(TransferTimeout):
-    """The receiver's connection is gone: a send to it was refused at once (nothing timed out)."""
 
 
 class _Cancelled(TransferError):
@@ -107,7 +103,7 @@ class _SendSession:
             try:
                 self._set_up(hello, first)
                 break
-            except _PeerGone:  # a queued hello whose receiver gave up since: free, and take the next one
+            except PeerGone:  # a queued hello whose receiver gave up since: free, and take the next one
                 if self.state.setup_sent:
                     raise
                 self.free()
@@ -296,7 +292,7 @@ class _SendSession:
             self.sock.send_multipart([self.peer, payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._read_frames(0)  # a receiver that failed and left reported why first: raise that
-            raise _PeerGone(
+            raise PeerGone(
                 f"{self.state.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
                 f"nothing left to wait for within timeout_s={self.sender.timeout_s:g}"
             ) from None

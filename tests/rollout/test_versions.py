@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 
@@ -55,24 +54,11 @@ def test_unknown_engine_names_leave_coverage_to_the_stream():
     assert coverage.complete and coverage.expected is None and "unknown" in coverage.describe()
 
 
-def test_the_old_import_path_warns_once_and_is_the_same_code():
-    script = (
-        "import warnings\n"
-        "warnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import refitkit.transfer.vllm as old\n"
-        "    from refitkit.transfer.vllm import push_weights\n"
-        "    import refitkit.transfer.vllm\n"
-        "import refitkit.rollout.vllm as new\n"
-        "assert old.RefitWorkerExtension is new.RefitWorkerExtension and push_weights is new.push_weights\n"
-        "print([(w.category.__name__, str(w.message)) for w in caught])\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50, check=True)
-    [(category, message)] = ast.literal_eval(result.stdout)
-    assert category == "DeprecationWarning"
-    assert "refitkit.transfer.vllm moved to refitkit.rollout.vllm" in message
-    assert "refitkit.rollout.vllm.RefitWorkerExtension" in message
+def test_the_old_import_path_is_gone():
+    """The deprecated ``refitkit.transfer.vllm`` shim was removed: the one home is ``refitkit.rollout.vllm``."""
+    script = "import refitkit.transfer.vllm"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert result.returncode != 0 and "No module named 'refitkit.transfer.vllm'" in result.stderr
 
 
 @pytest.mark.parametrize(
