@@ -66,23 +66,6 @@ def hf_model(config: DecoderConfig) -> torch.nn.Module:
     return model
 
 
-def expected_digests(model: torch.nn.Module, digest) -> dict:
-    """What the engine's ``refit_fingerprints`` / ``refit_checksums`` must say for ``model``'s weights under ``digest``
-    (``tensor_fingerprint`` / ``tensor_sha256``): vLLM stacks q/k/v and gate/up."""
-    params = dict(model.named_parameters())
-    expected = {}
-    for name, tensor in params.items():
-        if ".q_proj." in name:
-            parts = [params[name.replace("q_proj", part)] for part in ("q_proj", "k_proj", "v_proj")]
-            expected[name.replace("q_proj", "qkv_proj")] = digest(torch.cat(parts))
-        elif ".gate_proj." in name:
-            parts = [params[name.replace("gate_proj", part)] for part in ("gate_proj", "up_proj")]
-            expected[name.replace("gate_proj", "gate_up_proj")] = digest(torch.cat(parts))
-        elif not any(part in name for part in (".k_proj.", ".v_proj.", ".up_proj.")):
-            expected[name] = digest(tensor)
-    return expected
-
-
 def generate_ms(llm) -> float:
     from vllm import SamplingParams
 
@@ -151,11 +134,11 @@ def bench_model(
                     row.update({f"{phase.name}_ms": phase.seconds * 1e3 for phase in resumed.phases})
                 row["train_ms"] = train_step(model, optimizer)
                 memory_log.append(("train_step", nvml_free_bytes()))
-                from refitkit.rollout import tensor_fingerprint, tensor_sha256
+                from refitkit.rollout.vllm import stacked_digests, tensor_fingerprint, tensor_sha256
 
-                expected = expected_digests(model, tensor_fingerprint)
+                expected = stacked_digests(model, tensor_fingerprint)
                 last_sha = sha256 and step == steps - 1
-                expected_sha = expected_digests(model, tensor_sha256) if last_sha else None
+                expected_sha = stacked_digests(model, tensor_sha256) if last_sha else None
                 reserved.clear()
                 reserved["before"] = torch.cuda.memory_reserved()
                 kv_asleep = llm.collective_rpc("refit_memory")[0]["asleep"].get("kv_cache", 0)

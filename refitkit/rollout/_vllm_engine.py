@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from refitkit._knobs import checked_seconds
 from refitkit.errors import InvalidInput
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout.versions import MISSING_SHOWN
@@ -52,8 +53,7 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
                 raise InvalidInput(f"refitkit update_info: {name} must be a str, got a {type(value).__name__}")
         if self.rendezvous is not None and self.secret is None:
             raise InvalidInput("refitkit update_info: a broadcast (rendezvous=) needs secret= (the job's secret)")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise InvalidInput(f"refitkit update_info: timeout_s={self.timeout_s!r}; need a positive number of seconds")
+        self.timeout_s = checked_seconds(self.timeout_s, "refitkit update_info: timeout_s")
 
 
 class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -82,10 +82,10 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         its update session: the weights it did deliver are loaded and reported incomplete until a full sync)."""
         receiver = self.refit_receiver
         if update_info.endpoint is not None:
-            sync = receiver.receive(update_info.endpoint, float(update_info.timeout_s), update_info.version)
+            sync = receiver.receive(update_info.endpoint, update_info.timeout_s, update_info.version)
         else:
             sync = receiver.receive_broadcast(
-                update_info.rendezvous, update_info.secret, float(update_info.timeout_s),  # type: ignore[arg-type]
+                update_info.rendezvous, update_info.secret, update_info.timeout_s,  # type: ignore[arg-type]
                 update_info.first_rank, update_info.backend,
             )  # fmt: skip
         self.last_sync = sync

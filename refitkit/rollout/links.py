@@ -17,6 +17,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
+from refitkit._knobs import checked_seconds
 from refitkit.errors import EngineError, EngineTimeout, InvalidInput, KVCacheWontFit, RefitError
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout.vllm import VllmPushStats, push_weights, push_weights_broadcast
@@ -70,12 +71,12 @@ class VllmLink:
             raise InvalidInput(f"VllmLink: sleep_level={sleep_level!r}; need 1 (weights kept on the host), 2 (discarded) or None")
         if sleep_level is not None and not internals.sleep_mode_enabled(llm):
             raise InvalidInput("VllmLink: sleep_level needs an engine made with enable_sleep_mode=True (or pass sleep_level=None)")
-        if isinstance(engine_timeout_s, bool) or not isinstance(engine_timeout_s, (int, float)) or not engine_timeout_s > 0:
-            raise InvalidInput(f"VllmLink: engine_timeout_s={engine_timeout_s!r}; need a positive number of seconds")
         if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
             raise InvalidInput(f"VllmLink: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
         self.llm, self.sender, self.secret, self.first_rank, self.timeout_s = llm, sender, secret, first_rank, timeout_s
-        self.sleep_level, self.engine_timeout_s, self.kv_headroom_bytes = sleep_level, float(engine_timeout_s), kv_headroom_bytes
+        self.sleep_level, self.engine_timeout_s, self.kv_headroom_bytes = (
+            sleep_level, checked_seconds(engine_timeout_s, "engine_timeout_s"), kv_headroom_bytes
+        )
         self.next_version = checked_version(first_version)
         self.memory = EngineMemory.SERVING
         self.last_push: VllmPushStats | None = None

@@ -27,7 +27,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,21 +278,21 @@ class RefitWorkerExtension:
 
     def refit_checksums(self, names: list[str] | None = None) -> dict[str, str]:
         """sha256 of each named parameter's bytes as the engine holds them (all parameters by default)."""
+        return {name: tensor_sha256(param) for name, param in self._refit_params(names)}
+
+    def refit_fingerprints(self, names: list[str] | None = None) -> dict[str, list[int]]:
+        """``tensor_fingerprint`` of each named parameter, on the device (a cheap check of multi-GB engines)."""
+        return {name: tensor_fingerprint(param) for name, param in self._refit_params(names)}
+
+    def _refit_params(self, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
+        """The named parameters of the engine's model (all of them, sorted, by default); an unknown name is refused."""
         params = dict(internals.vllm_model(self).named_parameters())
         if names is None:
             names = sorted(params)
         missing = [name for name in names if name not in params]
         if missing:
             raise InvalidInput(f"no parameter(s) {missing} in the vLLM model (it has {len(params)}, e.g. {sorted(params)[:4]})")
-        return {name: tensor_sha256(params[name]) for name in names}
-
-    def refit_fingerprints(self, names: list[str] | None = None) -> dict[str, list[int]]:
-        """``tensor_fingerprint`` of each named parameter, on the device (a cheap check of multi-GB engines)."""
-        params = dict(internals.vllm_model(self).named_parameters())
-        missing = [name for name in names or () if name not in params]
-        if missing:
-            raise InvalidInput(f"no parameter(s) {missing} in the vLLM model (it has {len(params)}, e.g. {sorted(params)[:4]})")
-        return {name: tensor_fingerprint(params[name]) for name in (sorted(params) if names is None else names)}
+        return [(name, params[name]) for name in names]
 
     def _refit_receiver(self) -> WorkerReceiver:
         """The worker's receiver: the ``refitkit`` weight-transfer engine's when vLLM made one, else the extension's."""
@@ -405,6 +405,26 @@ def tensor_fingerprint(tensor: torch.Tensor) -> list[int]:
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     words = raw[: raw.numel() - raw.numel() % 2].view(torch.int16)
     return [int(words[start::stride].sum(dtype=torch.int64)) for start, stride in enumerate(FINGERPRINT_STRIDES)]
+
+
+def stacked_digests(
+    weights: torch.nn.Module | Mapping[str, torch.Tensor], digest: Callable[[torch.Tensor], Any]
+) -> dict[str, Any]:  # fmt: skip
+    """``digest`` of each Hugging Face Llama/Qwen-named weight (a model's parameters, or a state dict) as a vLLM
+    engine holds it after a sync: q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``; what
+    ``refit_checksums`` (with ``tensor_sha256``) or ``refit_fingerprints`` (with ``tensor_fingerprint``) must say."""
+    params = dict(weights.named_parameters() if isinstance(weights, torch.nn.Module) else weights.items())
+    expected = {}
+    for name, tensor in params.items():
+        if ".q_proj." in name:
+            parts = [params[name.replace("q_proj", part)] for part in ("q_proj", "k_proj", "v_proj")]
+            expected[name.replace("q_proj", "qkv_proj")] = digest(torch.cat(parts))
+        elif ".gate_proj." in name:
+            parts = [params[name.replace("gate_proj", part)] for part in ("gate_proj", "up_proj")]
+            expected[name.replace("gate_proj", "gate_up_proj")] = digest(torch.cat(parts))
+        elif not any(part in name for part in (".k_proj.", ".v_proj.", ".up_proj.")):
+            expected[name] = digest(tensor)
+    return expected
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

@@ -16,6 +16,7 @@ import socket
 import pytest
 import torch
 
+from refitkit.rollout.vllm import stacked_digests
 from refitkit.transfer.broadcast_sender import BroadcastWeightSender
 from tests.engines.vllm.load_plan_peers import VllmModelProcess
 from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint, tiny_config
@@ -60,19 +61,7 @@ def test_plan_maps_qkv_and_gate_up_rows(server):
 
 def fused_reference(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
     """Digests of vLLM's parameters as they must be after loading ``state``: q/k/v and gate/up rows stacked."""
-    want: dict[str, tuple] = {}
-    for name, tensor in state.items():
-        if any(part in name for part in ("k_proj", "v_proj", "up_proj")):
-            continue
-        if "q_proj" in name:
-            stack = [state[name.replace("q_proj", part)] for part in ("q_proj", "k_proj", "v_proj")]
-            want[name.replace("q_proj", "qkv_proj")] = digest(torch.cat(stack))
-        elif "gate_proj" in name:
-            stack = [state[name.replace("gate_proj", part)] for part in ("gate_proj", "up_proj")]
-            want[name.replace("gate_proj", "gate_up_proj")] = digest(torch.cat(stack))
-        else:
-            want[name] = digest(tensor)
-    return want
+    return stacked_digests(state, digest)
 
 
 def test_direct_receive_is_bit_exact_with_vllms_own_loading(server):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from refitkit.transfer import BucketedWeightSender
-from refitkit.rollout.vllm import VllmPushStats, push_weights, tensor_sha256
+from refitkit.rollout.vllm import VllmPushStats, push_weights, stacked_digests, tensor_sha256
 from tests.transfer.harness import own_segment_files
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -47,18 +47,7 @@ def engine_checksums(llm: Any) -> dict[str, str]:
 
 def expected_engine_checksums(model: torch.nn.Module) -> dict[str, str]:
     """What ``refit_checksums`` must say after loading ``model``: vLLM stacks q/k/v and gate/up."""
-    params = dict(model.named_parameters())
-    expected = {}
-    for name, tensor in params.items():
-        if ".q_proj." in name:
-            parts = [params[name.replace("q_proj", part)] for part in ("q_proj", "k_proj", "v_proj")]
-            expected[name.replace("q_proj", "qkv_proj")] = tensor_sha256(torch.cat(parts))
-        elif ".gate_proj." in name:
-            parts = [params[name.replace("gate_proj", part)] for part in ("gate_proj", "up_proj")]
-            expected[name.replace("gate_proj", "gate_up_proj")] = tensor_sha256(torch.cat(parts))
-        elif not any(part in name for part in (".k_proj.", ".v_proj.", ".up_proj.")):
-            expected[name] = tensor_sha256(tensor)
-    return expected
+    return stacked_digests(model, tensor_sha256)
 
 
 def worker_info(llm: Any) -> dict[str, Any]:
