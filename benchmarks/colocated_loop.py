@@ -87,7 +87,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 
 def bench_model(
     key: str, *, steps: int, bucket_bytes: int, sleep_level: int, utilization: float, sha256: bool, eager: bool,
-    overlap: bool,
+    overlap: bool, pushes: int = 0, profile: str | None = None,
 ) -> dict:  # fmt: skip
     from vllm import LLM
 
@@ -111,9 +111,12 @@ def bench_model(
     memory_log: list[tuple[str, int]] = []
     reserved: dict[str, int] = {}  # this process's reserved bytes before the refit and after its sync
 
+    segments_log: list[tuple[str, int]] = []  # this process's allocator segments at each boundary (a flush frees them)
+
     def on_phase(phase: str) -> None:
         reserved[phase] = torch.cuda.memory_reserved()
         memory_log.append((phase, nvml_free_bytes()))
+        segments_log.append((phase, torch.cuda.memory_stats().get("segment.all.current", 0)))
 
     with BucketedWeightSender(f"colocated-{key}", bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
         link = VllmLink(llm, sender, sleep_level=sleep_level, engine_timeout_s=TIMEOUT_S)
@@ -141,6 +144,9 @@ def bench_model(
                 expected_sha = stacked_digests(model, tensor_sha256) if last_sha else None
                 reserved.clear()
                 reserved["before"] = torch.cuda.memory_reserved()
+                segments_log.clear()
+                segments_log.append(("before", torch.cuda.memory_stats().get("segment.all.current", 0)))
+                reserved_before_gib = torch.cuda.memory_reserved() / 2**30
                 kv_asleep = llm.collective_rpc("refit_memory")[0]["asleep"].get("kv_cache", 0)
                 report = cycle.refit(step)
                 row.update({f"{phase.name}_ms": phase.seconds * 1e3 for phase in report.phases})
@@ -156,7 +162,10 @@ def bench_model(
                 row["kv_cache_was_asleep_gib"] = kv_asleep / 2**30
                 worker = link.last_push.workers[0] if link.last_push else {}
                 row["load_path"] = worker.get("load_path")
-                row["engine_load_ms"] = worker.get("load_s", 0.0) * 1e3
+                row.update(worker_split(worker))
+                row["engine_calls_ms"] = {call: round(seconds * 1e3, 1) for call, seconds in link.call_seconds.items()}
+                row["reserved_before_refit_gib"] = round(reserved_before_gib, 1)
+                row["segments"] = dict(segments_log)
                 held = llm.collective_rpc("refit_fingerprints")[0]
                 mismatched = sorted(name for name in expected if held.get(name) != expected[name])
                 row["params_equal"] = not mismatched and sorted(held) == sorted(expected)
@@ -169,9 +178,76 @@ def bench_model(
                 row["free_gib"] = {phase: round(free / 2**30, 1) for phase, free in memory_log}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        pushes_out = live_pushes(llm, link, cycle, model, steps, pushes=pushes, profile=profile) if pushes else []
     llm.llm_engine.engine_core.shutdown()
     del llm
-    return {"model": key, "overlap": overlap, "limits": limits.__dict__, "rows": rows}
+    return {"model": key, "overlap": overlap, "limits": limits.__dict__, "rows": rows, "pushes": pushes_out}
+
+
+def worker_split(worker: dict) -> dict:
+    """A vLLM worker's side of a push, in ms: the whole of it, its loaders, post-processing, waiting on the sender."""
+    return {
+        "engine_load_ms": worker.get("load_s", 0.0) * 1e3, "engine_loader_ms": worker.get("loader_s", 0.0) * 1e3,
+        "engine_post_ms": worker.get("post_s", 0.0) * 1e3, "engine_session_ms": worker.get("seconds", 0.0) * 1e3,
+        "engine_wait_ms": worker.get("ack_wait_s", 0.0) * 1e3,
+    }  # fmt: skip
+
+
+def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str | None) -> list[dict]:
+    """The sync alone into the serving engine (trainer state and the engine's KV cache both resident), ``pushes``
+    times: ``link.send`` of the trainer's params, as a user's ``push_weights`` between two rollouts would run."""
+    from refitkit.rollout.vllm import stacked_digests, tensor_fingerprint
+
+    cycle.resume(step)  # the engine sleeps, the trainer's state comes back
+    link.wake_for_rollout()  # then the engine serves again beside it
+    out = []
+    for index in range(pushes):
+        profiled = profile is not None and index == pushes - 1
+        if profiled:
+            import cProfile
+
+            llm.collective_rpc(_worker_profile_start)
+            trainer_profile = cProfile.Profile()
+            trainer_profile.enable()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        link.send(model.named_parameters())
+        wall_ms = (time.perf_counter() - start) * 1e3
+        if profiled:
+            trainer_profile.disable()
+            Path(profile).mkdir(parents=True, exist_ok=True)
+            _write_profile(trainer_profile, Path(profile) / "trainer_push.txt")
+            llm.collective_rpc(_worker_profile_stop, args=(str(Path(profile).resolve() / "worker_push.txt"),))
+        row = {"push": index, "sync_ms": wall_ms, **worker_split(link.last_push.workers[0])}
+        if index == pushes - 1:
+            held = llm.collective_rpc("refit_fingerprints")[0]
+            row["params_equal"] = held == stacked_digests(model, tensor_fingerprint)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def _write_profile(profile, path: Path) -> None:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    path.write_text(text.getvalue())
+
+
+def _worker_profile_start(worker) -> None:  # runs inside the vLLM worker (collective_rpc of a function)
+    import cProfile
+
+    worker._colocated_profile = cProfile.Profile()
+    worker._colocated_profile.enable()
+
+
+def _worker_profile_stop(worker, path: str) -> None:
+    worker._colocated_profile.disable()
+    _write_profile(worker._colocated_profile, Path(path))
 
 
 def print_summary(result: dict) -> None:
@@ -190,6 +266,21 @@ def print_summary(result: dict) -> None:
         f"{all(row['params_equal'] for row in result['rows'])}",
         flush=True,
     )
+    pushes = result.get("pushes") or []
+    if pushes:
+        steady_pushes = pushes[1:] or pushes
+
+        def pmed(key: str) -> float:
+            values = sorted(row[key] for row in steady_pushes)
+            return values[len(values) // 2]
+
+        print(
+            f"{result['model']}: sync alone into the serving engine {pmed('sync_ms'):.1f} ms (min "
+            f"{min(row['sync_ms'] for row in steady_pushes):.1f}); worker: whole {pmed('engine_load_ms'):.1f}, session "
+            f"{pmed('engine_session_ms'):.1f}, loaders {pmed('engine_loader_ms'):.1f}, post {pmed('engine_post_ms'):.1f}, "
+            f"waiting on the sender {pmed('engine_wait_ms'):.1f}; params equal: {pushes[-1].get('params_equal')}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -203,8 +294,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-overlap", action="store_true",
                         help="copy the optimizer state after the sync, not during it (the sync phase then times the sync alone)")
     parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (slower start)")
+    parser.add_argument("--pushes", type=int, default=0,
+                        help="after the steps, this many syncs alone into the serving engine (trainer state resident)")
+    parser.add_argument("--profile", help="cProfile the last of --pushes on both sides; text reports into this directory")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.profile:  # collective_rpc of a function (the profiler's start and stop) needs vLLM's pickle path
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # this process uses CUDA before vLLM starts
     results = []
@@ -212,7 +308,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         result = bench_model(
             key, steps=args.steps, bucket_bytes=int(args.bucket_gib * (1 << 30)), sleep_level=args.sleep_level,
             utilization=args.gpu_memory_utilization, sha256=args.sha256, eager=not args.cuda_graphs,
-            overlap=not args.no_overlap,
+            overlap=not args.no_overlap, pushes=args.pushes,
+            profile=None if args.profile is None else str(Path(args.profile) / key),
         )  # fmt: skip
         print_summary(result)
         results.append(result)

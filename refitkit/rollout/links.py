@@ -13,6 +13,7 @@ two different sets of weights.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
@@ -80,6 +81,7 @@ class VllmLink:
         self.next_version = checked_version(first_version)
         self.memory = EngineMemory.SERVING
         self.last_push: VllmPushStats | None = None
+        self.call_seconds: dict[str, float] = {}  # each engine call's latest duration, e.g. "wake_up(tags=['kv_cache'])"
 
     @property
     def drives_memory(self) -> bool:
@@ -147,9 +149,12 @@ class VllmLink:
         """``call()`` in a helper thread, at most ``engine_timeout_s``; a vLLM error becomes an ``EngineError`` naming it."""
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-memory")
         try:
+            began = time.perf_counter()
             future = pool.submit(call)
             try:
-                return future.result(timeout=self.engine_timeout_s)
+                result = future.result(timeout=self.engine_timeout_s)
+                self.call_seconds[what] = time.perf_counter() - began
+                return result
             except concurrent.futures.TimeoutError:
                 raise EngineTimeout(
                     f"vLLM's {what} did not return within engine_timeout_s={self.engine_timeout_s:g} "

@@ -102,8 +102,8 @@ class WorkerReceiver:
             self.weights.failed(number, touched=progress.touched)  # what loaded stays: a mix of old and new
             raise
         coverage = self._landed(number, progress.names)
-        return {**_stats_dict(stats), **_coverage_dict(number, coverage), "load_path": self.load_path,
-                "load_s": time.perf_counter() - began}  # fmt: skip
+        return {**_stats_dict(stats), **_coverage_dict(number, coverage), **_timing_dict(progress, began),
+                "load_path": self.load_path}  # fmt: skip
 
     def receive_broadcast(
         self, rendezvous: str, secret: str | bytes, timeout_s: float, first_rank: int, backend: str
@@ -132,8 +132,8 @@ class WorkerReceiver:
         if number is None:  # the receiver records the session's version when it lands
             raise TransferError(f"broadcast session from {rendezvous} ended without a version (a bug in refitkit)")
         coverage = self._landed(number, progress.names)
-        return {**_stats_dict(stats), **_coverage_dict(number, coverage), "rank": rank, "load_path": self.load_path,
-                "load_s": time.perf_counter() - began}  # fmt: skip
+        return {**_stats_dict(stats), **_coverage_dict(number, coverage), **_timing_dict(progress, began),
+                "rank": rank, "load_path": self.load_path}  # fmt: skip
 
     def discarded(self) -> None:
         """The engine slept at level 2: its weights are garbage until a full sync lands (reported incomplete)."""
@@ -145,13 +145,17 @@ class WorkerReceiver:
         """Each bucket straight into the params through ``model.load_weights`` (its views are valid during the call)."""
 
         def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+            began = time.perf_counter()
             progress.names.update(name for name, _ in weights)
             progress.touched = progress.touched or bool(weights)
             with torch.no_grad():
                 self.model.load_weights(weights)
+            progress.loader_s += time.perf_counter() - began
 
         stats = receive(on_bucket)
+        began = time.perf_counter()
         internals.process_after_sync(self.model, self.vllm_config, self.device)
+        progress.post_s = time.perf_counter() - began
         return stats
 
     def _layerwise_from(self, receiver: BucketedWeightReceiver, endpoint: str, progress: _Progress) -> TransferStats:
@@ -443,6 +447,8 @@ class _Progress:
 
     names: set[str] = field(default_factory=set)
     touched: bool = False
+    loader_s: float = 0.0  # in the model's loaders (launching the copies; they run on the device behind)
+    post_s: float = 0.0  # vLLM's post-processing, once per in-place sync
 
 
 class _Tracked:
@@ -576,6 +582,11 @@ def _stats_dict(stats: TransferStats) -> dict[str, Any]:
         "bytes": stats.bytes, "tensors": stats.tensors, "buckets": stats.buckets,
         "seconds": stats.seconds, "ack_wait_s": stats.ack_wait_s,
     }  # fmt: skip
+
+
+def _timing_dict(progress: _Progress, began: float) -> dict[str, float]:
+    """The worker's seconds: the whole sync (``load_s``), in the loaders and in post-processing (in place; 0 layerwise)."""
+    return {"load_s": time.perf_counter() - began, "loader_s": progress.loader_s, "post_s": progress.post_s}
 
 
 def _coverage_dict(version: int, coverage: SyncCoverage) -> dict[str, Any]:
