@@ -244,7 +244,7 @@ class DirectLoads:
             target = self._targets.get(name)
             if target is not None and target.dtype == tensor.dtype and target.shape == tensor.shape:
                 direct_bytes += tensor.nbytes
-                if tensor.nbytes < SMALL_COPY_BYTES:
+                if tensor.nbytes < SMALL_COPY_BYTES and tensor.device == target.device:  # one device per batch
                     small_targets.append(target)
                     small_sources.append(tensor)
                 else:
@@ -344,9 +344,15 @@ class _LoaderWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_:
             self.copies.append((args[0], args[1]))
-        elif _is_write(func, kwargs):
+        elif _is_write(func, kwargs) and not _writes_nothing(func, args, kwargs):
             self.writes.append(getattr(func, "__name__", repr(func)))
         return func(*args, **kwargs)
+
+
+def _writes_nothing(func: Any, args: tuple, kwargs: dict) -> bool:
+    """An in-place op on an empty tensor (vLLM's embedding loader zero-fills its padding rows, often none)."""
+    written = kwargs.get("out", args[0] if args else None)
+    return getattr(func, "__name__", "") != "__set__" and isinstance(written, torch.Tensor) and written.numel() == 0
 
 
 def _is_write(func: Any, kwargs: dict) -> bool:

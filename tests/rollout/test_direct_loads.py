@@ -29,7 +29,9 @@ class FusingModel(nn.Module):
             if name in ("q", "k", "v"):
                 self.qkv.data.narrow(0, 4 * "qkv".index(name), 4).copy_(loaded)
             elif name in ("norm", "big"):
-                getattr(self, name).data.copy_(loaded)
+                target = getattr(self, name)
+                target.data[: loaded.shape[0]].copy_(loaded)
+                target.data[loaded.shape[0] :].fill_(0)  # like vLLM's embedding loader: padding rows, here none
             elif name == "proj_t":
                 self.proj.data.copy_(loaded.t())
             elif name == "pad":
