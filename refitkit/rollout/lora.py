@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import InvalidInput, ProtocolError
+from refitkit.errors import EngineError, InvalidInput, ProtocolError
 
 log = logging.getLogger("refitkit.rollout.lora")
 
@@ -240,28 +240,50 @@ class LoraCollector:
 
 
 class VllmLoraLoader:
-    """Registers each received adapter with a vLLM ``LLM`` (``enable_lora=True``) under a new LoRA id."""
+    """Registers each received adapter with a vLLM ``LLM`` (``enable_lora=True``).
 
-    def __init__(self, llm: Any, *, root_dir: str | None = None) -> None:
-        self.llm = llm
+    ``inplace=True`` (the default): every version replaces the adapter under one LoRA id
+    (``LoRARequest(load_inplace=True)``: vLLM loads the new adapter before it drops the old one, so a
+    refused adapter leaves the previous version serving), then resets the prefix cache, whose blocks are
+    keyed by that id and hold the old adapter's KV. ``inplace=False``: a new id per version and the
+    previous one removed (vLLMs without in-place LoRA loading).
+    """
+
+    def __init__(self, llm: Any, *, root_dir: str | None = None, inplace: bool = True, lora_id: int = 1) -> None:
+        if not isinstance(inplace, bool):
+            raise InvalidInput(f"VllmLoraLoader: inplace= must be a bool, got {inplace!r}")
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
+            raise InvalidInput(f"VllmLoraLoader: lora_id={lora_id!r}; need an int >= 1 (vLLM's LoRA ids start at 1)")
+        self.llm, self.inplace = llm, inplace
         self.root_dir = root_dir or tempfile.mkdtemp(prefix="refitkit-lora-")
         self.current: Any = None  # the LoRARequest to sample with
-        self._next_id = 1
+        self._next_id = lora_id
 
     def load(self, adapter: LoraAdapter, *, version: int) -> Any:
-        """Write ``adapter`` as weight version ``version``, add it to the engine, drop the previous one; returns
-        its ``LoRARequest``."""
+        """Write ``adapter`` as weight version ``version``, load it into the engine in place of the previous one;
+        returns the ``LoRARequest`` to sample with."""
         from vllm.lora.request import LoRARequest
 
-        path = os.path.join(self.root_dir, f"v{version}-id{self._next_id}")
+        lora_id = self._next_id
+        path = os.path.join(self.root_dir, f"v{version}-id{lora_id}")
         adapter.save(path)
-        request = LoRARequest(f"refitkit-v{version}", self._next_id, path)
-        self._next_id += 1
-        if not self.llm.llm_engine.add_lora(request):
-            raise InvalidInput(f"vLLM refused LoRA adapter {request.lora_name!r} from {path} (enable_lora=True? max_lora_rank >= r?)")
-        previous, self.current = self.current, request
+        name = "refitkit" if self.inplace else f"refitkit-v{version}"
+        # The request that loads forces the reload; the one returned must not (vLLM would reload it every step).
+        loading = LoRARequest(name, lora_id, path, load_inplace=self.inplace)
+        if not self.llm.llm_engine.add_lora(loading):
+            shutil.rmtree(path, ignore_errors=True)
+            raise InvalidInput(f"vLLM refused LoRA adapter {name!r} from {path} (enable_lora=True? max_lora_rank >= r?)")
+        previous, self.current = self.current, LoRARequest(name, lora_id, path)
         if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            if not self.inplace:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
-        log.info("LoRA adapter of version %d loaded as vLLM LoRA id %d", version, request.lora_int_id)
-        return request
+        if not self.inplace:
+            self._next_id += 1
+        elif not self.llm.reset_prefix_cache():
+            raise EngineError(
+                f"LoRA id {lora_id} now holds version {version}, but vLLM could not reset its prefix cache (requests "
+                "still running?): cached KV of the previous adapter could be reused. Load between rollouts"
+            )
+        log.info("LoRA adapter of version %d loaded as vLLM LoRA id %d%s", version, lora_id, " in place" if self.inplace else "")
+        return self.current

