@@ -5,8 +5,7 @@ methods (``_model_tensors``, ``_optimizer_tensors``, ``_grad_params``, ``named_w
 optionally ``_prepare_offload``; this base holds the ``HostArena``, moves everything through
 ``refitkit.offload`` and keeps the bookkeeping. The overlapped offload (``_overlap``), the
 deferred optimizer reload (``_deferral``) and the replaced-tensor check (``_replaced``) are
-mixed in from their own modules; the state and report types live in ``_states``, a move's per-part figures
-in ``_bookkeeping``.
+mixed in from their own modules; the state and report types live in ``_states``.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ from refitkit.offload import (
     reload_grads,
     reload_tensors,
 )
-from refitkit.engines._bookkeeping import Bookkeeping as _Bookkeeping
 from refitkit.engines._early import EarlyCopies
 from refitkit.offload.deferred import BeforeCopy, StepGate
 from refitkit.offload.device import local_tensor
@@ -517,3 +515,38 @@ def _all_freed(by_part: dict[str, NamedTensors]) -> bool:
     """Whether an offload that raised had freed every storage (it frees them only once their copies are done)."""
     named = [tensor for part in by_part.values() for _, tensor in part]
     return bool(named) and all(local_tensor(tensor).untyped_storage().nbytes() == 0 for tensor in named)
+
+
+# -- A move's per-part figures and held-storage records, looked up while its copies run (``EngineAdapter``'s helper) ---
+
+
+class _Bookkeeping:
+    """A move's per-part figures (and held storages), looked up while its copies run, not after them.
+
+    Everything read here is final once the copies are issued: slot sizes are set, and a storage
+    still holding bytes with a slot is one this move frees (see ``EngineAdapter._held_storages``).
+    """
+
+    def __init__(self, adapter: "EngineAdapter", by_part: dict[str, NamedTensors]) -> None:
+        self._adapter = adapter
+        self._by_part = by_part
+        self._counts: dict[str, tuple[int, int]] = {}
+        self.held: dict[str, dict[str, tuple[int, StorageWeakRef]]] | None = None
+
+    def run(self, held: list[str] | None = None) -> None:
+        self._counts = {part: self._adapter._moved(named) for part, named in self._by_part.items()}
+        if held is not None:
+            adapter, before = self._adapter, self._adapter._held_before
+            self.held = {
+                part: adapter._held_storages(self._by_part[part], in_flight=True, reuse=before.pop(part, None)) for part in held
+            }
+
+    def split(self, total: MoveStats) -> AdapterMove:
+        """Per-part stats; the time is the phase's, shared."""
+        if not self._counts:
+            self.run()
+        parts = {
+            part: MoveStats(bytes=nbytes, storages=count, seconds=total.seconds if nbytes else 0.0)
+            for part, (nbytes, count) in self._counts.items()
+        }
+        return AdapterMove(model=parts["model"], optimizer=parts["optimizer"], grad=parts["grad"], total=total)
