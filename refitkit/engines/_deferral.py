@@ -13,7 +13,7 @@ from refitkit.engines._states import DeviceState
 from refitkit.errors import RefitError
 from refitkit.offload.arena import HostArena, Slot
 from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate
-from refitkit.offload.moves import _StorageGroup
+from refitkit.offload.moves import StorageGroup
 
 # the adapter's logger, as before this code moved out of base.py
 logger = logging.getLogger("refitkit.engines.base")
@@ -46,7 +46,7 @@ class DeferredOptimizer:
             self._gate = None
 
     def _start_deferred_optimizer(
-        self, plan: list[tuple[_StorageGroup, Slot]], step_optimizers: list[torch.optim.Optimizer], *, timeout_s: float
+        self, plan: list[tuple[StorageGroup, Slot]], step_optimizers: list[torch.optim.Optimizer], *, timeout_s: float
     ) -> DeferredReload:
         """Start copying the optimizer state back behind the caller; its step and state-dict calls wait for it."""
         deferred = DeferredReload(

@@ -26,7 +26,7 @@ TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[t
 
 
 @dataclass
-class _StorageGroup:
+class StorageGroup:
     """One unique storage and the named tensors that view it."""
 
     storage: torch.UntypedStorage
@@ -55,21 +55,21 @@ def named_tensors(tensors: TensorSet, *, prefix: str = "tensors") -> list[tuple[
     return named
 
 
-def _group_by_storage(named: list[tuple[str, torch.Tensor]]) -> list[_StorageGroup]:
-    groups: dict[int, _StorageGroup] = {}
+def _group_by_storage(named: list[tuple[str, torch.Tensor]]) -> list[StorageGroup]:
+    groups: dict[int, StorageGroup] = {}
     for name, tensor in named:
         if tensor.layout != torch.strided:
             raise InvalidInput(f"{name!r} has layout {tensor.layout}; only strided tensors can be offloaded")
         storage = tensor.untyped_storage()
         group = groups.get(storage._cdata)
         if group is None:
-            groups[storage._cdata] = _StorageGroup(storage, [(name, tensor)])
+            groups[storage._cdata] = StorageGroup(storage, [(name, tensor)])
         else:
             group.views.append((name, tensor))
     return list(groups.values())
 
 
-def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | None:
+def _common_device(groups: list[StorageGroup], what: str) -> torch.device | None:
     device: torch.device | None = None
     first = ""
     for group in groups:
@@ -83,7 +83,7 @@ def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | Non
     return device
 
 
-def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGroup], torch.device | None]:
+def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[StorageGroup], torch.device | None]:
     """The storages an offload moves, with their device, checked before anything is freed or filed."""
     groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
     device = _common_device(groups, what)
@@ -146,7 +146,7 @@ def offload_tensors(
     return MoveStats(bytes=moved, storages=storages, seconds=time.perf_counter() - start)
 
 
-Move = tuple[_StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
+Move = tuple[StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
 
 
 def _largest_first(moves: list[Move]) -> list[Move]:
@@ -168,7 +168,7 @@ def _while_copying(moves: list[Move], extra: Callable[[], None] | None, arena: H
     return records
 
 
-def _slotted_moves(arena: HostArena, groups: list[_StorageGroup]) -> list[Move]:
+def _slotted_moves(arena: HostArena, groups: list[StorageGroup]) -> list[Move]:
     """Each storage with its slot and bytes, largest first; one allocation for all storages new to the arena.
 
     A steady round (every storage has a slot that fits) allocates nothing and walks the storages once.
@@ -228,7 +228,7 @@ def reload_tensors(
     if not pending:
         return EMPTY_MOVE
     start = move_began(plan, early)
-    restoring_group: _StorageGroup | None = None
+    restoring_group: StorageGroup | None = None
     popped: Records = {}
     moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
     late = issued_as_planned(early, moves)
@@ -276,13 +276,13 @@ def reload_plan(
     *,
     device: torch.device | str | None = None,
     regrown_early: Mapping[int, object] | None = None,
-) -> list[tuple[_StorageGroup, Slot]]:
+) -> list[tuple[StorageGroup, Slot]]:
     """The storages a reload must restore, each with its slot; validated before a byte moves (except the
     early copies of ``regrown_early``, by storage key, whose storages count as not regrown yet)."""
     _check_views(arena, named)
     groups = _group_by_storage(named)
     expected = torch.device(device) if device is not None else None
-    pending: list[tuple[_StorageGroup, Slot]] = []
+    pending: list[tuple[StorageGroup, Slot]] = []
     for group in groups:
         slot = arena.slot_of(group.storage)
         if slot is None or not slot.holds_data:
@@ -307,7 +307,7 @@ def reload_plan(
 
 
 def finish_reload(
-    pending: list[tuple[_StorageGroup, Slot]],
+    pending: list[tuple[StorageGroup, Slot]],
     arena: HostArena,
     *,
     seconds: float,
@@ -329,14 +329,14 @@ def finish_reload(
     return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 
-def _unfinish(pending: list[tuple[_StorageGroup, Slot]], arena: HostArena, popped: Records) -> None:
+def _unfinish(pending: list[tuple[StorageGroup, Slot]], arena: HostArena, popped: Records) -> None:
     """Undo ``finish_reload`` for a reload whose copies then failed: the slots hold the bytes again."""
     for _, slot in pending:
         slot.holds_data = True
     arena.views.update(popped)
 
 
-def _roll_back(pending: list[tuple[_StorageGroup, Slot]], device: torch.device) -> None:
+def _roll_back(pending: list[tuple[StorageGroup, Slot]], device: torch.device) -> None:
     """Free what a failed reload regrew, so the same call can be retried (the slots still hold the bytes)."""
     _settle_copies(device, None)  # queued copies may still write into the storages about to be freed
     for group, _ in pending:
@@ -500,10 +500,10 @@ def _free_offloaded(moves: list[Move]) -> int:
 
 RUN_MAX_BYTES = 64 << 20  # bounds the device staging buffer of one run
 
-Run = list[tuple["_StorageGroup", Slot, int]]  # (group, slot, bytes to move)
+Run = list[tuple["StorageGroup", Slot, int]]  # (group, slot, bytes to move)
 
 
-def packed_runs(moves: Sequence[tuple["_StorageGroup", Slot, int]], *, below_bytes: int) -> tuple[list[Run], list]:
+def packed_runs(moves: Sequence[tuple["StorageGroup", Slot, int]], *, below_bytes: int) -> tuple[list[Run], list]:
     """Runs of two or more storages under ``below_bytes`` whose slots lie back to back; and every other move."""
     small = sorted((m for m in moves if m[2] < below_bytes), key=lambda m: (m[1].chunk, m[1].offset))
     runs: list[Run] = []
@@ -520,7 +520,7 @@ def packed_runs(moves: Sequence[tuple["_StorageGroup", Slot, int]], *, below_byt
     return packed, [move for move in moves if id(move[0]) not in in_runs]
 
 
-def _follows(run: Run, move: tuple["_StorageGroup", Slot, int]) -> bool:
+def _follows(run: Run, move: tuple["StorageGroup", Slot, int]) -> bool:
     _, last, _ = run[-1]
     _, slot, nbytes = move
     adjacent = slot.chunk == last.chunk and slot.offset == last.offset + align_up(last.capacity_bytes)
