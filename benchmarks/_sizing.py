@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from refitkit.shapes import CONFIGS, QWEN3_0_6B, QWEN3_8B, total_bytes
+from benchmarks.shapes import CONFIGS, QWEN3_0_6B, QWEN3_8B, total_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20

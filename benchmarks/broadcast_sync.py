@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
 
-from refitkit.shapes import CONFIGS, QWEN3_0_6B, QWEN3_8B, weight_shapes  # noqa: E402
+from benchmarks.shapes import CONFIGS, QWEN3_0_6B, QWEN3_8B, weight_shapes  # noqa: E402
 
 MODELS = {"8b": QWEN3_8B, "0.6b": QWEN3_0_6B, "tiny": CONFIGS["tiny"]}
 MIB = 1 << 20
@@ -148,7 +148,7 @@ def peer_copy(device: torch.device, nbytes: int) -> dict[str, Any]:
 
 def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any) -> None:
     from refitkit.errors import TransferError
-    from refitkit.shapes import make_weights
+    from benchmarks.shapes import make_weights
     from refitkit.transfer.broadcast_sender import BroadcastWeightSender
 
     args = argparse.Namespace(**config)

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
 
 from benchmarks.limits import measure_copy_limits  # noqa: E402
-from refitkit.shapes import QWEN3_0_6B, QWEN3_8B, DecoderConfig  # noqa: E402
+from benchmarks.shapes import QWEN3_0_6B, QWEN3_8B, DecoderConfig  # noqa: E402
 
 MODELS: dict[str, DecoderConfig] = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 PROMPTS = [[1 + (7 * i + j) % 1000 for j in range(32)] for i in range(8)]

@@ -19,17 +19,21 @@ the last round of each mode the engine's parameters are checked against the send
 from __future__ import annotations
 
 import argparse
-import hashlib
 import dataclasses
+import hashlib
 import multiprocessing as mp
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from refitkit.shapes import CONFIGS, DecoderConfig, weight_shapes
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
+
+from benchmarks.shapes import CONFIGS, DecoderConfig, weight_shapes  # noqa: E402
 
 SECRET = "benchmark-secret-0123456789"
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

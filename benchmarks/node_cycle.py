@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
 
-from refitkit.shapes import CONFIGS, QWEN3_0_6B, QWEN3_8B, DecoderConfig, weight_shapes  # noqa: E402
+from benchmarks.shapes import CONFIGS, QWEN3_0_6B, QWEN3_8B, DecoderConfig, weight_shapes  # noqa: E402
 
 MODELS: dict[str, DecoderConfig] = {"8b": QWEN3_8B, "0.6b": QWEN3_0_6B, "tiny": CONFIGS["tiny"]}
 TIMEOUT_S = 600.0

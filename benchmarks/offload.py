@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.limits import measure_copy_limits  # noqa: E402
 from refitkit.offload import HostArena, flush_device, offload_tensors, reload_tensors  # noqa: E402
-from refitkit.shapes import CONFIGS, make_weights, total_bytes  # noqa: E402
+from benchmarks.shapes import CONFIGS, make_weights, total_bytes  # noqa: E402
 
 
 def pageable_baseline(weights: dict[str, torch.Tensor]) -> tuple[float, float]:

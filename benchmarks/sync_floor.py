@@ -38,12 +38,16 @@ import mmap
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from refitkit.shapes import QWEN3_0_6B, QWEN3_8B, weight_shapes
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
+
+from benchmarks.shapes import QWEN3_0_6B, QWEN3_8B, weight_shapes  # noqa: E402
 
 MODELS = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ

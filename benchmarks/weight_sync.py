@@ -35,12 +35,16 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
-from refitkit.shapes import QWEN3_0_6B, QWEN3_8B, weight_shapes
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
+
+from benchmarks.shapes import QWEN3_0_6B, QWEN3_8B, weight_shapes  # noqa: E402
 
 MODELS = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}  # shapes from the published config.json files
 

@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Iterable
 
 
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal gigabytes per second (0.0 when nothing moved or no time passed): every rate refitkit reports."""
+    return nbytes / seconds / 1e9 if nbytes and seconds > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class PhaseRecord:
     """One phase of a cycle: how long it took and what it moved."""
@@ -20,7 +25,7 @@ class PhaseRecord:
 
     @property
     def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.bytes and self.seconds > 0 else 0.0
+        return gbps(self.bytes, self.seconds)
 
 
 @dataclass(frozen=True)

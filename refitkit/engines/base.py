@@ -3,10 +3,10 @@
 Engines differ only in how they enumerate their tensors. A subclass supplies four small
 methods (``_model_tensors``, ``_optimizer_tensors``, ``_grad_params``, ``named_weights``) and
 optionally ``_prepare_offload``; this base holds the ``HostArena``, moves everything through
-``refitkit.offload`` and keeps the bookkeeping. The overlapped offload (``_overlap``), the
-deferred optimizer reload (``_deferral``) and the replaced-tensor check (``_replaced``) are
-mixed in from their own modules; the state and report types live in ``_states``, a move's per-part figures
-in ``_bookkeeping``.
+``refitkit.offload`` and keeps the bookkeeping. The whole class lives here: the mechanisms it mixes in
+(the replaced-tensor check, early copies, the deferred optimizer reload, the overlapped offload; their
+byte moves are in ``refitkit.offload``) come first, its per-move figures (``_Bookkeeping``) last; the
+state and report types live in ``_states``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import abc
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,9 +23,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from refitkit._knobs import checked_seconds
 from refitkit.engines._arguments import as_modules, as_optimizers, check_optimizers_own_params  # noqa: F401 (re-exported)
-from refitkit.engines._deferral import DeferredOptimizer
-from refitkit.engines._overlap import OffloadInFlight, OverlappedOffload  # noqa: F401 (OffloadInFlight: re-exported)
-from refitkit.engines._replaced import ReplacedTensorGuard
 from refitkit.engines._states import (
     PARTS,
     AdapterMove,
@@ -36,7 +34,7 @@ from refitkit.engines._states import (
 )
 from refitkit.engines._states import empty_move as _empty_move
 from refitkit.engines._states import unique_storages as _unique_storages
-from refitkit.errors import InvalidInput, OffloadedStateError
+from refitkit.errors import InvalidInput, OffloadedStateError, RefitError
 from refitkit.offload import (
     HostArena,
     MoveStats,
@@ -45,13 +43,225 @@ from refitkit.offload import (
     reload_grads,
     reload_tensors,
 )
-from refitkit.engines._bookkeeping import Bookkeeping as _Bookkeeping
-from refitkit.engines._early import EarlyCopies
-from refitkit.offload.deferred import BeforeCopy, StepGate
+from refitkit.offload.arena import Slot
+from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate
 from refitkit.offload.device import local_tensor
-from refitkit.offload.moves import named_tensors, reload_plan
+from refitkit.offload.early import RoundPlan
+from refitkit.offload.moves import StorageGroup, named_tensors, reload_plan
+from refitkit.offload.overlapped import OffloadCopies, cancel_offload, finish_offload, start_offload
 
 logger = logging.getLogger(__name__)
+
+
+# -- Which storage each offloaded name held, so a reload refuses a tensor replaced while offloaded ---
+
+
+class ReplacedTensorGuard:
+    """``EngineAdapter``'s record of offloaded storages (a mixin: ``arena``, ``_offloaded`` and ``_held_before``
+    are the adapter's)."""
+
+    arena: HostArena
+    # per part, name -> the storage offloaded under it
+    _offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]]
+    # per part, the records of its last offload once reloaded: the next offload of the same storages reuses
+    # them. Made anew each round, a thousand records would live from one move to the next, be promoted to the
+    # collector's oldest generation every round and bring the trainer's next full collection closer; freed
+    # after a reload's last copy, they cost ~1 ms on an H200 host. They hold no bytes (weak references).
+    _held_before: dict[str, dict[str, tuple[int, StorageWeakRef]]]
+
+    def _held_storages(
+        self, named: NamedTensors, *, in_flight: bool = False, reuse: dict[str, tuple[int, StorageWeakRef]] | None = None
+    ) -> dict[str, tuple[int, StorageWeakRef]]:
+        """name -> storage for every tensor whose bytes the arena now holds (O(1) each).
+
+        ``in_flight``: asked while an offload of all of ``named`` has its copies issued but not
+        done; a storage with a slot that still has device bytes is one it is moving, so counts.
+        ``reuse``: earlier records whose entry is taken as is for a name that still has the same storage (alive:
+        a live weak reference keeps its key from being given to another storage).
+        """
+        held: dict[str, tuple[int, StorageWeakRef]] = {}
+        for name, tensor in named:
+            storage = local_tensor(tensor).untyped_storage()
+            slot = self.arena.slot_of(storage)
+            if slot is not None and (slot.holds_data or (in_flight and storage.nbytes() > 0)):
+                key = storage._cdata
+                record = reuse.get(name) if reuse else None
+                if record is None or record[0] != key or record[1].expired():
+                    record = (key, StorageWeakRef(storage))
+                held[name] = record
+        return held
+
+    def _retire_held(self, parts: list[str], retired: list[str]) -> None:
+        """Once a reload's checks used the records of ``parts``: keep them for the next offload to reuse, out of
+        the offloaded ones. Each part is added to ``retired`` before it leaves them, for ``_hold_again``."""
+        for part in parts:
+            held = self._offloaded.get(part)
+            if held:
+                self._held_before[part] = held
+                retired.append(part)
+                del self._offloaded[part]
+
+    def _hold_again(self, parts: list[str]) -> None:
+        """After a reload that retired these records failed: they are the offloaded ones again (its moves were
+        undone, so the storages are offloaded again, each under the name it had: the reload checked that)."""
+        for part in parts:
+            self._offloaded[part] = self._held_before.pop(part)
+
+    def _check_not_replaced(self, part: str, named: NamedTensors) -> None:
+        """Refuse a reload when a name now points at another tensor than the one offloaded under it.
+
+        Restoring the new tensor's neighbours would leave the old one (still referenced, e.g. by the
+        optimizer) at 0 bytes and its bytes stranded in the arena, so nothing is restored.
+        """
+        offloaded = self._offloaded.get(part)
+        if not offloaded:
+            return
+        current = {name: tensor for name, tensor in named}
+        replaced: list[str] = []
+        for name, (key, ref) in offloaded.items():
+            if ref.expired():
+                continue  # nothing references the old storage any more: no bytes left to lose
+            tensor = current.get(name)
+            if tensor is None or local_tensor(tensor).untyped_storage()._cdata != key:
+                replaced.append(name)
+        if replaced:
+            more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
+            raise InvalidInput(
+                f"{type(self).__name__}.reload(): {replaced[0]!r}{more} was replaced or removed while offloaded "
+                f"(e.g. `module.weight = nn.Parameter(...)` or a new optimizer state tensor); its offloaded bytes "
+                "are still in the arena and nothing was restored: put the original tensor back and call reload() again"
+            )
+
+
+# -- Early copies for an adapter: per set of parts moved through the arena, the plan of their last move ---
+
+
+class EarlyCopies:
+    """``EngineAdapter``'s round plans (a mixin: the arena and the packing knob are the adapter's)."""
+
+    arena: HostArena
+    pack_below_bytes: int
+
+    def _round_plan(self, parts: Iterable[str]) -> RoundPlan | None:
+        """The plan of the last move of exactly these parts (made empty the first time); None with packing,
+        whose runs are planned per round."""
+        key = tuple(sorted(parts))
+        if not key or self.pack_below_bytes:
+            return None
+        plans: dict[tuple[str, ...], RoundPlan] = self.__dict__.setdefault("_round_plans", {})
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = RoundPlan()
+        return plan
+
+
+# -- Deferred optimizer reload: ``reload(defer_optimizer=True)`` copies the optimizer state back behind ---
+
+
+class DeferredOptimizer:
+    """``EngineAdapter``'s deferred optimizer reload (a mixin: the state and hooks are the adapter's)."""
+
+    arena: HostArena
+    _states: dict[str, DeviceState]
+    _offloaded: dict[str, dict[str, tuple[int, StorageWeakRef]]]
+    _gate: StepGate | None  # the optimizer hooks (step, state_dict, load_state_dict) of a deferred reload
+    _deferred_before_copy: BeforeCopy | None  # tests hold deferred copies back with it
+
+    def wait_deferred(self) -> None:
+        """Wait (bounded by ``deferred_timeout_s``) for optimizer state reloaded with ``defer_optimizer=True``.
+
+        Raises the deferred reload's failure (a ``RefitError`` naming the tensor) if it failed and
+        nothing raised it yet; a no-op when nothing is arriving.
+        """
+        gate = self._gate
+        if gate is None or gate.reported:
+            return  # nothing arriving, or its failure was raised already (steps keep raising until reload)
+        gate.wait()
+
+    def _drop_failed_deferral(self) -> None:
+        """Remove the hooks of a deferred reload that failed, before the optimizer state is reloaded again."""
+        if self._gate is not None:
+            self._gate.remove()  # a failed deferred reload's hooks: this reload replaces it
+            self._gate = None
+
+    def _start_deferred_optimizer(
+        self, plan: list[tuple[StorageGroup, Slot]], step_optimizers: list[torch.optim.Optimizer], *, timeout_s: float
+    ) -> DeferredReload:
+        """Start copying the optimizer state back behind the caller; its step and state-dict calls wait for it."""
+        deferred = DeferredReload(
+            plan,
+            self.arena,
+            timeout_s=timeout_s,
+            what=f"{type(self).__name__}'s optimizer state",
+            before_copy=self._deferred_before_copy,
+        )
+        self._states["optimizer"] = DeviceState.ARRIVING
+        self._gate = StepGate(
+            deferred, step_optimizers, on_arrival=self._optimizer_arrived, on_failure=self._optimizer_failed
+        )
+        return deferred
+
+    def _optimizer_arrived(self) -> None:
+        self._states["optimizer"] = DeviceState.ON_DEVICE
+        self._offloaded.pop("optimizer", None)
+        self._gate = None
+
+    def _optimizer_failed(self, error: RefitError) -> None:
+        # the bytes are still in the arena (the storages were freed again): a plain reload() retries
+        self._states["optimizer"] = DeviceState.OFFLOADED
+        logger.warning("%s: deferred optimizer reload failed: %s", type(self).__name__, error)
+
+
+# -- Overlapped offload: ``begin_offload`` starts the optimizer-state copies on a side stream, -----
+
+
+@dataclass
+class OffloadInFlight:
+    """``begin_offload()``'s copies of the optimizer state (and kept grads), not finished yet."""
+
+    parts: list[str]
+    keep_grads: bool
+    optimizer_named: NamedTensors
+    grad_named: NamedTensors
+    copies: OffloadCopies
+
+
+class OverlappedOffload:
+    """``EngineAdapter``'s begin / finish / cancel offload (a mixin: the state and hooks are the adapter's)."""
+
+    arena: HostArena
+    keep_grads: bool
+
+    def begin_offload(
+        self, *, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
+    ) -> OffloadInFlight:
+        """Start copying the optimizer state (and kept grads) to the arena on a side stream; frees nothing.
+
+        For overlapping those copies with other work (``RefitCycle(overlap=True)`` streams the
+        weights meanwhile). ``finish_offload`` waits for them, frees the storages and marks the
+        parts OFFLOADED; ``cancel_offload`` waits and leaves everything ON_DEVICE. Nothing may
+        write the optimizer state or the grads in between.
+        """
+        keep = self.keep_grads if keep_grads is None else keep_grads
+        self.wait_deferred()  # state still arriving from a deferred reload must land before it is copied out
+        wanted = self._pending({"optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
+        if wanted:
+            self._prepare_offload(wanted)
+        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+        grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
+        copies = start_offload(optimizer_named + grad_named, self.arena)
+        return OffloadInFlight(wanted, keep, optimizer_named, grad_named, copies)
+
+    def finish_offload(self, flight: OffloadInFlight) -> AdapterMove:
+        """Wait for ``begin_offload``'s copies (one synchronize), free their storages, mark the parts OFFLOADED."""
+        total = finish_offload(flight.copies)
+        named_by_part = {"optimizer": flight.optimizer_named, "grad": flight.grad_named}
+        self._mark_offloaded(flight.parts, flight.keep_grads, named_by_part)
+        return self._split(total, [], flight.optimizer_named, flight.grad_named)
+
+    def cancel_offload(self, flight: OffloadInFlight) -> None:
+        """Wait for ``begin_offload``'s copies and keep every part on the device, as if it never started."""
+        cancel_offload(flight.copies)
 
 
 class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, EarlyCopies, abc.ABC):
@@ -517,3 +727,38 @@ def _all_freed(by_part: dict[str, NamedTensors]) -> bool:
     """Whether an offload that raised had freed every storage (it frees them only once their copies are done)."""
     named = [tensor for part in by_part.values() for _, tensor in part]
     return bool(named) and all(local_tensor(tensor).untyped_storage().nbytes() == 0 for tensor in named)
+
+
+# -- A move's per-part figures and held-storage records, looked up while its copies run (``EngineAdapter``'s helper) ---
+
+
+class _Bookkeeping:
+    """A move's per-part figures (and held storages), looked up while its copies run, not after them.
+
+    Everything read here is final once the copies are issued: slot sizes are set, and a storage
+    still holding bytes with a slot is one this move frees (see ``EngineAdapter._held_storages``).
+    """
+
+    def __init__(self, adapter: "EngineAdapter", by_part: dict[str, NamedTensors]) -> None:
+        self._adapter = adapter
+        self._by_part = by_part
+        self._counts: dict[str, tuple[int, int]] = {}
+        self.held: dict[str, dict[str, tuple[int, StorageWeakRef]]] | None = None
+
+    def run(self, held: list[str] | None = None) -> None:
+        self._counts = {part: self._adapter._moved(named) for part, named in self._by_part.items()}
+        if held is not None:
+            adapter, before = self._adapter, self._adapter._held_before
+            self.held = {
+                part: adapter._held_storages(self._by_part[part], in_flight=True, reuse=before.pop(part, None)) for part in held
+            }
+
+    def split(self, total: MoveStats) -> AdapterMove:
+        """Per-part stats; the time is the phase's, shared."""
+        if not self._counts:
+            self.run()
+        parts = {
+            part: MoveStats(bytes=nbytes, storages=count, seconds=total.seconds if nbytes else 0.0)
+            for part, (nbytes, count) in self._counts.items()
+        }
+        return AdapterMove(model=parts["model"], optimizer=parts["optimizer"], grad=parts["grad"], total=total)

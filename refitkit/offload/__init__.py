@@ -8,7 +8,7 @@ from refitkit.offload.arena import HostArena
 from refitkit.offload.device import flush_device
 from refitkit.offload.moves import drop_tensors, named_tensors, offload_tensors, regrow_tensors, reload_tensors
 from refitkit.errors import ReserveTimeout
-from refitkit.offload.reservation import Reservation
+from refitkit.offload.arena import Reservation
 from refitkit.offload.optimizer import (
     offload_grads,
     offload_optimizer,

@@ -28,7 +28,7 @@ from refitkit._knobs import checked_seconds
 from refitkit.errors import DeferredTimeout, RefitError
 from refitkit.offload.arena import HostArena, Slot
 from refitkit.offload.device import SegmentedRegrow, storage_as_bytes
-from refitkit.offload.moves import TensorSet, _common_device, _StorageGroup, finish_reload, named_tensors, reload_plan
+from refitkit.offload.moves import TensorSet, _common_device, StorageGroup, finish_reload, named_tensors, reload_plan
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 BeforeCopy = Callable[[str], None]
@@ -48,7 +48,7 @@ class DeferredReload:
 
     def __init__(
         self,
-        pending: list[tuple[_StorageGroup, Slot]],
+        pending: list[tuple[StorageGroup, Slot]],
         arena: HostArena,
         *,
         timeout_s: float,
@@ -88,7 +88,7 @@ class DeferredReload:
         return self._state
 
     def _copy_all(self) -> None:
-        regrown: list[_StorageGroup] = []
+        regrown: list[StorageGroup] = []
         try:
             with _on_stream(self._stream):
                 # shared segments for the state (their free blocks belong to this stream's pool, where the regrows look)
@@ -117,7 +117,7 @@ class DeferredReload:
         finally:
             self._issued.set()
 
-    def _roll_back(self, regrown: list[_StorageGroup]) -> None:
+    def _roll_back(self, regrown: list[StorageGroup]) -> None:
         """Free what was regrown once its queued copies are done; the arena keeps every byte."""
         try:
             if self._stream is not None:

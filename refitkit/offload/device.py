@@ -7,6 +7,16 @@ import os
 import torch
 
 
+# Where a storage's bytes start in host slots and buckets: every dtype view is then aligned, and copies coalesce
+# (costs under 256 bytes a storage).
+ALIGN_BYTES = 256
+
+
+def align_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to ``ALIGN_BYTES``."""
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
 def flush_device(device: torch.device | str | int | None = None) -> None:
     """Wait for the device's queued work, then return its cached free blocks to the driver.
 

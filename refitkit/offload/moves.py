@@ -1,22 +1,24 @@
-"""Offload and reload of tensors per unique storage, keeping tensor identity."""
+"""Offload and reload of tensors per unique storage, keeping tensor identity.
+
+One home for a move: listing the storages, issuing their copies (largest first; small storages in
+packed runs of back-to-back arena slots), freeing them as the copies finish, and regrowing them on reload.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Union
 
 import torch
 
 from refitkit.errors import InvalidInput, RefitError
-from refitkit.offload._copies import _CopiedInOrder, _issue_to_host, _settle_copies
-from refitkit.offload._packed import copy_run_to_device, packed_runs
 from refitkit.offload._views import Records, _check_views, _forget_views, _keep_resident, _view_records, _views_of
 from refitkit.offload.arena import HostArena, Slot
 from refitkit.offload.early import RoundPlan, cancel_early, early_device, issued_as_planned, move_began
 from refitkit.offload.device import (
-    SegmentedRegrow, local_tensor, regrowable, resolved_device, storage_as_bytes, synchronize,
+    SegmentedRegrow, align_up, local_tensor, regrowable, resolved_device, storage_as_bytes, synchronize,
 )  # fmt: skip
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
@@ -24,7 +26,7 @@ TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[t
 
 
 @dataclass
-class _StorageGroup:
+class StorageGroup:
     """One unique storage and the named tensors that view it."""
 
     storage: torch.UntypedStorage
@@ -53,21 +55,21 @@ def named_tensors(tensors: TensorSet, *, prefix: str = "tensors") -> list[tuple[
     return named
 
 
-def _group_by_storage(named: list[tuple[str, torch.Tensor]]) -> list[_StorageGroup]:
-    groups: dict[int, _StorageGroup] = {}
+def _group_by_storage(named: list[tuple[str, torch.Tensor]]) -> list[StorageGroup]:
+    groups: dict[int, StorageGroup] = {}
     for name, tensor in named:
         if tensor.layout != torch.strided:
             raise InvalidInput(f"{name!r} has layout {tensor.layout}; only strided tensors can be offloaded")
         storage = tensor.untyped_storage()
         group = groups.get(storage._cdata)
         if group is None:
-            groups[storage._cdata] = _StorageGroup(storage, [(name, tensor)])
+            groups[storage._cdata] = StorageGroup(storage, [(name, tensor)])
         else:
             group.views.append((name, tensor))
     return list(groups.values())
 
 
-def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | None:
+def _common_device(groups: list[StorageGroup], what: str) -> torch.device | None:
     device: torch.device | None = None
     first = ""
     for group in groups:
@@ -81,7 +83,7 @@ def _common_device(groups: list[_StorageGroup], what: str) -> torch.device | Non
     return device
 
 
-def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[_StorageGroup], torch.device | None]:
+def _offloadable_groups(tensors: TensorSet, what: str) -> tuple[list[StorageGroup], torch.device | None]:
     """The storages an offload moves, with their device, checked before anything is freed or filed."""
     groups = [g for g in _group_by_storage(named_tensors(tensors)) if g.storage.nbytes() > 0]
     device = _common_device(groups, what)
@@ -110,7 +112,7 @@ def offload_tensors(
     Tensors keep their identity (same Python objects, same storages, now 0 bytes), so optimizer
     and engine references stay valid. Storages already offloaded to this arena are skipped.
     Everything is validated before anything is freed or filed. ``pack_below_bytes``: storages smaller
-    than this whose slots lie back to back move as one copy per run (see ``_packed``; 0: off).
+    than this whose slots lie back to back move as one copy per run (see ``packed_runs``; 0: off).
     ``while_copying``: called once the copies are issued, before waiting for them (a caller's
     bookkeeping then overlaps the copies instead of following them). ``plan``: the copies issued
     early from the last round's plan (``early.RoundPlan``), which this move then remembers.
@@ -144,7 +146,7 @@ def offload_tensors(
     return MoveStats(bytes=moved, storages=storages, seconds=time.perf_counter() - start)
 
 
-Move = tuple[_StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
+Move = tuple[StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
 
 
 def _largest_first(moves: list[Move]) -> list[Move]:
@@ -166,7 +168,7 @@ def _while_copying(moves: list[Move], extra: Callable[[], None] | None, arena: H
     return records
 
 
-def _slotted_moves(arena: HostArena, groups: list[_StorageGroup]) -> list[Move]:
+def _slotted_moves(arena: HostArena, groups: list[StorageGroup]) -> list[Move]:
     """Each storage with its slot and bytes, largest first; one allocation for all storages new to the arena.
 
     A steady round (every storage has a slot that fits) allocates nothing and walks the storages once.
@@ -226,7 +228,7 @@ def reload_tensors(
     if not pending:
         return EMPTY_MOVE
     start = move_began(plan, early)
-    restoring_group: _StorageGroup | None = None
+    restoring_group: StorageGroup | None = None
     popped: Records = {}
     moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
     late = issued_as_planned(early, moves)
@@ -274,13 +276,13 @@ def reload_plan(
     *,
     device: torch.device | str | None = None,
     regrown_early: Mapping[int, object] | None = None,
-) -> list[tuple[_StorageGroup, Slot]]:
+) -> list[tuple[StorageGroup, Slot]]:
     """The storages a reload must restore, each with its slot; validated before a byte moves (except the
     early copies of ``regrown_early``, by storage key, whose storages count as not regrown yet)."""
     _check_views(arena, named)
     groups = _group_by_storage(named)
     expected = torch.device(device) if device is not None else None
-    pending: list[tuple[_StorageGroup, Slot]] = []
+    pending: list[tuple[StorageGroup, Slot]] = []
     for group in groups:
         slot = arena.slot_of(group.storage)
         if slot is None or not slot.holds_data:
@@ -305,7 +307,7 @@ def reload_plan(
 
 
 def finish_reload(
-    pending: list[tuple[_StorageGroup, Slot]],
+    pending: list[tuple[StorageGroup, Slot]],
     arena: HostArena,
     *,
     seconds: float,
@@ -327,14 +329,14 @@ def finish_reload(
     return MoveStats(bytes=moved, storages=len(pending), seconds=seconds)
 
 
-def _unfinish(pending: list[tuple[_StorageGroup, Slot]], arena: HostArena, popped: Records) -> None:
+def _unfinish(pending: list[tuple[StorageGroup, Slot]], arena: HostArena, popped: Records) -> None:
     """Undo ``finish_reload`` for a reload whose copies then failed: the slots hold the bytes again."""
     for _, slot in pending:
         slot.holds_data = True
     arena.views.update(popped)
 
 
-def _roll_back(pending: list[tuple[_StorageGroup, Slot]], device: torch.device) -> None:
+def _roll_back(pending: list[tuple[StorageGroup, Slot]], device: torch.device) -> None:
     """Free what a failed reload regrew, so the same call can be retried (the slots still hold the bytes)."""
     _settle_copies(device, None)  # queued copies may still write into the storages about to be freed
     for group, _ in pending:
@@ -392,3 +394,165 @@ def _checked_pack(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput(f"pack_below_bytes={value!r}; need an int >= 0 (0: every storage is copied on its own)")
     return value
+
+
+# -- Issuing a move's copies and waiting for them: host copies issued in order, storages freed as they finish ---
+
+
+def _issue_to_host(
+    moves: list[Move], arena: HostArena, pack_below_bytes: int, *, non_blocking: bool, copied: _CopiedInOrder | None = None
+) -> None:
+    runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
+    for move in singles:
+        group, slot, nbytes = move
+        arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(group.storage, nbytes), non_blocking=non_blocking)
+        if copied is not None:
+            copied.issued(move)
+    for run in runs:  # after the large copies, so building a run's views overlaps them
+        copy_run_to_host(run, arena, non_blocking=non_blocking)
+        if copied is not None:
+            copied.issued(*run)
+
+
+FREE_EVERY_COPIES = 64  # an offload frees its storages in groups this large, each once its copies are done
+
+
+class _CopiedInOrder:
+    """An offload's copies in the order they were issued, with a CUDA event after every ``FREE_EVERY_COPIES``,
+    so the storages are freed group by group while the later copies still run (the ``resize_(0)`` of a thousand
+    storages would otherwise follow the last copy)."""
+
+    def __init__(self, device: torch.device, issued_before: list[Move]) -> None:
+        self._device, self._cuda = device, device.type == "cuda"
+        self._groups: list[tuple[list[Move], torch.cuda.Event | None]] = []
+        self._open: list[Move] = []
+        if issued_before:  # (copies already queued, e.g. early ones): done once everything queued so far is
+            self._open = list(issued_before)
+            self._close()
+
+    def issued(self, *moves: Move) -> None:
+        self._open.extend(moves)
+        if len(self._open) >= FREE_EVERY_COPIES:
+            self._close()
+
+    def _close(self) -> None:
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+        self._groups.append((self._open, event))
+        self._open = []
+
+    def free_as_done(self) -> int:
+        """Free each group once its copies are done, the last after the phase's synchronize; the bytes moved.
+
+        Interrupted part-way (or a failed wait), it still finishes the move before raising, so no storage is
+        left at 0 bytes without its slot holding the bytes: every copy was issued; they are waited for."""
+        moved, freed = 0, 0
+        groups = self._groups
+        try:
+            for moves, event in groups:
+                if event is not None:
+                    event.synchronize()
+                moved += _free_offloaded(moves)
+                groups[freed] = ([], None)  # its moves are released now, while the later copies still run
+                freed += 1
+            synchronize(self._device)
+        except BaseException:
+            _settle_copies(self._device, None)
+            for moves, _ in self._groups[freed:]:
+                _free_offloaded(moves)
+            _free_offloaded(self._open)
+            raise
+        return moved + _free_offloaded(self._open)
+
+
+def _settle_copies(device: torch.device | None, stream: "torch.cuda.Stream | None") -> None:
+    """After a failure part-way through issuing: wait for the copies already queued (best effort: the
+    failure being raised is the one to report), so none writes into host memory after the call."""
+    try:
+        if stream is not None:
+            stream.synchronize()
+        elif device is not None:
+            synchronize(device)
+    except Exception:  # noqa: BLE001 - a second error while unwinding the first
+        pass
+
+
+def _free_offloaded(moves: list[Move]) -> int:
+    """After the copies completed: each slot holds its storage's bytes and the storage is freed; the bytes."""
+    moved = 0
+    for group, slot, nbytes in moves:
+        moved += nbytes
+        slot.holds_data = True
+        group.storage.resize_(0)
+    return moved
+
+
+# -- Packed copies of small storages: one host<->device copy per run of back-to-back arena slots ---
+# A copy of a few KiB costs about as much as its launch, so thousands of small storages (norm
+# weights, biases and their optimizer state) stay far below the flat copy rate. Slots reserved
+# together lie back to back in one host chunk; for such a run the device side is staged in one
+# buffer (one multi-tensor copy kernel) and the host side moves in one copy. The bytes that land in
+# each slot are exactly those of the per-storage copy; the alignment padding between slots belongs
+# to no slot.
+
+
+RUN_MAX_BYTES = 64 << 20  # bounds the device staging buffer of one run
+
+Run = list[tuple["StorageGroup", Slot, int]]  # (group, slot, bytes to move)
+
+
+def packed_runs(moves: Sequence[tuple["StorageGroup", Slot, int]], *, below_bytes: int) -> tuple[list[Run], list]:
+    """Runs of two or more storages under ``below_bytes`` whose slots lie back to back; and every other move."""
+    small = sorted((m for m in moves if m[2] < below_bytes), key=lambda m: (m[1].chunk, m[1].offset))
+    runs: list[Run] = []
+    current: Run = []
+    for move in small:
+        if current and _follows(current, move):
+            current.append(move)
+            continue
+        runs.append(current)
+        current = [move]
+    runs.append(current)
+    packed = [run for run in runs if len(run) > 1]
+    in_runs = {id(move[0]) for run in packed for move in run}
+    return packed, [move for move in moves if id(move[0]) not in in_runs]
+
+
+def _follows(run: Run, move: tuple["StorageGroup", Slot, int]) -> bool:
+    _, last, _ = run[-1]
+    _, slot, nbytes = move
+    adjacent = slot.chunk == last.chunk and slot.offset == last.offset + align_up(last.capacity_bytes)
+    return adjacent and slot.offset + nbytes - run[0][1].offset <= RUN_MAX_BYTES
+
+
+def copy_run_to_host(run: Run, arena: HostArena, *, non_blocking: bool) -> None:
+    """The run's storages into their slots: gathered into one device buffer, then one device-to-host copy."""
+    first, span = run[0][1], _span(run)
+    staging = torch.empty(span, dtype=torch.uint8, device=run[0][0].storage.device)
+    starts = [slot.offset - first.offset for _, slot, _ in run]
+    torch._foreach_copy_(
+        [staging[start : start + nbytes] for start, (_, _, nbytes) in zip(starts, run)],
+        [storage_as_bytes(group.storage, nbytes) for group, _, nbytes in run],
+    )
+    # host_bytes of the first slot, widened to the run: the slots after it in the same chunk
+    arena.host_bytes(first, span).copy_(staging, non_blocking=non_blocking)
+
+
+def copy_run_to_device(run: Run, arena: HostArena, *, non_blocking: bool) -> None:
+    """The run's slots into their (regrown) storages: one host-to-device copy, then one scatter kernel."""
+    first, span = run[0][1], _span(run)
+    staging = torch.empty(span, dtype=torch.uint8, device=run[0][0].storage.device)
+    staging.copy_(arena.host_bytes(first, span), non_blocking=non_blocking)
+    starts = [slot.offset - first.offset for _, slot, _ in run]
+    torch._foreach_copy_(
+        [storage_as_bytes(group.storage, nbytes) for group, _, nbytes in run],
+        [staging[start : start + nbytes] for start, (_, _, nbytes) in zip(starts, run)],
+    )
+    # staging is freed on return; the caching allocator reuses it only in this stream's order
+
+
+def _span(run: Run) -> int:
+    _, last, nbytes = run[-1]
+    return last.offset + nbytes - run[0][1].offset

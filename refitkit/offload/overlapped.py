@@ -21,7 +21,7 @@ import torch
 
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload.arena import HostArena
-from refitkit.offload._copies import _free_offloaded, _issue_to_host
+from refitkit.offload.moves import _free_offloaded, _issue_to_host
 from refitkit.offload._views import Records
 from refitkit.offload.moves import Move, TensorSet, _offloadable_groups, _slotted_moves, _while_copying
 from refitkit.offload.stats import MoveStats

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from refitkit.report import gbps
+
 
 @dataclass(frozen=True)
 class MoveStats:
@@ -16,9 +18,7 @@ class MoveStats:
     @property
     def gbps(self) -> float:
         """Decimal gigabytes per second (0.0 when nothing moved)."""
-        if self.bytes == 0 or self.seconds <= 0.0:
-            return 0.0
-        return self.bytes / self.seconds / 1e9
+        return gbps(self.bytes, self.seconds)
 
     def __add__(self, other: "MoveStats") -> "MoveStats":
         return MoveStats(

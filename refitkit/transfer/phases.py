@@ -11,6 +11,7 @@ import torch
 
 from refitkit._knobs import MAX_TIMEOUT_S, checked_seconds  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
 from refitkit.errors import InvalidInput, TransferError
+from refitkit.report import gbps
 
 TRANSPORTS = ("auto", "cuda_ipc", "shm")
 # The longest timeout_s any wait can hold: ZMQ polls take a C int of milliseconds (2**31 ms is 24.8
@@ -111,9 +112,7 @@ class TransferStats:
     @property
     def gbps(self) -> float:
         """Decimal gigabytes per second (0.0 when nothing moved)."""
-        if self.bytes == 0 or self.seconds <= 0.0:
-            return 0.0
-        return self.bytes / self.seconds / 1e9
+        return gbps(self.bytes, self.seconds)
 
 
 def checked_device(device: object) -> torch.device:

@@ -49,14 +49,13 @@ import torch
 import zmq
 
 from refitkit.errors import ProtocolError, TransferTimeout
+from refitkit.offload.device import ALIGN_BYTES, align_up  # noqa: F401 (re-exported: the wire's alignment)
 from refitkit.transfer.phases import SessionPhase
 
 # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters;
 # 4: segment handles (sealed memfds or named), hello's pidns
 WIRE_VERSION = 4
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
-# Entries start on this boundary so every dtype view of the bucket is aligned (and GPU copies coalesce).
-ALIGN_BYTES = 256
 # A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 << 20
 # More dimensions than torch itself handles well is not a weight; bounds the work of checking a shape.
@@ -103,11 +102,6 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-def align_up(offset: int) -> int:
-    """Round an offset up to ``ALIGN_BYTES``."""
-    return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 class Entry(NamedTuple):

@@ -29,16 +29,24 @@ ProtocolError; the session releases and reports it.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import zmq
 
-from refitkit.errors import InvalidInput, TransferError
-from refitkit.transfer._receive_session import _ReceiveSession
-from refitkit.transfer.endpoint import socket_path
+from refitkit.errors import InvalidInput, ProtocolError, TransferError
+from refitkit.transfer import cuda_ipc, doorbell, shm
+from refitkit.transfer.endpoint import connect_receiver, socket_path
 from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
-from refitkit.transfer.protocol import brief
+from refitkit.transfer.protocol import (
+    ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits, check_split_pieces,
+    contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame, setup_fields,
+)  # fmt: skip
 
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
@@ -140,3 +148,385 @@ class BucketedWeightReceiver:
             if self._active is session:
                 self._active = None
             session.close()
+
+
+# -- One receiving session of a ``BucketedWeightReceiver``: map the bucket once, hand out views, release, ACK ---
+
+
+log = logging.getLogger("refitkit.transfer.receiver")  # one logger for the receiver side (tests filter on it)
+
+
+class _ReceiveSession:
+    """State of one receiving session: socket, mapping, sequence numbers, partly assembled tensors."""
+
+    def __init__(self, receiver: BucketedWeightReceiver) -> None:
+        self.receiver = receiver
+        self.device = receiver.device
+        self.phase = SessionPhase.HANDSHAKE
+        self.context: zmq.Context | None = None
+        self.sock: zmq.Socket | None = None
+        self.session: str | None = None
+        self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
+        self.bell: doorbell.Doorbell | None = None
+        self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
+        self.packed = 0  # buckets the sender announced as complete
+        self.unconsumed: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.half_bytes = 0
+        self.seq = 0
+        self.partial: tuple[SplitProgress, torch.Tensor] | None = None  # the split tensor being assembled
+        self.streams: dict[int, Any] = {}  # the loader's own streams (wait_on), waited for like the current one
+        self.assembled: list[torch.Tensor] = []  # this bucket's reassembled (owned) tensors
+        self.started = time.perf_counter()
+        self.wait_s = 0.0
+        self.bytes = 0
+        self.tensors = 0
+        self.released = False
+
+    # -- handshake --------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        self.context = zmq.Context()
+        self.sock = connect_receiver(self.context, self.receiver.path)
+        hello: dict[str, Any] = {
+            "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
+            "timeout_s": self.receiver.timeout_s,  # how long a sender may keep this hello queued
+            "pidns": shm.pid_namespace(),  # the same as the sender's: sealed memfds instead of named segments
+        }  # fmt: skip
+        if self.device.type == "cuda":
+            hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
+        self.sock.send(encode("hello", **hello))
+        setup = self._recv("setup")
+        if setup["kind"] == "abort":
+            self.phase = SessionPhase.RELEASED
+            raise TransferError(f"sender on {self.receiver.endpoint!r} refused the session: {setup.get('reason')}")
+        expect(setup, "setup")
+        if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
+            self.session = setup["session"]
+        try:
+            self.session, transport, self.half_bytes, handle, control = setup_fields(setup)
+            if transport == "shm":
+                self.mapping = shm.ShmMapping(handle, self.device)
+            elif transport == "cuda_ipc":
+                if self.device.type != "cuda":
+                    raise TransferError(f"sender chose cuda_ipc but this receiver is on {self.device}")
+                self.mapping = cuda_ipc.CudaIpcMapping(handle, self.device)
+                self.device = self.mapping.device
+            elif transport != "none":
+                raise ProtocolError(f"unknown transport {brief(transport)} in setup")
+            if control is not None:
+                self.bell = doorbell.Doorbell.open(control)
+            for path in (self.bell.path if self.bell else None, handle.get("path") if transport == "shm" else None):
+                if path is not None:  # both sides hold mappings now: no crash can leak the names
+                    shm.unlink_quietly(path)
+            if self.mapping is not None:
+                buffer_bytes = self.mapping.tensor.numel()  # type: ignore[union-attr]
+                if not (0 < self.half_bytes and self.half_bytes % ALIGN_BYTES == 0 and 2 * self.half_bytes <= buffer_bytes):
+                    raise ProtocolError(f"setup: half_bytes={self.half_bytes} does not fit a {buffer_bytes}-byte bucket buffer")
+        except Exception as exc:
+            self.fail(f"could not map the bucket: {exc}")
+            raise
+        self.sock.send(encode("ready", session=self.session))
+        self.phase = SessionPhase.STREAMING
+
+    # -- buckets ----------------------------------------------------------------------------------
+
+    def next_bucket(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """Wait for the next bucket frame, then for its bytes, and turn it into (name, tensor) pairs."""
+        frame = self._next_frame(f"bucket {self.seq}")
+        expect(frame, "bucket", session=self.session)
+        half, wide, last = bucket_fields(frame, self.seq)
+        entries = entries_from_wire(frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes)
+        if not entries:
+            check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
+            return [], last
+        self._check_entries(entries, last)  # before any byte is read or any view exists
+        self._wait_packed()
+        return self._unpack(entries, 0 if wide else half * self.half_bytes), last
+
+    def _next_frame(self, waiting_for: str) -> dict[str, Any]:
+        """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
+        began = time.perf_counter()
+        deadline = began + self.receiver.timeout_s
+
+        def ready() -> bool:
+            self._announce_consumed()
+            if not self.inbox and self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]
+                self._take(self._recv_now())
+            return bool(self.inbox)
+
+        def look(sleepy: bool) -> None:
+            if sleepy:  # one slice while reads wait to be announced, else nothing but the socket: block on it
+                wait_s = doorbell.WAIT_SLICE_S if self.unconsumed else deadline - time.perf_counter()
+                if self.sock.poll(max(1, int(wait_s * 1000)), zmq.POLLIN):  # type: ignore[union-attr]
+                    self._take(self._recv_now())
+
+        try:
+            doorbell.wait_until(
+                ready, look, timeout_s=self.receiver.timeout_s, phase=self.phase, waiting_for=waiting_for,
+                peer=f"the sender on {self.receiver.endpoint!r}",
+            )  # fmt: skip
+            return self.inbox.popleft()
+        finally:
+            self.wait_s += time.perf_counter() - began
+
+    def _wait_packed(self) -> None:
+        """Wait until the sender announced this bucket's bytes as complete (spin, then sleep in short slices)."""
+        target = self.seq + 1
+        if self._count_packed() >= target:
+            return
+
+        def ready() -> bool:
+            self._announce_consumed()
+            return self._count_packed() >= target
+
+        def look(sleepy: bool) -> None:
+            if sleepy and self.bell is not None:
+                if self.bell.take(doorbell.PACKED, doorbell.WAIT_SLICE_S):
+                    self.packed += 1
+            elif sleepy and self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
+                self._take(self._recv_now())
+            while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
+                self._take(self._recv_now())
+
+        began = time.perf_counter()
+        try:
+            doorbell.wait_until(
+                ready, look, timeout_s=self.receiver.timeout_s, phase=self.phase,
+                waiting_for=f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
+                peer=f"the sender on {self.receiver.endpoint!r}",
+            )  # fmt: skip
+        finally:
+            self.wait_s += time.perf_counter() - began
+
+    def _count_packed(self) -> int:
+        """Buckets announced as complete so far (taking the doorbell's announcements).
+
+        The sender packs a bucket only into a half we handed back, so at most two are announced beyond
+        the ones consumed: a count past that is a peer writing over the segment, not a loop to run.
+        """
+        if self.bell is not None:
+            most = self.seq + 2
+            while self.packed <= most and self.bell.take(doorbell.PACKED):
+                self.packed += 1
+            if self.packed > most:
+                raise ProtocolError(
+                    f"control segment {self.bell.path}: {self.packed} buckets announced packed, at most {most} can be "
+                    f"(bucket {self.seq} is the next to read); the segment was written over"
+                )
+        return self.packed
+
+    def _take(self, frame: dict[str, Any]) -> None:
+        """File a frame that arrived: an abort ends the session here, ``packed`` counts, others wait in the inbox."""
+        kind = frame["kind"]
+        if kind == "abort" and frame.get("session") == self.session:
+            reason = str(frame.get("reason"))
+            self._release()
+            self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
+            self.phase = SessionPhase.RELEASED
+            applied = (
+                f"the weights are INCOMPLETE: {self.seq} buckets ({self.tensors} tensors) were already handed to "
+                "on_bucket and applied; no bucket came with is_last=True" if self.seq else "nothing was handed to on_bucket"
+            )  # fmt: skip
+            raise TransferError(
+                f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq} ({applied}): {reason}"
+            )
+        if kind == "packed":
+            expect(frame, "packed", session=self.session)
+            seq = frame.get("seq")
+            if self.bell is not None or type(seq) is not int or seq != self.packed or seq > self.seq + 1:
+                raise ProtocolError(f"packed frame for bucket {brief(seq)}, expected bucket {self.packed} (reading {self.seq})")
+            self.packed += 1
+            return
+        self.inbox.append(frame)
+
+    def _announce_consumed(self) -> None:
+        """Without a doorbell: a ``done`` frame for every bucket whose reads have finished, in order."""
+        if self.unconsumed:
+            doorbell.announce_finished(self.unconsumed, lambda seq: self._send(encode("done", session=self.session, seq=seq)))
+
+    def _check_entries(self, entries: list[Entry], last: bool) -> None:
+        """The split tensor's pieces in order and consistent, and its size one this device can hold."""
+        if self.mapping is None:
+            raise ProtocolError("bucket with tensors in a session without a bucket buffer")
+        check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
+        for entry in entries:
+            if entry.start == 0 and not entry.whole:
+                check_split_fits(entry, self.device)
+
+    def _unpack(self, entries: list[Entry], bucket_offset: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of the bucket for whole tensors; split ones are copied into place (and handed out once complete)."""
+        if self.mapping is None:
+            raise ProtocolError("bucket with tensors in a session without a bucket buffer")
+        # Whole ALIGN_BYTES blocks, so the bucket can be seen as any dtype (the bucket's size is a multiple).
+        used = align_up(max(entry.offset + entry.nbytes for entry in entries))
+        self.assembled.clear()
+        base = self.mapping.bucket(bucket_offset, used)
+        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the bucket seen as each dtype, and where it starts
+        weights = []
+        try:
+            for entry in entries:
+                if entry.whole:
+                    dtype = entry.dtype
+                    if dtype not in typed:
+                        view = base.view(dtype)
+                        typed[dtype] = (view, view.storage_offset())
+                    view, first = typed[dtype]
+                    element = first + entry.offset // dtype.itemsize
+                    weights.append((entry.name, view.as_strided(entry.shape, contiguous_strides(entry.shape), element)))
+                else:
+                    tensor = self._assemble(entry, base[entry.offset : entry.offset + entry.nbytes])
+                    if tensor is not None:
+                        weights.append((entry.name, tensor))
+                        self.assembled.append(tensor)
+                self.bytes += entry.nbytes
+        except BaseException:
+            base = view = typed = weights = None  # type: ignore[assignment]  # the traceback must not pin the bucket
+            raise
+        self.tensors += len(weights)
+        return weights
+
+    def _assemble(self, entry: Entry, piece: torch.Tensor) -> torch.Tensor | None:
+        """Copy one byte range of a split tensor into place; the tensor once its last range arrived
+        (the ranges were checked by ``_check_entries``)."""
+        if entry.start == 0:
+            try:
+                tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+            except RuntimeError as exc:  # out of memory, typically: name what could not be held
+                raise TransferError(f"{entry.name!r}: cannot allocate {entry.total} bytes on {self.device} to reassemble it: {exc}") from None
+        else:
+            tensor = self.partial[1]  # type: ignore[index]
+        tensor.view(-1).view(torch.uint8)[entry.start : entry.start + entry.nbytes].copy_(piece)
+        if not entry.completes:
+            self.partial = (SplitProgress(entry.name, entry.dtype, entry.shape, entry.start + entry.nbytes), tensor)
+            return None
+        self.partial = None
+        return tensor
+
+    def is_bucket_view(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` points into the mapped bucket (rather than being reassembled and owned)."""
+        return not any(tensor is assembled for assembled in self.assembled)
+
+    def bucket_consumed(self, last: bool) -> None:
+        """The caller dropped this bucket's tensors: free its half once the reads finished, or release and ACK."""
+        if not last:
+            # A CUDA loader's copies out of the bucket are queued on this stream (and on those it handed to
+            # wait_on, which this one now waits for): announce when they ran.
+            stream = self._reads_stream()
+            if self.bell is not None:
+                self.bell.post_when_done(doorbell.CONSUMED, stream)
+            else:
+                self.unconsumed.append((self.seq, doorbell.event_after(stream)))
+                self._announce_consumed()
+            self.seq += 1
+            return
+        self.phase = SessionPhase.DRAINING
+        try:
+            self._release(final=True)
+        except TransferError as exc:
+            self.fail(str(exc))
+            raise
+        self._send(encode("released", session=self.session, seq=self.seq))
+        self.phase = SessionPhase.RELEASED
+
+    def _reads_stream(self) -> Any:
+        """The current CUDA stream, made to wait for the loader's streams (wait_on); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        stream = torch.cuda.current_stream(self.device)
+        for side in self.streams.values():
+            stream.wait_stream(side)
+        return stream
+
+    # -- release, failure, frames -----------------------------------------------------------------
+
+    def _release(self, final: bool = False) -> None:
+        """Drop views and the mapping; ``final`` (the last bucket was consumed): then also ring the
+        doorbell once more, the final ACK's early twin (the ``released`` frame follows)."""
+        if self.released:
+            return
+        self.released = True
+        self.partial = None
+        self.assembled.clear()
+        self.unconsumed.clear()
+        mapping, self.mapping = self.mapping, None
+        bell, self.bell = self.bell, None
+        try:
+            if mapping is not None:
+                self._reads_stream()
+                mapping.release()  # finishes this stream's reads (and so the loader's streams') first
+            elif self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if final:
+                # Release strictly before the final ACK: an ACK first lets the sender free memory still mapped here.
+                log.debug("bucket memory released", extra={"refit_event": "receiver_released"})
+                log.debug("sending the final ACK", extra={"refit_event": "final_ack_sending"})
+                if bell is not None:
+                    # Its early twin on the doorbell, one CONSUMED more than the buckets before the last
+                    # (a semaphore wakes the sender 0.1-0.45 ms sooner than the frame, which follows).
+                    bell.post(doorbell.CONSUMED)
+        finally:
+            if bell is not None:
+                bell.close()  # after the posts queued on our streams ran
+
+    def fail(self, message: str) -> None:
+        """Release, then tell the sender why this session failed (best effort; once per session)."""
+        if self.phase is SessionPhase.RELEASED:
+            return
+        try:
+            self._release()
+        except TransferError as exc:
+            message = f"{message}; and then {exc}"
+        if self.session is not None:
+            self._send(encode("error", session=self.session, phase=self.phase.value, message=message), quiet=True)
+        self.phase = SessionPhase.RELEASED
+
+    def stats(self) -> TransferStats:
+        return TransferStats(
+            bytes=self.bytes, tensors=self.tensors, buckets=self.seq + 1,
+            seconds=time.perf_counter() - self.started, ack_wait_s=self.wait_s,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Release whatever is still held and close the socket; never raises for the release."""
+        self.partial = None
+        self.assembled.clear()
+        try:
+            self._release()
+        except TransferError as exc:
+            log.warning("receiver on %r: %s", self.receiver.endpoint, exc)
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.context is not None:
+            self.context.term()
+            self.context = None
+
+    def _send(self, payload: bytes, *, quiet: bool = False) -> None:
+        if self.sock is None:
+            if quiet:
+                return
+            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.receiver.endpoint!r} is closed")
+        try:
+            self.sock.send(payload, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if not quiet:
+                raise TransferError(f"{self.phase.value}: cannot reach the sender on {self.receiver.endpoint!r}: {exc}") from None
+
+    def _recv_now(self) -> dict[str, Any]:
+        """A frame that poll() said is there."""
+        return self._recv("a frame", timeout_s=0.0)
+
+    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> dict[str, Any]:
+        if self.sock is None:
+            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.receiver.endpoint!r} is closed")
+        began = time.perf_counter()
+        try:
+            parts = recv_frame(
+                self.sock, timeout_s=self.receiver.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
+                waiting_for=waiting_for, peer=f"the sender on {self.receiver.endpoint!r}",
+            )  # fmt: skip
+        finally:
+            self.wait_s += time.perf_counter() - began
+        if len(parts) != 1:
+            raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.receiver.endpoint!r}")
+        return decode(parts[0])

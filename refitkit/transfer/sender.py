@@ -36,20 +36,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import zmq
+from torch.profiler import record_function
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferError
-from refitkit.transfer import cuda_ipc, shm
-from refitkit.transfer._send_session import CANCEL_SLICE_S, END, StopRequest, _Cancelled, _raise_if_cancelled, _SendSession
+from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
+from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
-from refitkit.transfer.packing import CheckedItem, check_items, half_bytes_for
-from refitkit.transfer.phases import TransferStats, checked_knobs
-from refitkit.transfer.protocol import ALIGN_BYTES, decode
+from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
+from refitkit.transfer.phases import SendState, TransferStats, checked_knobs
+from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
 
 log = logging.getLogger(__name__)
 
@@ -290,3 +292,396 @@ class BucketedWeightSender:
         except Exception as late:  # the sender is closed now; its next send() says so
             log.error("sender on %r could not rebind after %r (it is closed now): %s", self.endpoint, exc, late)
             exc.add_note(f"refitkit: the sender could not rebind {self.endpoint!r} afterwards and is closed: {late!r}")
+
+
+# -- One ``send()`` session of a ``BucketedWeightSender``: handshake, streaming, draining, release ---
+
+
+
+END = object()  # what ``pull()`` returns when the caller's iterable is exhausted
+CANCEL_SLICE_S = 0.05  # how often a wait with nothing to spin on (the lock, a hello, an async item) looks for cancellation
+
+
+class _Cancelled(TransferError):
+    """The session was stopped from another thread: its ``asend()`` was cancelled, or ``close()`` was called."""
+
+
+class StopRequest(threading.Event):
+    """Set from another thread to stop a running session at its next look (each item, each wait slice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = "asend() was cancelled"
+
+    def stop(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
+
+
+def _bucket_range(seq: int) -> record_function:
+    """An open ``torch.profiler`` range (NVTX under ``emit_nvtx``) for bucket ``seq``; the caller closes it."""
+    span = record_function("refitkit.sync.bucket", args=f"seq={seq}")
+    span.__enter__()
+    return span
+
+
+def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
+    if cancel is not None and cancel.is_set():
+        raise _Cancelled(f"{cancel.reason} {where}")
+
+
+class _SendSession:
+    """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
+
+    def __init__(
+        self, sender: BucketedWeightSender, pull: Callable[[], Any], listed: list[CheckedItem] | None,
+        all_cuda: bool, cancel: StopRequest | None, half_bytes: int,
+    ) -> None:  # fmt: skip
+        self.sender = sender
+        self.batch = listed is not None
+        self.checked = listed is not None  # a list's items were checked whole before the session
+        self.all_cuda = all_cuda
+        self.cancel = cancel
+        self.aborted_from: SendState | None = None  # the state abort() found
+        self.half_bytes = half_bytes
+        self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
+        self.pull = pull
+        self.session = secrets.token_hex(8)
+        self.state = SendState.AWAITING_HELLO
+        self.peer: bytes | None = None
+        self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
+        self.bell: doorbell.Doorbell | None = None
+        self.packer: BucketPacker | None = None
+        self.seq = 0
+        self.span: record_function | None = None  # the profiler range of the bucket being packed
+        self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
+        self.unpacked: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.consumed = 0  # buckets the receiver is done with
+        self.ack_wait_s = 0.0
+        self.items = 0
+        self.seen: set[str] = set()
+        self.need_cuda = sender.transport == "cuda_ipc"
+
+    def run(self) -> TransferStats:
+        start = time.perf_counter()
+        hello = self._await_hello()
+        self._mark("hello_wait", start)
+        first = self._next_item()
+        began = time.perf_counter()
+        while True:
+            try:
+                self._set_up(hello, first)
+                break
+            except PeerGone:  # a queued hello whose receiver gave up since: free, and take the next one
+                if self.state.setup_sent:
+                    raise
+                self.free()
+                hello = self._await_hello()
+        self._mark("setup", began)
+        began = time.perf_counter()
+        total_bytes = 0
+        item = first
+        if self.packer is not None:
+            pack, next_item, unpacked = self.packer.pack, self._next_item, self.unpacked
+            self.span = _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
+            try:
+                while item is not None:
+                    pack(*item)
+                    total_bytes += item[1].nbytes
+                    if unpacked:  # announce finished buckets now, not when the next one is full
+                        self._announce_packed()
+                    item = next_item()
+                self.packer.finish()
+            finally:
+                if self.span is not None:  # the stream stopped before its last bucket shipped
+                    self.span.__exit__(None, None, None)
+                    self.span = None
+        else:
+            self._send_bucket(0, False, [], True)  # an empty stream: the receiver still learns it ended
+        self._mark("stream", began)
+        began = time.perf_counter()
+        self.state = self.state.to(SendState.DRAINING)
+        self._wait(self._released, f"released for bucket {self.seq - 1}", counter=self.bell is not None)
+        self._mark("drain_and_release", began)
+        log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
+        return TransferStats(
+            bytes=total_bytes, tensors=self.items, buckets=self.seq,
+            seconds=time.perf_counter() - start, ack_wait_s=self.ack_wait_s,
+        )  # fmt: skip
+
+    def _mark(self, phase: str, began: float) -> None:
+        self.sender.last_timings_s[phase] = time.perf_counter() - began
+
+    # -- items and buckets ------------------------------------------------------------------------
+
+    def _next_item(self) -> CheckedItem | None:
+        if self.cancel is not None and self.cancel.is_set():  # (no message built per item: the critical path)
+            raise _Cancelled(f"{self.cancel.reason} after {self.items} items")
+        item = self.pull()
+        if item is END:
+            return None
+        if not self.checked:
+            item = check_item(self.items, item, self.seen, need_cuda=self.need_cuda)
+        self.items += 1
+        return item
+
+    def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
+        transport = self._choose_transport(hello, first)
+        half = self.half_bytes
+        if transport == "shm":
+            self.bucket = shm.ShmBucket(2 * half, session=self.session, peer_pidns=hello.get("pidns"))
+        elif transport == "cuda_ipc" and first is not None:
+            self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
+        handle = self.bucket.handle() if self.bucket is not None else {}
+        control = None
+        shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
+        if self.bucket is not None and shared_shm and doorbell.available():
+            try:
+                self.bell = doorbell.Doorbell.create(self.session, peer_pidns=hello.get("pidns"))
+                control = self.bell.handle()
+            except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
+                log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.sender.endpoint, exc)
+        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control))
+        self.state = self.state.to(SendState.OFFERED)
+        # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
+        if self.bucket is not None:
+            self.packer = BucketPacker(
+                self.bucket.tensor, half, send_bucket=self._send_bucket, wait_free=self._wait_free, batch=self.batch
+            )
+
+    def _choose_transport(self, hello: dict[str, Any], first: CheckedItem | None) -> str:
+        if first is None:
+            return "none"
+        receiver_cuda = hello.get("device") == "cuda"
+        wanted = self.sender.transport
+        if wanted == "cuda_ipc" and not receiver_cuda:
+            raise TransferError(f"transport='cuda_ipc' but the receiver on {self.sender.endpoint!r} is on the CPU")
+        if wanted == "auto":  # (a list: cuda_ipc only when every tensor is on CUDA; it was checked for no device)
+            on_cuda = self.all_cuda if self.checked else first[1].is_cuda
+            wanted = "cuda_ipc" if receiver_cuda and on_cuda and cuda_ipc.ipc_available() else "shm"
+        self.need_cuda = wanted == "cuda_ipc"
+        if self.need_cuda and not first[1].is_cuda:
+            raise InvalidInput(f"{first[0]!r} is on {first[1].device}; transport='cuda_ipc' needs CUDA tensors")
+        return wanted
+
+    def _send_bucket(self, half: int, wide: bool, entries: list[Any], last: bool) -> None:
+        """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished."""
+        if entries and self.bucket is not None:  # an empty bucket has no bytes to announce
+            stream = self.bucket.shipped()
+            if self.bell is not None:
+                self.bell.post_when_done(doorbell.PACKED, stream)
+            else:
+                self.unpacked.append((self.seq, doorbell.event_after(stream)))
+        self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries))
+        self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
+        self.seq += 1
+        if self.span is not None:  # the shipped bucket's range ends, the next one's begins
+            self.span.__exit__(None, None, None)
+            self.span = None if last else _bucket_range(self.seq)
+        self._announce_packed()
+
+    def _announce_packed(self) -> None:
+        """Without a doorbell: a ``packed`` frame for every bucket whose copies have finished, in order."""
+        if self.unpacked:
+            doorbell.announce_finished(self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq)))
+
+    def _take_consumed(self) -> None:
+        """Count the receiver's CONSUMED announcements (one per bucket; after the last, one for its release).
+
+        At most one more than the buckets sent is taken: a count beyond them is a ProtocolError, not a
+        loop over whatever a peer wrote into the counter."""
+        bell = self.bell
+        if bell is None:
+            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without a control segment")
+        while self.consumed <= self.seq and bell.take(doorbell.CONSUMED):
+            self.consumed += 1
+        if self.consumed > self.seq:
+            raise ProtocolError(
+                f"control segment {bell.path}: the receiver announced {self.consumed} buckets done; only {self.seq} were sent"
+            )
+
+    def _released(self) -> bool:
+        """The final ACK: the ``released`` frame, or (sooner) the doorbell's count reaching every bucket sent,
+        which the receiver posts for the last bucket only after it released its mapping."""
+        if self.state is SendState.DRAINING and self.bell is not None:
+            self._take_consumed()
+            if self.consumed == self.seq:
+                self.state = self.state.to(SendState.RELEASED)
+        return self.state is SendState.RELEASED
+
+    def _wait_free(self, halves: int) -> None:
+        """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
+
+        def free() -> bool:
+            if self.bell is not None:
+                self._take_consumed()
+            while self.unacked and self.unacked[0][0] < self.consumed:
+                self.unacked.popleft()
+            return not any(mask & halves for _, mask in self.unacked)
+
+        if not free():
+            self._wait(free, f"done for bucket {self.unacked[0][0]}", counter=True)
+
+    def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
+        """Until ``condition()``: spin a little, then sleep in short slices (on the CONSUMED semaphore when
+        ``counter``, else on the socket), reading frames between looks.
+
+        Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once.
+        """
+
+        def ready() -> bool:
+            self._announce_packed()
+            return condition()
+
+        def look(sleepy: bool) -> None:
+            if self.cancel is not None and self.cancel.is_set():
+                raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
+            if sleepy and counter and self.bell is not None:
+                if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
+                    self.consumed += 1
+                self._read_frames(0)
+            else:  # (frames, or our own copies' packed frames in the fallback: one slice at most)
+                self._read_frames(int(doorbell.WAIT_SLICE_S * 1000) if sleepy else 0)
+
+        began = time.perf_counter()
+        try:
+            doorbell.wait_until(
+                ready, look, timeout_s=self.sender.timeout_s, phase=self.state.phase, waiting_for=waiting_for,
+                peer=f"the receiver on {self.sender.endpoint!r}",
+            )  # fmt: skip
+        finally:
+            self.ack_wait_s += time.perf_counter() - began
+
+    # -- frames ---------------------------------------------------------------------------------
+
+    def _send(self, payload: bytes) -> None:
+        if self.peer is None:
+            raise TransferError(f"{self.state.value}: no receiver to send to on {self.sender.endpoint!r} (a bug in refitkit)")
+        try:
+            self.sock.send_multipart([self.peer, payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._read_frames(0)  # a receiver that failed and left reported why first: raise that
+            raise PeerGone(
+                f"{self.state.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
+                f"nothing left to wait for within timeout_s={self.sender.timeout_s:g}"
+            ) from None
+
+    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]]:
+        parts = recv_frame(
+            self.sock, timeout_s=self.sender.timeout_s if timeout_s is None else timeout_s, phase=self.state.phase,
+            waiting_for=waiting_for, peer=self._peer_name(),
+        )  # fmt: skip
+        if len(parts) != 2:
+            raise ProtocolError(f"{self.state.phase.value}: a {len(parts) - 1}-part message on {self.sender.endpoint!r}")
+        return parts[0], decode(parts[1])
+
+    def _peer_name(self) -> str:
+        return f"the receiver on {self.sender.endpoint!r}"
+
+    def _await_hello(self) -> dict[str, Any]:
+        waiting = self.sender._waiting.take()
+        if waiting is not None:
+            self.peer, frame = waiting
+            return frame
+        waiting_for = "hello (is a receiver connected?)"
+        deadline = time.monotonic() + self.sender.timeout_s
+        while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
+            _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
+            left_s = max(0.0, deadline - time.monotonic())
+            slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
+            if not self.sock.poll(int(slice_s * 1000), zmq.POLLIN):
+                if time.monotonic() >= deadline:
+                    raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.sender.timeout_s)
+                continue
+            peer, frame = self._recv(waiting_for, timeout_s=0.0)
+            if frame["kind"] == "hello":
+                self.peer = peer
+                return frame
+            log.debug("dropped a stale %s frame before the handshake", frame["kind"])
+
+    def _read_frames(self, timeout_ms: int) -> None:
+        """Handle every frame already queued (waiting up to ``timeout_ms`` for the first) up to the final ACK:
+        what follows it (the next session's hello) is left for the next session."""
+        while self.state is not SendState.RELEASED and self.sock.poll(timeout_ms, zmq.POLLIN):
+            timeout_ms = 0
+            peer, frame = self._recv("a frame", timeout_s=0.0)
+            self._handle(peer, frame)
+
+    def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
+        if peer != self.peer:
+            if frame["kind"] == "hello":  # the next receiver (it waits, bounded by its own timeout_s)
+                self.sender._waiting.add(peer, frame)
+            return  # else a well-formed frame from an earlier session's peer
+        if frame["kind"] == "error":
+            message = str(frame.get("message"))
+            self.state = self.state.to(SendState.PEER_FAILED)  # the receiver released before it reported
+            raise TransferError(
+                f"receiver on {self.sender.endpoint!r} failed ({frame.get('phase')}): {message}", remote_message=message
+            )
+        expect(frame, "ready", "done", "released", session=self.session)
+        kind, seq = frame["kind"], frame.get("seq")
+        if kind == "ready" and self.state.setup_sent:
+            if self.state is SendState.OFFERED:
+                self.state = self.state.to(SendState.STREAMING)
+            if self.bucket is not None:
+                self.bucket.receiver_mapped()
+            return
+        if kind == "done" and self.bell is None and type(seq) is int and seq == self.consumed and seq < self.seq:
+            self.consumed = seq + 1
+            return
+        if kind == "released" and seq == self.seq - 1 and not self.unpacked and self.state is SendState.DRAINING:
+            self.state = self.state.to(SendState.RELEASED)
+            return
+        raise ProtocolError(f"unexpected {kind} for bucket {seq!r} (sent {self.seq} buckets)")
+
+    # -- failure and cleanup ----------------------------------------------------------------------
+
+    def abort(self, exc: BaseException) -> None:
+        """Tell a live receiver the session is over and, when it can still answer, wait for it to release."""
+        if self.state in (SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED):
+            return  # it already released (and reported), or was told
+        setup_sent = self.state.setup_sent
+        self.aborted_from = self.state
+        self.state = self.state.to(SendState.ABORTED)
+        if self.peer is None:
+            return  # no receiver yet
+        try:
+            self.sock.send_multipart([self.peer, encode("abort", session=self.session, reason=repr(exc))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        if isinstance(exc, (TransferTimeout, ProtocolError)) or not setup_sent:
+            return  # the peer is dead, hostile or was never asked to map the bucket: free without waiting
+        # Wait (bounded) for the receiver to unmap (it may still be mapping: setup went out before
+        # ready came back) before the bucket is freed under it.
+        deadline = time.monotonic() + self.sender.timeout_s
+        try:
+            while time.monotonic() < deadline:
+                peer, frame = self._recv("released after abort", timeout_s=max(0.0, deadline - time.monotonic()))
+                if peer == self.peer and frame["kind"] in ("released", "error") and frame.get("session") == self.session:
+                    return
+                if peer != self.peer and frame["kind"] == "hello":
+                    self.sender._waiting.add(peer, frame)
+        except TransferError as late:
+            log.warning("receiver did not confirm the abort on %r: %s", self.sender.endpoint, late)
+
+    @property
+    def ever_offered(self) -> bool:
+        """Whether a receiver was ever sent the setup in this session (the socket may then hold its frames)."""
+        state = self.aborted_from if self.state is SendState.ABORTED else self.state
+        return state is not SendState.AWAITING_HELLO
+
+    def free(self) -> None:
+        """Free the bucket (idempotent); after this the sender holds no bucket memory."""
+        if self.packer is not None:
+            self.packer.detach()  # a traceback may still reference the packer; it must not keep the bucket
+        self.packer = None
+        bell, self.bell = self.bell, None
+        bucket, self.bucket = self.bucket, None
+        try:
+            if bucket is not None:
+                began = time.perf_counter()
+                bucket.free()  # after every stream a bucket was shipped on (with the posts queued there) ran
+                self._mark("free", began)
+        finally:
+            if bell is not None:
+                bell.close()

@@ -15,7 +15,7 @@ from torch import nn
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload import HostArena, Reservation, ReserveTimeout, offload_tensors, reload_tensors
-from refitkit.offload.arena import ALIGNMENT_BYTES
+from refitkit.offload.device import ALIGN_BYTES
 from tests.offload.child import address_space_headroom, run_in_child
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +24,7 @@ MIB = 1 << 20
 
 
 def _aligned(nbytes: int) -> int:
-    return (nbytes + ALIGNMENT_BYTES - 1) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def test_a_background_reservation_serves_the_first_offload_without_allocating_again():

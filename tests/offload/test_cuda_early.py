@@ -8,7 +8,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena, flush_device, offload_tensors, reload_tensors
-from refitkit.offload import _copies as copies_module
+from refitkit.offload import moves as moves_module
 from refitkit.offload.early import RoundPlan
 from tests.offload.test_moves import random_tensor
 
@@ -22,7 +22,7 @@ def _storages(count: int) -> dict[str, torch.Tensor]:
 
 
 def test_steady_rounds_with_early_copies_and_grouped_frees_are_exact_and_free_everything():
-    tensors = _storages(5 * copies_module.FREE_EVERY_COPIES + 7)
+    tensors = _storages(5 * moves_module.FREE_EVERY_COPIES + 7)
     arena, plan = HostArena(), RoundPlan()
     for round_index in range(3):
         for name, tensor in tensors.items():  # a train step writes new values every round

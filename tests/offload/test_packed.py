@@ -7,7 +7,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena, offload_tensors, reload_tensors
-from refitkit.offload._packed import packed_runs
+from refitkit.offload.moves import packed_runs
 from refitkit.offload.moves import _group_by_storage, named_tensors
 from tests.helpers.bits import bits_equal
 

@@ -93,7 +93,6 @@ def test_a_replaced_param_refused_after_early_copies_restores_nothing_and_loses_
 
 @pytest.mark.parametrize("keep_grads", [False, True], ids=["grads-dropped", "grads-kept"])
 def test_grads_are_freed_and_records_released_before_the_copies_are_waited_for(monkeypatch, keep_grads):
-    from refitkit.offload import _copies as copies_module
     from refitkit.offload import moves as moves_module
 
     model, optimizer = _trained()
@@ -101,23 +100,24 @@ def test_grads_are_freed_and_records_released_before_the_copies_are_waited_for(m
     adapter = FSDPAdapter(model, optimizer, keep_grads=keep_grads)
     params = [p for p in model.parameters() if p.requires_grad]
     at_wait: dict[str, object] = {}
-    offload_wait, reload_wait = copies_module.synchronize, moves_module.synchronize
+    phase: list[str] = []
+    real_wait = moves_module.synchronize
 
-    def offload_waits(device: torch.device) -> None:  # the offload's last wait for its copies
-        at_wait["grads"] = [p.grad is None for p in params]
-        offload_wait(device)
+    def waits(device: torch.device) -> None:  # a move's wait for its copies (the last one of each phase is kept)
+        if phase[-1] == "offload":
+            at_wait["grads"] = [p.grad is None for p in params]
+        else:
+            at_wait["records"] = {part: len(held) for part, held in adapter._offloaded.items()}
+        real_wait(device)
 
-    def reload_waits(device: torch.device) -> None:  # the reload's wait for its copies
-        at_wait["records"] = {part: len(held) for part, held in adapter._offloaded.items()}
-        reload_wait(device)
-
-    monkeypatch.setattr(copies_module, "synchronize", offload_waits)
-    monkeypatch.setattr(moves_module, "synchronize", reload_waits)
+    monkeypatch.setattr(moves_module, "synchronize", waits)
     count = len(params)  # (the asserts name no param: an offloaded one has no bytes to print)
+    phase.append("offload")
     adapter.offload()
     assert at_wait["grads"] == [not keep_grads] * count, "unkept grads are freed before the wait; kept ones copied"
     assert [p.grad is None for p in params] == [not keep_grads] * count
     assert adapter._offloaded["model"] and adapter._offloaded["optimizer"]
+    phase.append("reload")
     adapter.reload()
     assert all(count == 0 for count in at_wait["records"].values()), f"records left at the wait: {at_wait['records']}"
     assert adapter.state is DeviceState.ON_DEVICE and adapter._offloaded == {}

@@ -231,12 +231,12 @@ def test_an_offload_hook_that_raises_leaves_the_parts_offloaded_and_reload_resto
 
 
 def test_an_offload_interrupted_while_its_copies_are_waited_for_finishes_and_is_marked_offloaded(monkeypatch):
-    from refitkit.offload import _copies as copies_module
+    from refitkit.offload import moves as moves_module
 
     model, optimizer = _trained()
     expected = _snapshot(model, optimizer)
     adapter = FSDPAdapter(model, optimizer)
-    real_wait = copies_module.synchronize
+    real_wait = moves_module.synchronize
     interrupts: list[int] = []
 
     def interrupted(device: torch.device) -> None:  # Ctrl-C lands while the phase waits for its copies
@@ -245,7 +245,7 @@ def test_an_offload_interrupted_while_its_copies_are_waited_for_finishes_and_is_
             raise KeyboardInterrupt
         real_wait(device)
 
-    monkeypatch.setattr(copies_module, "synchronize", interrupted)
+    monkeypatch.setattr(moves_module, "synchronize", interrupted)
     with pytest.raises(KeyboardInterrupt):
         adapter.offload()
     assert adapter.state is DeviceState.OFFLOADED, "the copies were all issued: the offload finished before raising"
