@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -200,11 +200,7 @@ class LandedStats:
     observed: int = 0
 
     def __add__(self, other: "LandedStats") -> "LandedStats":
-        return LandedStats(*(a + b for a, b in zip(_fields(self), _fields(other))))
-
-
-def _fields(stats: LandedStats) -> tuple[int, ...]:
-    return (stats.direct_tensors, stats.direct_bytes, stats.loader_tensors, stats.loader_bytes, stats.observed)
+        return LandedStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 class DirectLoads:
@@ -276,31 +272,33 @@ class DirectLoads:
         watch = _LoaderWatch()
         with watch:
             self.load_weights([(name, tensor)])
-        why = self._not_direct(tensor, watch)
-        if why is not None:
+        why, owner = self._not_direct(tensor, watch)
+        if owner is None:
             self.skipped[name] = why
             return
-        target, source = watch.copies[0]
-        param_name, data = self._owner(target)  # type: ignore[misc]
+        target, _ = watch.copies[0]
+        param_name, data = owner
         offset = (target.data_ptr() - data.data_ptr()) // target.element_size()
         self.destinations[name] = Destination(param_name, offset, target.numel(), tuple(target.shape), target.dtype)
 
-    def _not_direct(self, tensor: torch.Tensor, watch: "_LoaderWatch") -> str | None:
+    def _not_direct(self, tensor: torch.Tensor, watch: "_LoaderWatch") -> tuple[str, tuple[str, torch.Tensor] | None]:
+        """Why ``tensor`` cannot go direct, or ("", the parameter that holds its one copy)."""
         if watch.writes:
-            return f"the loader wrote with {sorted(set(watch.writes))}"
+            return f"the loader wrote with {sorted(set(watch.writes))}", None
         if len(watch.copies) != 1:
-            return f"the loader made {len(watch.copies)} copies of it"
+            return f"the loader made {len(watch.copies)} copies of it", None
         target, source = watch.copies[0]
         if not isinstance(source, torch.Tensor) or not _same_view(source, tensor) or not tensor.is_contiguous():
-            return "the loader copied a transform or a part of it (sharded, transposed or converted)"
+            return "the loader copied a transform or a part of it (sharded, transposed or converted)", None
         if target.dtype != tensor.dtype or tuple(target.shape) != tuple(tensor.shape) or not target.is_contiguous():
-            return f"it lands as {target.dtype} {tuple(target.shape)} (streamed {tensor.dtype} {tuple(tensor.shape)})"
-        if self._owner(target) is None:
-            return "the loader copied it outside the model's parameters"
+            return f"it lands as {target.dtype} {tuple(target.shape)} (streamed {tensor.dtype} {tuple(tensor.shape)})", None
+        owner = self._owner(target)
+        if owner is None:
+            return "the loader copied it outside the model's parameters", None
         flat = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
         if not torch.equal(flat(target), flat(tensor).to(target.device)):
-            return "its bytes differ from the streamed ones after loading"
-        return None
+            return "its bytes differ from the streamed ones after loading", None
+        return "", owner
 
     def _owner(self, target: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """The parameter whose contiguous memory holds all of ``target``."""
