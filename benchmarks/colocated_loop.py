@@ -220,6 +220,8 @@ def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str
             _write_profile(trainer_profile, Path(profile) / "trainer_push.txt")
             llm.collective_rpc(_worker_profile_stop, args=(str(Path(profile).resolve() / "worker_push.txt"),))
         row = {"push": index, "sync_ms": wall_ms, **worker_split(link.last_push.workers[0])}
+        row["sender_ms"] = {phase: round(seconds * 1e3, 2) for phase, seconds in link.sender.last_timings_s.items()}
+        row["reset_prefix_cache_ms"] = round(link.call_seconds.get("reset_prefix_cache", 0.0) * 1e3, 2)
         if index == pushes - 1:
             held = llm.collective_rpc("refit_fingerprints")[0]
             row["params_equal"] = held == stacked_digests(model, tensor_fingerprint)
