@@ -26,14 +26,17 @@ per input there (``torch._foreach_copy_``, the previous method, cost 5 us per te
 integer views it needed to keep NaN payloads intact; ``cat`` moves elements as opaque bytes of
 their width, so payloads survive). Larger tensors are copied at once, where one launch is cheap
 next to the bytes. Deferring a copy is only safe when the caller cannot change a tensor after
-handing it over, so the sender batches only streams given as a list or tuple (a generator may
+handing it over, so the sender batches only streams given as a list or tuple, or as an iterator
+known to yield tensors that something else holds as they are (``held_unchanged``: torch's own
+``Module.named_parameters()`` / ``named_buffers()``, a dict's ``items()``). Any other generator may
 refill one staging buffer per item, and FSDP-style generators promise to hold one gathered
-tensor at a time).
+tensor at a time, so their tensors are copied as they come.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +92,22 @@ def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool) -> Che
     if tensor.requires_grad:  # copying from it into the bucket must not record autograd history
         tensor = tensor.detach()
     return name, tensor, wire_dtype
+
+
+# The code objects of torch's generators that yield a module's own tensors (an override in a subclass has others).
+_MODULE_MEMBER_CODES = frozenset({torch.nn.Module.named_parameters.__code__, torch.nn.Module.named_buffers.__code__})
+_DICT_ITEMS_ITERATORS = (type(iter({}.items())), type(iter(OrderedDict().items())))  # (state_dict() is an OrderedDict)
+
+
+def held_unchanged(iterator: Any) -> bool:
+    """Whether ``iterator`` yields tensors that stay as they are while ``send()`` pulls the rest, so their small
+    copies may be deferred like a list's: a generator made by torch's ``Module.named_parameters()`` or
+    ``named_buffers()`` (the module's own tensors: nothing runs between two items but torch's walk over the
+    modules), or a dict's ``items()`` (the dict holds every tensor). Anything else may reuse a buffer."""
+    code = getattr(iterator, "gi_code", None)
+    if code is not None:
+        return code in _MODULE_MEMBER_CODES
+    return type(iterator) in _DICT_ITEMS_ITERATORS
 
 
 def check_items(listed: list | tuple, *, need_cuda: bool) -> tuple[list[CheckedItem], bool]:

@@ -164,6 +164,39 @@ def test_runs_of_small_tensors_round_trip(receiver_server, endpoint, monkeypatch
     assert stats.tensors == len(weights) == 7 * len(SUPPORTED_DTYPES) + 6
 
 
+def test_a_modules_own_tensors_are_copied_in_runs_and_other_generators_one_by_one(
+    receiver_server, endpoint, monkeypatch, case
+):  # fmt: skip
+    # torch's named_parameters() and a state_dict's items() yield tensors that stay as they are while send()
+    # pulls the rest: their small copies are batched like a list's (one cat per run). A generator over the
+    # very same tensors is one refitkit cannot vouch for (it might refill a buffer): one copy per tensor.
+    runs: list[int] = []
+    end_run = packing.BucketPacker._end_run
+
+    def counting_end_run(self):
+        if self._run:
+            runs.append(len(self._run))
+        end_run(self)
+
+    monkeypatch.setattr(packing.BucketPacker, "_end_run", counting_end_run)
+    torch.manual_seed(5)
+    module = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(6))).to(case.tensor_device)
+    expected = {name: digest(tensor) for name, tensor in module.state_dict().items()}
+    on_buffer_device = (case.transport == "shm") == (case.tensor_device == "cpu")
+    sources = {
+        "named_parameters": (module.named_parameters(), on_buffer_device),
+        "state_dict items": (iter(module.state_dict().items()), on_buffer_device),
+        "a plain generator": (((name, tensor) for name, tensor in module.named_parameters()), False),
+    }
+    for label, (source, batched) in sources.items():
+        runs.clear()
+        roundtrip(receiver_server, endpoint, source, bucket_bytes=16 << 10, case=case, expected=expected)
+        if batched:
+            assert sum(runs) == 12 and max(runs) >= 2, (label, runs)  # 6 weights + 6 biases, weights run on
+        else:
+            assert runs == [], (label, runs)
+
+
 def test_list_smaller_than_the_bucket_gets_a_buffer_of_its_size(receiver_server, endpoint, monkeypatch):
     # The buffer is allocated and freed every session (on the H200, freeing 2 GiB took 1.2-2.4 ms in
     # a session, 1.1 GiB 0.65-1.0 ms): a list whose tensors need less than bucket_bytes gets only
