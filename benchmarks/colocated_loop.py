@@ -178,7 +178,8 @@ def bench_model(
                 row["free_gib"] = {phase: round(free / 2**30, 1) for phase, free in memory_log}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        pushes_out = live_pushes(llm, link, cycle, model, steps, pushes=pushes, profile=profile) if pushes else []
+        per_model = str(Path(profile) / key) if profile else None  # one directory per model size
+        pushes_out = live_pushes(llm, link, cycle, model, steps, pushes=pushes, profile=per_model) if pushes else []
     llm.llm_engine.engine_core.shutdown()
     del llm
     return {"model": key, "overlap": overlap, "limits": limits.__dict__, "rows": rows, "pushes": pushes_out}

@@ -3,7 +3,8 @@
 One ``send()`` is one session: wait for a receiver's hello, allocate the bucket buffer (two halves
 of ``bucket_bytes // 2``; a list or tuple that needs less gets less: the buffer is allocated and
 freed every session, and freeing 2 GiB took 1.2-2.4 ms inside a session on the H200, 1.1 GiB
-0.65-1.0 ms), let the receiver map it once (buckets are packed and their frames queued
+0.65-1.0 ms; a CUDA buffer whose device is known up front is allocated while the hello is on its
+way), let the receiver map it once (buckets are packed and their frames queued
 meanwhile), stream buckets, and wait for the final ACK that the receiver sends only after it
 released every view and its mapping. A bucket's frame leaves as soon as its copies are issued; its
 bytes are announced when the copies finished, and its half is reused once the receiver announced
@@ -43,19 +44,23 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import zmq
 from torch.profiler import record_function
 
 from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import cuda_ipc, doorbell, shm
 from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
-from refitkit.transfer.packing import BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
+from refitkit.transfer.packing import (
+    BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for, held_unchanged,
+)  # fmt: skip
 from refitkit.transfer.phases import SendState, TransferStats, checked_knobs
 from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
 
 log = logging.getLogger(__name__)
 
-_Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool]  # pull, a list's checked items, all on CUDA
+# pull, a list's checked items, all on CUDA, whether the items stay as they are during the session (``held_unchanged``)
+_Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool, bool]
 
 
 async def _anext_or_end(iterator: Any) -> Any:
@@ -184,7 +189,7 @@ class BucketedWeightSender:
                             raise _Cancelled("asend() was cancelled while waiting for the next item") from None
 
             def prepare() -> _Prepared:
-                return pull, None, False
+                return pull, None, False, False
 
         else:
 
@@ -223,26 +228,27 @@ class BucketedWeightSender:
                 raise TransferError(f"sender on {self.endpoint!r} is closed")
             _raise_if_cancelled(cancel, "before its session started")
             try:
-                pull, listed, all_cuda = prepare()
+                pull, listed, all_cuda, held = prepare()
             except InvalidInput as exc:
                 self._refuse_waiting(f"the sender's weights were invalid: {exc}")
                 raise
-            return self._session(pull, listed, all_cuda, cancel)
+            return self._session(pull, listed, all_cuda, held, cancel)
         finally:
             self._owner = self._stop = None
             self._lock.release()
 
     def _prepare(self, weights: Any) -> _Prepared:
-        """(pull, the checked items of a list or tuple, whether they are all CUDA tensors) for a sync iterable."""
+        """(pull, the checked items of a list or tuple, whether they are all CUDA tensors, whether the items stay
+        as they are during the session) for a sync iterable."""
         if isinstance(weights, (list, tuple)):
             checked, all_cuda = check_items(weights, need_cuda=self.transport == "cuda_ipc")
             items = iter(checked)
-            return lambda: next(items, END), checked, all_cuda
+            return lambda: next(items, END), checked, all_cuda, True
         try:
             iterator = iter(weights)
         except TypeError:
             raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
-        return lambda: next(iterator, END), None, False
+        return lambda: next(iterator, END), None, False, held_unchanged(iterator)
 
     def _refuse_waiting(self, reason: str) -> None:
         """Send an abort to every receiver whose hello is already here, so none waits its timeout for nothing."""
@@ -261,13 +267,13 @@ class BucketedWeightSender:
     # -- one session ------------------------------------------------------------------------------
 
     def _session(
-        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, cancel: StopRequest
+        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool, cancel: StopRequest
     ) -> TransferStats:
-        """One session; ``listed``: the checked items, when the caller gave a list or tuple (its tensors stay
-        as they are during the session, so small copies may be deferred, and its size is known up front)."""
+        """One session; ``listed``: the checked items, when the caller gave a list or tuple (its size is known up
+        front); ``held``: the items' tensors stay as they are during the session, so small copies may be deferred."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
-        run = _SendSession(self, pull, listed, all_cuda, cancel, half_bytes_for(listed, self.half_bytes))
+        run = _SendSession(self, pull, listed, all_cuda, held, cancel, half_bytes_for(listed, self.half_bytes))
         try:
             stats = run.run()
         except BaseException as exc:  # also KeyboardInterrupt / SystemExit from the caller's iterator
@@ -335,10 +341,11 @@ class _SendSession:
 
     def __init__(
         self, sender: BucketedWeightSender, pull: Callable[[], Any], listed: list[CheckedItem] | None,
-        all_cuda: bool, cancel: StopRequest | None, half_bytes: int,
+        all_cuda: bool, held: bool, cancel: StopRequest | None, half_bytes: int,
     ) -> None:  # fmt: skip
         self.sender = sender
-        self.batch = listed is not None
+        self.batch = held  # small copies deferred to one per run (packing.py): only for tensors that stay as they are
+        self.first_device = listed[0][1].device if listed else None
         self.checked = listed is not None  # a list's items were checked whole before the session
         self.all_cuda = all_cuda
         self.cancel = cancel
@@ -364,6 +371,7 @@ class _SendSession:
 
     def run(self) -> TransferStats:
         start = time.perf_counter()
+        self._allocate_early()
         hello = self._await_hello()
         self._mark("hello_wait", start)
         first = self._next_item()
@@ -425,12 +433,35 @@ class _SendSession:
         self.items += 1
         return item
 
+    def _allocate_early(self) -> None:
+        """Allocate and export the CUDA bucket while the receiver starts up (an engine's rpc takes milliseconds to
+        reach its worker), when the session's transport and device are known before its hello and first item:
+        ``transport='cuda_ipc'`` (a list's device, else the current one) or a list of CUDA tensors under ``auto``.
+        The set-up keeps it when the hello and the first item agree, else frees it; a failure here (out of
+        memory, say) is left to the set-up, which meets it again and then tells the receiver."""
+        if self.sender.transport == "cuda_ipc":
+            device = self.first_device or torch.device("cuda", torch.cuda.current_device())
+        elif self.sender.transport == "auto" and self.all_cuda and self.first_device is not None and cuda_ipc.ipc_available():
+            device = self.first_device
+        else:
+            return
+        began = time.perf_counter()
+        try:
+            self.bucket = cuda_ipc.CudaIpcBucket(2 * self.half_bytes, device=device)
+        except (TransferError, RuntimeError) as exc:
+            log.debug("sender on %r: no bucket before the hello (%s); the set-up allocates it", self.sender.endpoint, exc)
+            return
+        self._mark("early_bucket", began)
+
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.half_bytes
+        early = self.bucket  # from _allocate_early: kept if the session turned out to need just that
+        if early is not None and not (transport == "cuda_ipc" and first is not None and early.device == first[1].device):
+            self.free()
         if transport == "shm":
             self.bucket = shm.ShmBucket(2 * half, session=self.session, peer_pidns=hello.get("pidns"))
-        elif transport == "cuda_ipc" and first is not None:
+        elif transport == "cuda_ipc" and first is not None and self.bucket is None:
             self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         control = None

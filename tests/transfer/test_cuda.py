@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -83,6 +84,30 @@ def test_sigkilled_receiver_does_not_strand_the_bucket(receiver_server, endpoint
     # Our bucket is freed already; the dead receiver's context goes when the driver has torn it down.
     assert_device_memory_back(free_before, "after the receiver was SIGKILLed with the bucket mapped", settle_s=10.0)
     roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=CUDA_IPC)
+
+
+def test_the_bucket_is_made_while_the_hello_travels_and_freed_when_no_receiver_comes(endpoint):
+    # transport='cuda_ipc' knows its device before any hello: the bucket is allocated and exported while the
+    # receiver starts up (an engine's rpc takes milliseconds to reach its worker). A receiver that never
+    # comes still leaves nothing allocated once send() has raised.
+    weights = weights_3gib()[:2]
+
+    def lonely_send(timeout_s: float, during: list[int]) -> None:
+        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=timeout_s) as sender:
+            sampler = threading.Timer(timeout_s / 2, lambda: during.append(device_free_bytes()))
+            sampler.start()
+            try:
+                with pytest.raises(TransferTimeout, match="hello"):
+                    sender.send(iter(weights))
+            finally:
+                sampler.join()
+
+    lonely_send(0.2, [])  # once first: what a first export sets up for good is in the baseline
+    free_before = device_free_bytes()
+    during: list[int] = []
+    lonely_send(1.0, during)
+    assert free_before - during[0] >= 2 * GIB  # the bucket existed while the sender waited for a hello
+    assert_device_memory_back(free_before, "after a send() that no receiver came to")
 
 
 def test_receivers_run_with_the_senders_allocator_setting(receiver_server):
