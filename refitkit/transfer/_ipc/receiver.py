@@ -40,9 +40,9 @@ import torch
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
-from refitkit.transfer import cuda_ipc, doorbell, shm
-from refitkit.transfer.endpoint import connect_receiver, socket_path
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
+from refitkit.transfer._ipc.endpoint import connect_receiver, socket_path
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits, check_split_pieces,
     contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame, setup_fields,
@@ -153,7 +153,7 @@ class BucketedWeightReceiver:
 # -- One receiving session of a ``BucketedWeightReceiver``: map the bucket once, hand out views, release, ACK ---
 
 
-log = logging.getLogger("refitkit.transfer.receiver")  # one logger for the receiver side (tests filter on it)
+log = logging.getLogger("refitkit.transfer._ipc.receiver")  # one logger for the receiver side (tests filter on it)
 
 
 class _ReceiveSession:

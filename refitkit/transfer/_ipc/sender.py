@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import secrets
 import threading
@@ -49,15 +50,63 @@ import zmq
 from torch.profiler import record_function
 
 from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer import cuda_ipc, doorbell, shm
-from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
+from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
+from refitkit.transfer._ipc.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
 from refitkit.transfer.packing import (
     BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for, held_unchanged,
 )  # fmt: skip
-from refitkit.transfer.phases import SendState, TransferStats, checked_knobs
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
 
 log = logging.getLogger(__name__)
+
+
+class SendState(enum.Enum):
+    """Where one ``send()`` session stands, as the sender sees it (one state, changed only by ``to``)."""
+
+    AWAITING_HELLO = "awaiting hello"  # no setup sent: a receiver gone by now can be replaced by the next hello
+    OFFERED = "offered"  # setup sent: the receiver may still be mapping the bucket; buckets queue meanwhile
+    STREAMING = "streaming"  # the receiver said ready: it mapped the bucket
+    DRAINING = "draining"  # every bucket sent; waiting for the final ACK (a late ready is still taken)
+    RELEASED = "released"  # the final ACK: the receiver released every view and its mapping
+    PEER_FAILED = "peer failed"  # the receiver reported an error (it released before reporting)
+    ABORTED = "aborted"  # this side gave up; a live receiver was sent an abort frame
+
+    @property
+    def phase(self) -> SessionPhase:
+        """The protocol phase this state belongs to, as messages name it."""
+        return _PHASE_OF[self]
+
+    @property
+    def setup_sent(self) -> bool:
+        """Whether the receiver may hold (or be making) a mapping of the bucket."""
+        return self in (SendState.OFFERED, SendState.STREAMING, SendState.DRAINING)
+
+    def to(self, new: SendState) -> SendState:
+        """``new``, if this state may become it; else TransferError (a bug, or a peer breaking the protocol)."""
+        if new not in _NEXT[self]:
+            raise TransferError(f"send session cannot go from {self.value!r} to {new.value!r}")
+        return new
+
+
+_PHASE_OF = {
+    SendState.AWAITING_HELLO: SessionPhase.HANDSHAKE,
+    SendState.OFFERED: SessionPhase.STREAMING,
+    SendState.STREAMING: SessionPhase.STREAMING,
+    SendState.DRAINING: SessionPhase.DRAINING,
+    SendState.RELEASED: SessionPhase.RELEASED,
+    SendState.PEER_FAILED: SessionPhase.RELEASED,
+    SendState.ABORTED: SessionPhase.RELEASED,
+}
+_NEXT: dict[SendState, frozenset[SendState]] = {
+    SendState.AWAITING_HELLO: frozenset({SendState.OFFERED, SendState.ABORTED}),
+    SendState.OFFERED: frozenset({SendState.STREAMING, SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.STREAMING: frozenset({SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.DRAINING: frozenset({SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.RELEASED: frozenset(),
+    SendState.PEER_FAILED: frozenset(),
+    SendState.ABORTED: frozenset(),
+}
 
 # pull, a list's checked items, all on CUDA, whether the items stay as they are during the session (``held_unchanged``)
 _Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool, bool]

@@ -36,7 +36,6 @@ Security (what the secret buys, and what it does not):
 from __future__ import annotations
 
 import logging
-import operator
 import secrets
 import threading
 import time
@@ -46,26 +45,13 @@ from typing import Any
 import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer import _broadcast_group as grp
+from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, encode
 
 log = logging.getLogger("refitkit.transfer.broadcast")
 _END = object()  # the end of a generator of weights
-
-
-def checked_version(version: object) -> int:
-    """A weight version is an int in [0, 2**63): the RL loop's step, or any counter it keeps."""
-    if isinstance(version, bool):
-        raise InvalidInput(f"version={version!r}; need an int >= 0 (e.g. the training step)")
-    try:
-        value = operator.index(version)
-    except TypeError:
-        raise InvalidInput(f"version={version!r} is a {type(version).__name__}; need an int >= 0 (e.g. the training step)") from None
-    if not 0 <= value < 1 << 63:
-        raise InvalidInput(f"version={version!r}; need an int >= 0 and below 2**63")
-    return value
 
 
 def checked_backend(backend: object, device: torch.device) -> str:

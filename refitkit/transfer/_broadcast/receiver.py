@@ -1,4 +1,4 @@
-"""The engine side of a broadcast sync, and the weight version it serves (see ``broadcast_sender`` for the
+"""The engine side of a broadcast sync, and the weight version it serves (see ``_broadcast/sender.py`` for the
 session, the rendezvous and the security model).
 
 ``BroadcastWeightReceiver(rendezvous, secret=..., rank=r)`` is one engine worker (rank ``r`` in
@@ -33,9 +33,9 @@ import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.offload.device import resolved_device
-from refitkit.transfer import _broadcast_group as grp
-from refitkit.transfer.broadcast_sender import checked_backend
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer._broadcast import group as grp
+from refitkit.transfer._broadcast.sender import checked_backend
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_fits, check_split_pieces, decode, entries_from_wire,
     expect,
@@ -67,20 +67,6 @@ class DirectStats:
     def direct_share(self) -> float:
         total = self.direct_bytes + self.bucket_bytes
         return self.direct_bytes / total if total else 0.0
-
-
-@dataclass(frozen=True)
-class WeightVersion:
-    """Which weights a receiver holds: ``version`` of the last session that landed whole (None: none yet), and
-    ``incomplete``, the version of a session that failed part-way since then (None when the weights are clean)."""
-
-    version: int | None = None
-    incomplete: int | None = None
-
-    @property
-    def clean(self) -> bool:
-        """Whether every weight is the one of ``version`` (no failed session touched them since)."""
-        return self.incomplete is None
 
 
 class BroadcastWeightReceiver:
