@@ -35,7 +35,7 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError, Transfer
 from refitkit.offload.device import resolved_device
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer._broadcast.sender import checked_backend
-from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_fits, check_split_pieces, decode, entries_from_wire,
     expect,

@@ -47,7 +47,7 @@ import torch
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
-from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_version
 from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, encode
 
 log = logging.getLogger("refitkit.transfer.broadcast")
