@@ -149,7 +149,7 @@ def peer_copy(device: torch.device, nbytes: int) -> dict[str, Any]:
 def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any) -> None:
     from refitkit.errors import TransferError
     from benchmarks.shapes import make_weights
-    from refitkit.transfer._broadcast.sender import BroadcastWeightSender
+    from refitkit.transfer import BroadcastWeightSender
 
     args = argparse.Namespace(**config)
     device = device_of(args, 0)
@@ -186,7 +186,7 @@ def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any
 
 
 def receiver_main(config: dict, rank: int, url: str, secret: str, commands: Any, answers: Any) -> None:
-    from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
+    from refitkit.transfer import BroadcastWeightReceiver
 
     args = argparse.Namespace(**config)
     device = device_of(args, rank)
