@@ -102,7 +102,7 @@ def finish(work: Any, device: torch.device, timeout_s: float, what: str) -> None
 def flat_broadcast(args: argparse.Namespace, rank: int, port: int, nbytes: int) -> dict[str, float]:
     """One flat buffer of ``nbytes`` broadcast from rank 0 over a group formed as a session forms its own:
     the first broadcast (which forms NCCL's communicator) apart, then the median of ``FLOOR_REPS``."""
-    from refitkit.transfer import _broadcast_group as grp
+    from refitkit.transfer._broadcast import group as grp
 
     device = device_of(args, rank)
     store = grp.connect_store("127.0.0.1", port, is_master=rank == 0, timeout_s=args.timeout_s)
@@ -149,7 +149,7 @@ def peer_copy(device: torch.device, nbytes: int) -> dict[str, Any]:
 def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any) -> None:
     from refitkit.errors import TransferError
     from benchmarks.shapes import make_weights
-    from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+    from refitkit.transfer import BroadcastWeightSender
 
     args = argparse.Namespace(**config)
     device = device_of(args, 0)
@@ -186,7 +186,7 @@ def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any
 
 
 def receiver_main(config: dict, rank: int, url: str, secret: str, commands: Any, answers: Any) -> None:
-    from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
+    from refitkit.transfer import BroadcastWeightReceiver
 
     args = argparse.Namespace(**config)
     device = device_of(args, rank)

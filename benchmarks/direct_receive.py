@@ -87,7 +87,7 @@ def sender_weights(config: DecoderConfig) -> list[tuple[str, torch.Tensor]]:
 
 def receiver_main(config: DecoderConfig, commands: Any, answers: Any) -> None:
     from refitkit.rollout.load_plan import record_load_plan
-    from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
+    from refitkit.transfer import BroadcastWeightReceiver
 
     torch.set_num_threads(1)
     shapes = weight_shapes(config)
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
-    from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+    from refitkit.transfer import BroadcastWeightSender
 
     config = scaled({"0.6b": "Qwen3-0.6B", "8b": "Qwen3-8B", "tiny": "tiny"}[args.model], args.layers, args.vocab)
     weights = sender_weights(config)

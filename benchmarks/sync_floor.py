@@ -60,7 +60,7 @@ class _Counters:
     """Two 32-bit counters in a shared page, registered with this process's CUDA context."""
 
     def __init__(self, path: str) -> None:
-        from refitkit.transfer.cuda_ipc import _driver
+        from refitkit.transfer._ipc.cuda_ipc import _driver
 
         self.lib = _driver()
         fd = os.open(path, os.O_RDWR)
@@ -75,7 +75,7 @@ class _Counters:
         self.host, self.device = host, device.value
 
     def _call(self, name: str, *args) -> None:
-        from refitkit.transfer.cuda_ipc import _check
+        from refitkit.transfer._ipc.cuda_ipc import _check
 
         _check(self.lib, getattr(self.lib, name)(*args), name)
 
@@ -156,7 +156,7 @@ def receiver_main(counters_path: str, shapes: list, half_bytes: int, rounds: int
 
 
 def _receive(counters: _Counters, params: list, layout: list, half_bytes: int, rounds: int, timeout_s: float, conn) -> None:
-    from refitkit.transfer.cuda_ipc import CudaIpcMapping
+    from refitkit.transfer._ipc.cuda_ipc import CudaIpcMapping
 
     flat_params = [p.view(-1).view(torch.uint8) for p in params]
     mapping = None
@@ -189,7 +189,7 @@ def _receive(counters: _Counters, params: list, layout: list, half_bytes: int, r
 
 def _send(counters: _Counters, conn, weights: list, layout: list, half: int, bucket_bytes: int, mode: str, rounds: int, timeout_s: float):
     """Returns the sync times and whether every round's parameters matched that round's weights."""
-    from refitkit.transfer.cuda_ipc import CudaIpcBucket
+    from refitkit.transfer._ipc.cuda_ipc import CudaIpcBucket
 
     device = torch.device("cuda", 0)
     times, bucket, buckets, intact, flat = [], None, layout[-1][-1][0] + 1, True, None

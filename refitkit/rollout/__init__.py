@@ -17,7 +17,7 @@ from refitkit.rollout.vllm import (
     EXTENSION_QUALNAME, RefitWorkerExtension, VllmPushStats, clean_weight_version, push_weights, push_weights_broadcast,
     tensor_fingerprint, tensor_sha256, weight_versions,
 )  # fmt: skip
-from refitkit.transfer.broadcast_receiver import WeightVersion
+from refitkit.transfer import WeightVersion
 
 __all__ = [
     "EXTENSION_QUALNAME", "BroadcastLink", "EngineMemory", "EngineWeights", "RefitWorkerExtension", "SyncCoverage", "VllmLink",

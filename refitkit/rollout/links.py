@@ -22,9 +22,8 @@ from refitkit._knobs import checked_seconds
 from refitkit.errors import EngineError, EngineTimeout, InvalidInput, KVCacheWontFit, RefitError
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout.vllm import VllmPushStats, push_weights, push_weights_broadcast
-from refitkit.transfer.broadcast_sender import BroadcastWeightSender, checked_version
-from refitkit.transfer.phases import TransferStats
-from refitkit.transfer.sender import BucketedWeightSender
+from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender, TransferStats
+from refitkit.transfer.common import checked_version
 
 
 class EngineMemory(Enum):

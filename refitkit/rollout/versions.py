@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from refitkit.transfer.broadcast_receiver import WeightVersion
+from refitkit.transfer.common import WeightVersion
 
 MISSING_SHOWN = 8  # names listed in messages; the count is always exact
 

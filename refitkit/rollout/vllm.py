@@ -38,11 +38,9 @@ from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of, weight_version_of
-from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver, WeightVersion
-from refitkit.transfer.broadcast_sender import checked_version
+from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
+from refitkit.transfer.common import checked_version
 from refitkit.transfer.packing import check_items
-from refitkit.transfer.phases import TransferStats
-from refitkit.transfer.receiver import BucketedWeightReceiver
 
 log = logging.getLogger(__name__)
 

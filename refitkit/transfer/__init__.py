@@ -1,21 +1,23 @@
-"""Bucketed weight transfer from the trainer to the inference engine: ZMQ + CUDA IPC or shared memory.
+"""Weight transfer from the trainer to the inference engine, in two wings.
 
-``BucketedWeightSender`` binds an endpoint and streams (name, tensor) pairs through a
-double-buffered bucket; ``BucketedWeightReceiver`` connects, maps the bucket once per session and
-hands the tensors to a loader. See ``sender``/``receiver`` for the session rules and ``protocol``
-for the wire format.
+- One host (``_ipc``): ``BucketedWeightSender`` binds an endpoint and streams (name, tensor) pairs
+  through a double-buffered bucket in CUDA IPC or shared memory, with ZMQ control frames;
+  ``BucketedWeightReceiver`` connects, maps the bucket once per session and hands the tensors to a
+  loader. ``_ipc/sender.py`` and ``_ipc/receiver.py`` hold the session rules.
+- Other GPUs or nodes (``_broadcast``): ``BroadcastWeightSender`` / ``BroadcastWeightReceiver`` carry
+  the same streams over a torch.distributed broadcast (gloo or NCCL), a group formed per session
+  through a TCPStore rendezvous and admitted by a per-job secret. ``_broadcast/sender.py`` holds the
+  session and the security model.
 
-``BroadcastWeightSender`` / ``BroadcastWeightReceiver`` carry the same streams to engines on other
-GPUs or nodes: a torch.distributed broadcast (gloo or NCCL) over a group formed per session through
-a TCPStore rendezvous, admitted by a per-job secret; the receiver keeps a ``WeightVersion``. See
-``broadcast_sender`` for the session and the security model.
+Both share ``protocol`` (the wire format), ``packing`` (checking items, laying out buckets) and
+``common`` (session phases, ``TransferStats``, ``WeightVersion``, the knob checks).
 """
 
-from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver, WeightVersion
-from refitkit.transfer.broadcast_sender import BroadcastWeightSender
-from refitkit.transfer.phases import SessionPhase, TransferStats
-from refitkit.transfer.receiver import BucketedWeightReceiver
-from refitkit.transfer.sender import BucketedWeightSender
+from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
+from refitkit.transfer._broadcast.sender import BroadcastWeightSender
+from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion
+from refitkit.transfer._ipc.receiver import BucketedWeightReceiver
+from refitkit.transfer._ipc.sender import BucketedWeightSender
 
 __all__ = [
     "BroadcastWeightReceiver", "BroadcastWeightSender", "BucketedWeightReceiver", "BucketedWeightSender",

@@ -50,7 +50,7 @@ import zmq
 
 from refitkit.errors import ProtocolError, TransferTimeout
 from refitkit.offload.device import ALIGN_BYTES, align_up  # noqa: F401 (re-exported: the wire's alignment)
-from refitkit.transfer.phases import SessionPhase
+from refitkit.transfer.common import SessionPhase
 
 # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters;
 # 4: segment handles (sealed memfds or named), hello's pidns

@@ -70,7 +70,7 @@ class ToyLoraModel(torch.nn.Module):
 def sender_main(url: str, secret: str, model_kind: str, seeds: tuple[int, int], version: int, base: bool, answers: Any) -> None:
     """Send one LoRA sync of a model rebuilt from ``seeds`` over the broadcast; answer with the outcome."""
     from refitkit.rollout.lora import LoraSync
-    from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+    from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 
     model = ToyLoraModel(seeds[0]) if model_kind == "toy" else lora_llama(*seeds)
     try:

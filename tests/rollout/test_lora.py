@@ -12,7 +12,7 @@ from refitkit.errors import InvalidInput, ProtocolError
 from refitkit.rollout.lora import (
     LORA_CONFIG_NAME, LoraCollector, LoraSpec, LoraSync, base_tensors, lora_spec, lora_tensors,
 )  # fmt: skip
-from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
+from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 from tests.rollout.lora_models import ToyLoraModel, start_sender
 from tests.transfer.peers import digest
 

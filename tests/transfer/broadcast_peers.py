@@ -22,7 +22,7 @@ from tests.transfer.peers import digest
 
 
 def receiver_server_main(commands: Any, answers: Any) -> None:
-    from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
+    from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 
     receivers: dict[tuple, BroadcastWeightReceiver] = {}
     answers.put("ready")  # torch is imported: sessions are timed from here on

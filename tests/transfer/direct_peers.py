@@ -60,7 +60,7 @@ def engine_digests(engine: ToyEngine) -> dict[str, Any]:
 
 def receiver_server_main(commands: Any, answers: Any, device: str) -> None:
     from refitkit.rollout.load_plan import record_load_plan
-    from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
+    from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 
     engine = ToyEngine().to(device)
     plan = record_load_plan(engine, lambda weights: toy_load_weights(engine, weights), [(n, s) for n, s in SHAPES.items()])

@@ -92,13 +92,13 @@ class _HeldRelease:
         self._restore: list[Callable[[], None]] = []
 
     def __enter__(self) -> "_HeldRelease":
-        from refitkit.transfer import shm
+        from refitkit.transfer._ipc import shm
 
         release = shm.ShmMapping.release
         shm.ShmMapping.release = lambda mapping: self._hold(lambda: release(mapping))  # type: ignore[method-assign]
         self._restore.append(lambda: setattr(shm.ShmMapping, "release", release))
         if self.probe is not None:
-            from refitkit.transfer import cuda_ipc
+            from refitkit.transfer._ipc import cuda_ipc
 
             lib = cuda_ipc._driver()
             close, probe = lib.cuIpcCloseMemHandle, self.probe

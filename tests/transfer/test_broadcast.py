@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer import _broadcast_group as grp
-from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver, WeightVersion
-from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+from refitkit.transfer._broadcast import group as grp
+from refitkit.transfer import BroadcastWeightReceiver, WeightVersion
+from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from refitkit.transfer.protocol import SUPPORTED_DTYPES, encode
 from tests.transfer.broadcast_peers import ReceiverProcess
 from tests.transfer.peers import digest

@@ -16,7 +16,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.rollout.load_plan import Destination, record_load_plan
-from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from tests.transfer.direct_peers import (
     FFN, HEADS_KV, HEADS_Q, HIDDEN, SHAPES, DirectReceiverProcess, ToyEngine, engine_digests, toy_load_weights, toy_weights,
 )  # fmt: skip

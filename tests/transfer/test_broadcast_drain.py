@@ -9,7 +9,7 @@ import time
 import pytest
 
 from refitkit.errors import TransferTimeout
-from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from tests.transfer.broadcast_peers import ReceiverProcess
 from tests.transfer.test_broadcast import BUCKET, SECRET, free_port, stream
 

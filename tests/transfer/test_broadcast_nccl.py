@@ -5,7 +5,7 @@ take a process down, takes that process and not pytest: the test then fails nami
 process never touches CUDA. Covered: every wire dtype bit-exact (a list and a generator, a tensor wider
 than a half and split tensors larger than the bucket); a receiver SIGKILLed mid-sync ends the sender's
 session in a refitkit error naming phase, bucket and peer within timeout_s + 5 s (the stuck NCCL
-communicator is aborted: ``_broadcast_group.await_work``), the sender process stays alive, and the next
+communicator is aborted: ``_broadcast/group.py`` ``await_work``), the sender process stays alive, and the next
 sessions, to a fresh receiver process, form a new communicator and land bit-exact.
 """
 
@@ -54,7 +54,7 @@ def sender_server_main(url: str, commands: Any, answers: Any) -> None:
     """A long-lived NCCL sender on GPU 0: ``(recipe, as_list, version)`` -> (error type or None, message,
     seconds, is a TransferError, digests of what it sent)."""
     from refitkit.errors import TransferError
-    from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+    from refitkit.transfer._broadcast.sender import BroadcastWeightSender
     from tests.transfer.peers import digest
 
     torch.cuda.set_device(SENDER)

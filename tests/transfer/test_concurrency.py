@@ -15,7 +15,7 @@ import torch
 
 from refitkit.errors import TransferError
 from refitkit.transfer import BucketedWeightSender
-from refitkit.transfer import sender as sender_module
+from refitkit.transfer._ipc import sender as sender_module
 from tests.transfer.harness import Case, own_segment_files, roundtrip
 from tests.transfer.peers import ReceiverServer, digest, mapped_segments
 from tests.helpers.world import child_env

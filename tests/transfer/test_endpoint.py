@@ -13,7 +13,7 @@ import pytest
 
 from refitkit.errors import TransferError
 from refitkit.transfer import BucketedWeightSender
-from refitkit.transfer.endpoint import socket_path
+from refitkit.transfer._ipc.endpoint import socket_path
 from tests.helpers.world import child_env
 from tests.transfer.harness import roundtrip
 

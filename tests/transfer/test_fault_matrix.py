@@ -21,7 +21,7 @@ import zmq
 
 from refitkit.errors import ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
-from refitkit.transfer.endpoint import socket_path
+from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
 from tests.transfer.harness import PAGE_BYTES, assert_device_memory_back, device_free_bytes, own_segment_files, roundtrip
 from tests.transfer.peers import killed_sender_main, mapped_segments, one_shot_receiver_main

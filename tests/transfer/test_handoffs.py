@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from refitkit.errors import ProtocolError, TransferError
-from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, doorbell, packing, shm
+from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, packing
+from refitkit.transfer._ipc import doorbell, shm
 from refitkit.transfer.protocol import SUPPORTED_DTYPES
 from tests.transfer.harness import Case, roundtrip
 from tests.transfer.peers import digest, one_shot_receiver_main

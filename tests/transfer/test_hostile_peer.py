@@ -19,8 +19,9 @@ import torch
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
-from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, doorbell, shm
-from refitkit.transfer.endpoint import socket_path
+from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
+from refitkit.transfer._ipc import doorbell, shm
+from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import MAX_FRAME_BYTES, WIRE_VERSION, encode
 from tests.transfer.harness import own_segment_files, roundtrip
 from tests.transfer.peers import digest, mapped_segments

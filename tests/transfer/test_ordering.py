@@ -59,7 +59,7 @@ class _AtFinalAck(logging.Handler):
 
 @contextmanager
 def watching_the_final_ack(handler: _AtFinalAck) -> Iterator[_AtFinalAck]:
-    logger = logging.getLogger("refitkit.transfer.sender")
+    logger = logging.getLogger("refitkit.transfer._ipc.sender")
     previous_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)

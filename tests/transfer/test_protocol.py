@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
-from refitkit.transfer import BucketedWeightSender, shm
-from refitkit.transfer.endpoint import socket_dir, socket_path
+from refitkit.transfer import BucketedWeightSender
+from refitkit.transfer._ipc import shm
+from refitkit.transfer._ipc.endpoint import socket_dir, socket_path
 from refitkit.transfer.protocol import (
     SUPPORTED_DTYPES, WIRE_VERSION, Entry, decode, dtype_name, encode, entries_from_wire, entry_to_wire,
 )  # fmt: skip

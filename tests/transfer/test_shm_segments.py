@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from refitkit.errors import ProtocolError
-from refitkit.transfer import shm
+from refitkit.transfer._ipc import shm
 from tests.helpers.world import child_env
 
 pytestmark = pytest.mark.timeout(180)
@@ -94,7 +94,7 @@ def test_a_2_mib_bucket_in_a_1_mib_dev_shm(segments, tmp_path):
 
 _HOLD_A_SEGMENT = """
     import sys
-    from refitkit.transfer import shm
+    from refitkit.transfer._ipc import shm
     segment = shm.Segment(4096, name="cafe")
     print(segment.path, flush=True)
     sys.stdin.readline()  # alive (and holding the segment) until the test closes our stdin
@@ -162,7 +162,7 @@ def test_sweep_skips_and_logs_a_file_of_another_uid(caplog):
         handle.write(b"\0" * 64)
     os.chown(path, 12345, 12345)
     try:
-        with caplog.at_level("WARNING", logger="refitkit.transfer.shm"):
+        with caplog.at_level("WARNING", logger="refitkit.transfer._ipc.shm"):
             shm.remove_stale_segments()
         assert os.path.exists(path)  # not ours: left alone
         assert f"stale sweep skips {path}: not a regular file of uid {os.getuid()} (uid 12345" in caplog.text
@@ -218,7 +218,7 @@ _SCRIBBLE = """
 
 _OWNER = """
     import json, subprocess, sys
-    from refitkit.transfer import doorbell, shm
+    from refitkit.transfer._ipc import doorbell, shm
     bucket = shm.ShmBucket(1 << 20, session="5e55", peer_pidns=shm.pid_namespace())
     bell = doorbell.Doorbell.create("5e55", peer_pidns=shm.pid_namespace())
     seen = {}

@@ -12,7 +12,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
-from refitkit.transfer.phases import MAX_TIMEOUT_S
+from refitkit.transfer.common import MAX_TIMEOUT_S
 from tests.transfer.harness import own_segment_files, roundtrip
 from tests.transfer.peers import mapped_segments
 

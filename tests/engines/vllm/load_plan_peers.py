@@ -45,7 +45,7 @@ def server_main(checkpoint: str, commands: Any, answers: Any) -> None:
     from vllm.config import set_current_vllm_config
 
     from refitkit.rollout.load_plan import record_load_plan
-    from refitkit.transfer.broadcast_receiver import BroadcastWeightReceiver
+    from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 
     model, config = build_vllm_llama(checkpoint)
     shapes = [(name, tuple(tensor.shape)) for name, tensor in HFLlama.from_pretrained(checkpoint).state_dict().items()]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from refitkit.rollout.vllm import stacked_digests
-from refitkit.transfer.broadcast_sender import BroadcastWeightSender
+from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from tests.engines.vllm.load_plan_peers import VllmModelProcess
 from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint, tiny_config
 from tests.transfer.peers import digest

@@ -40,9 +40,9 @@ import torch
 import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
-from refitkit.transfer import cuda_ipc, doorbell, shm
-from refitkit.transfer.endpoint import connect_receiver, socket_path
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
+from refitkit.transfer._ipc.endpoint import connect_receiver, socket_path
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits, check_split_pieces,
     contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame, setup_fields,
@@ -76,9 +76,12 @@ class BucketedWeightReceiver:
                 raise InvalidInput(f"wait_on({brief(stream)}): need torch.cuda.Stream objects on a CUDA receiver ({self.device})")
             session.streams.setdefault(stream.cuda_stream, stream)
 
+    def _new_session(self) -> _ReceiveSession:
+        return _ReceiveSession(endpoint=self.endpoint, path=self.path, device=self.device, timeout_s=self.timeout_s)
+
     def receive(self, on_bucket: OnBucket) -> TransferStats:
         """Run one session, calling ``on_bucket(weights, is_last)`` per bucket; returns after the final ACK."""
-        session = self._active = _ReceiveSession(self)
+        session = self._active = self._new_session()
         try:
             session.open()
             while True:
@@ -110,7 +113,7 @@ class BucketedWeightReceiver:
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The session as one generator; release + final ACK happen when it is exhausted or closed."""
-        session = self._active = _ReceiveSession(self)
+        session = self._active = self._new_session()
         yielded = 0
         complete = False
         try:
@@ -153,15 +156,15 @@ class BucketedWeightReceiver:
 # -- One receiving session of a ``BucketedWeightReceiver``: map the bucket once, hand out views, release, ACK ---
 
 
-log = logging.getLogger("refitkit.transfer.receiver")  # one logger for the receiver side (tests filter on it)
+log = logging.getLogger("refitkit.transfer._ipc.receiver")  # one logger for the receiver side (tests filter on it)
 
 
 class _ReceiveSession:
     """State of one receiving session: socket, mapping, sequence numbers, partly assembled tensors."""
 
-    def __init__(self, receiver: BucketedWeightReceiver) -> None:
-        self.receiver = receiver
-        self.device = receiver.device
+    def __init__(self, *, endpoint: str, path: str, device: torch.device, timeout_s: float) -> None:
+        self.endpoint, self.path, self.timeout_s = endpoint, path, timeout_s
+        self.device = device
         self.phase = SessionPhase.HANDSHAKE
         self.context: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
@@ -186,10 +189,10 @@ class _ReceiveSession:
 
     def open(self) -> None:
         self.context = zmq.Context()
-        self.sock = connect_receiver(self.context, self.receiver.path)
+        self.sock = connect_receiver(self.context, self.path)
         hello: dict[str, Any] = {
             "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
-            "timeout_s": self.receiver.timeout_s,  # how long a sender may keep this hello queued
+            "timeout_s": self.timeout_s,  # how long a sender may keep this hello queued
             "pidns": shm.pid_namespace(),  # the same as the sender's: sealed memfds instead of named segments
         }  # fmt: skip
         if self.device.type == "cuda":
@@ -198,7 +201,7 @@ class _ReceiveSession:
         setup = self._recv("setup")
         if setup["kind"] == "abort":
             self.phase = SessionPhase.RELEASED
-            raise TransferError(f"sender on {self.receiver.endpoint!r} refused the session: {setup.get('reason')}")
+            raise TransferError(f"sender on {self.endpoint!r} refused the session: {setup.get('reason')}")
         expect(setup, "setup")
         if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
             self.session = setup["session"]
@@ -246,7 +249,7 @@ class _ReceiveSession:
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
         """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
         began = time.perf_counter()
-        deadline = began + self.receiver.timeout_s
+        deadline = began + self.timeout_s
 
         def ready() -> bool:
             self._announce_consumed()
@@ -262,8 +265,8 @@ class _ReceiveSession:
 
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.receiver.timeout_s, phase=self.phase, waiting_for=waiting_for,
-                peer=f"the sender on {self.receiver.endpoint!r}",
+                ready, look, timeout_s=self.timeout_s, phase=self.phase, waiting_for=waiting_for,
+                peer=f"the sender on {self.endpoint!r}",
             )  # fmt: skip
             return self.inbox.popleft()
         finally:
@@ -291,9 +294,9 @@ class _ReceiveSession:
         began = time.perf_counter()
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.receiver.timeout_s, phase=self.phase,
+                ready, look, timeout_s=self.timeout_s, phase=self.phase,
                 waiting_for=f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
-                peer=f"the sender on {self.receiver.endpoint!r}",
+                peer=f"the sender on {self.endpoint!r}",
             )  # fmt: skip
         finally:
             self.wait_s += time.perf_counter() - began
@@ -328,7 +331,7 @@ class _ReceiveSession:
                 "on_bucket and applied; no bucket came with is_last=True" if self.seq else "nothing was handed to on_bucket"
             )  # fmt: skip
             raise TransferError(
-                f"sender on {self.receiver.endpoint!r} aborted the session at bucket {self.seq} ({applied}): {reason}"
+                f"sender on {self.endpoint!r} aborted the session at bucket {self.seq} ({applied}): {reason}"
             )
         if kind == "packed":
             expect(frame, "packed", session=self.session)
@@ -493,7 +496,7 @@ class _ReceiveSession:
         try:
             self._release()
         except TransferError as exc:
-            log.warning("receiver on %r: %s", self.receiver.endpoint, exc)
+            log.warning("receiver on %r: %s", self.endpoint, exc)
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -505,12 +508,12 @@ class _ReceiveSession:
         if self.sock is None:
             if quiet:
                 return
-            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.receiver.endpoint!r} is closed")
+            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.endpoint!r} is closed")
         try:
             self.sock.send(payload, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if not quiet:
-                raise TransferError(f"{self.phase.value}: cannot reach the sender on {self.receiver.endpoint!r}: {exc}") from None
+                raise TransferError(f"{self.phase.value}: cannot reach the sender on {self.endpoint!r}: {exc}") from None
 
     def _recv_now(self) -> dict[str, Any]:
         """A frame that poll() said is there."""
@@ -518,15 +521,15 @@ class _ReceiveSession:
 
     def _recv(self, waiting_for: str, timeout_s: float | None = None) -> dict[str, Any]:
         if self.sock is None:
-            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.receiver.endpoint!r} is closed")
+            raise TransferError(f"{self.phase.value}: the receiver's socket to {self.endpoint!r} is closed")
         began = time.perf_counter()
         try:
             parts = recv_frame(
-                self.sock, timeout_s=self.receiver.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
-                waiting_for=waiting_for, peer=f"the sender on {self.receiver.endpoint!r}",
+                self.sock, timeout_s=self.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
+                waiting_for=waiting_for, peer=f"the sender on {self.endpoint!r}",
             )  # fmt: skip
         finally:
             self.wait_s += time.perf_counter() - began
         if len(parts) != 1:
-            raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.receiver.endpoint!r}")
+            raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.endpoint!r}")
         return decode(parts[0])

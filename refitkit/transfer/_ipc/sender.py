@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import secrets
 import threading
@@ -49,15 +50,63 @@ import zmq
 from torch.profiler import record_function
 
 from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer import cuda_ipc, doorbell, shm
-from refitkit.transfer.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
+from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
+from refitkit.transfer._ipc.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
 from refitkit.transfer.packing import (
     BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for, held_unchanged,
 )  # fmt: skip
-from refitkit.transfer.phases import SendState, TransferStats, checked_knobs
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
 
 log = logging.getLogger(__name__)
+
+
+class SendState(enum.Enum):
+    """Where one ``send()`` session stands, as the sender sees it (one state, changed only by ``to``)."""
+
+    AWAITING_HELLO = "awaiting hello"  # no setup sent: a receiver gone by now can be replaced by the next hello
+    OFFERED = "offered"  # setup sent: the receiver may still be mapping the bucket; buckets queue meanwhile
+    STREAMING = "streaming"  # the receiver said ready: it mapped the bucket
+    DRAINING = "draining"  # every bucket sent; waiting for the final ACK (a late ready is still taken)
+    RELEASED = "released"  # the final ACK: the receiver released every view and its mapping
+    PEER_FAILED = "peer failed"  # the receiver reported an error (it released before reporting)
+    ABORTED = "aborted"  # this side gave up; a live receiver was sent an abort frame
+
+    @property
+    def phase(self) -> SessionPhase:
+        """The protocol phase this state belongs to, as messages name it."""
+        return _PHASE_OF[self]
+
+    @property
+    def setup_sent(self) -> bool:
+        """Whether the receiver may hold (or be making) a mapping of the bucket."""
+        return self in (SendState.OFFERED, SendState.STREAMING, SendState.DRAINING)
+
+    def to(self, new: SendState) -> SendState:
+        """``new``, if this state may become it; else TransferError (a bug, or a peer breaking the protocol)."""
+        if new not in _NEXT[self]:
+            raise TransferError(f"send session cannot go from {self.value!r} to {new.value!r}")
+        return new
+
+
+_PHASE_OF = {
+    SendState.AWAITING_HELLO: SessionPhase.HANDSHAKE,
+    SendState.OFFERED: SessionPhase.STREAMING,
+    SendState.STREAMING: SessionPhase.STREAMING,
+    SendState.DRAINING: SessionPhase.DRAINING,
+    SendState.RELEASED: SessionPhase.RELEASED,
+    SendState.PEER_FAILED: SessionPhase.RELEASED,
+    SendState.ABORTED: SessionPhase.RELEASED,
+}
+_NEXT: dict[SendState, frozenset[SendState]] = {
+    SendState.AWAITING_HELLO: frozenset({SendState.OFFERED, SendState.ABORTED}),
+    SendState.OFFERED: frozenset({SendState.STREAMING, SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.STREAMING: frozenset({SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.DRAINING: frozenset({SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED}),
+    SendState.RELEASED: frozenset(),
+    SendState.PEER_FAILED: frozenset(),
+    SendState.ABORTED: frozenset(),
+}
 
 # pull, a list's checked items, all on CUDA, whether the items stay as they are during the session (``held_unchanged``)
 _Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool, bool]
@@ -273,7 +322,12 @@ class BucketedWeightSender:
         front); ``held``: the items' tensors stay as they are during the session, so small copies may be deferred."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
-        run = _SendSession(self, pull, listed, all_cuda, held, cancel, half_bytes_for(listed, self.half_bytes))
+        run = _SendSession(
+            self._socket, self._waiting, endpoint=self.endpoint, transport=self.transport, timeout_s=self.timeout_s,
+            pull=pull, listed=listed, all_cuda=all_cuda, held=held, cancel=cancel,
+            half_bytes=half_bytes_for(listed, self.half_bytes),
+        )  # fmt: skip
+        self.last_timings_s = run.timings
         try:
             stats = run.run()
         except BaseException as exc:  # also KeyboardInterrupt / SystemExit from the caller's iterator
@@ -340,10 +394,14 @@ class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
     def __init__(
-        self, sender: BucketedWeightSender, pull: Callable[[], Any], listed: list[CheckedItem] | None,
-        all_cuda: bool, held: bool, cancel: StopRequest | None, half_bytes: int,
+        self, sock: zmq.Socket, waiting: WaitingReceivers, *, endpoint: str, transport: str, timeout_s: float,
+        pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool,
+        cancel: StopRequest | None, half_bytes: int,
     ) -> None:  # fmt: skip
-        self.sender = sender
+        self.sock = sock
+        self.waiting = waiting  # hellos queued for later sessions (the sender's, shared across its sessions)
+        self.endpoint, self.transport, self.timeout_s = endpoint, transport, timeout_s
+        self.timings: dict[str, float] = {}  # seconds per phase (the sender's last_timings_s)
         self.batch = held  # small copies deferred to one per run (packing.py): only for tensors that stay as they are
         self.first_device = listed[0][1].device if listed else None
         self.checked = listed is not None  # a list's items were checked whole before the session
@@ -351,7 +409,6 @@ class _SendSession:
         self.cancel = cancel
         self.aborted_from: SendState | None = None  # the state abort() found
         self.half_bytes = half_bytes
-        self.sock: zmq.Socket = sender._socket  # type: ignore[assignment]
         self.pull = pull
         self.session = secrets.token_hex(8)
         self.state = SendState.AWAITING_HELLO
@@ -367,7 +424,7 @@ class _SendSession:
         self.ack_wait_s = 0.0
         self.items = 0
         self.seen: set[str] = set()
-        self.need_cuda = sender.transport == "cuda_ipc"
+        self.need_cuda = transport == "cuda_ipc"
 
     def run(self) -> TransferStats:
         start = time.perf_counter()
@@ -418,7 +475,7 @@ class _SendSession:
         )  # fmt: skip
 
     def _mark(self, phase: str, began: float) -> None:
-        self.sender.last_timings_s[phase] = time.perf_counter() - began
+        self.timings[phase] = time.perf_counter() - began
 
     # -- items and buckets ------------------------------------------------------------------------
 
@@ -439,9 +496,9 @@ class _SendSession:
         ``transport='cuda_ipc'`` (a list's device, else the current one) or a list of CUDA tensors under ``auto``.
         The set-up keeps it when the hello and the first item agree, else frees it; a failure here (out of
         memory, say) is left to the set-up, which meets it again and then tells the receiver."""
-        if self.sender.transport == "cuda_ipc":
+        if self.transport == "cuda_ipc":
             device = self.first_device or torch.device("cuda", torch.cuda.current_device())
-        elif self.sender.transport == "auto" and self.all_cuda and self.first_device is not None and cuda_ipc.ipc_available():
+        elif self.transport == "auto" and self.all_cuda and self.first_device is not None and cuda_ipc.ipc_available():
             device = self.first_device
         else:
             return
@@ -449,7 +506,7 @@ class _SendSession:
         try:
             self.bucket = cuda_ipc.CudaIpcBucket(2 * self.half_bytes, device=device)
         except (TransferError, RuntimeError) as exc:
-            log.debug("sender on %r: no bucket before the hello (%s); the set-up allocates it", self.sender.endpoint, exc)
+            log.debug("sender on %r: no bucket before the hello (%s); the set-up allocates it", self.endpoint, exc)
             return
         self._mark("early_bucket", began)
 
@@ -471,7 +528,7 @@ class _SendSession:
                 self.bell = doorbell.Doorbell.create(self.session, peer_pidns=hello.get("pidns"))
                 control = self.bell.handle()
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
-                log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.sender.endpoint, exc)
+                log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.endpoint, exc)
         self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control))
         self.state = self.state.to(SendState.OFFERED)
         # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
@@ -484,9 +541,9 @@ class _SendSession:
         if first is None:
             return "none"
         receiver_cuda = hello.get("device") == "cuda"
-        wanted = self.sender.transport
+        wanted = self.transport
         if wanted == "cuda_ipc" and not receiver_cuda:
-            raise TransferError(f"transport='cuda_ipc' but the receiver on {self.sender.endpoint!r} is on the CPU")
+            raise TransferError(f"transport='cuda_ipc' but the receiver on {self.endpoint!r} is on the CPU")
         if wanted == "auto":  # (a list: cuda_ipc only when every tensor is on CUDA; it was checked for no device)
             on_cuda = self.all_cuda if self.checked else first[1].is_cuda
             wanted = "cuda_ipc" if receiver_cuda and on_cuda and cuda_ipc.ipc_available() else "shm"
@@ -577,8 +634,8 @@ class _SendSession:
         began = time.perf_counter()
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.sender.timeout_s, phase=self.state.phase, waiting_for=waiting_for,
-                peer=f"the receiver on {self.sender.endpoint!r}",
+                ready, look, timeout_s=self.timeout_s, phase=self.state.phase, waiting_for=waiting_for,
+                peer=f"the receiver on {self.endpoint!r}",
             )  # fmt: skip
         finally:
             self.ack_wait_s += time.perf_counter() - began
@@ -587,42 +644,42 @@ class _SendSession:
 
     def _send(self, payload: bytes) -> None:
         if self.peer is None:
-            raise TransferError(f"{self.state.value}: no receiver to send to on {self.sender.endpoint!r} (a bug in refitkit)")
+            raise TransferError(f"{self.state.value}: no receiver to send to on {self.endpoint!r} (a bug in refitkit)")
         try:
             self.sock.send_multipart([self.peer, payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._read_frames(0)  # a receiver that failed and left reported why first: raise that
             raise PeerGone(
-                f"{self.state.phase.value}: receiver on {self.sender.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
-                f"nothing left to wait for within timeout_s={self.sender.timeout_s:g}"
+                f"{self.state.phase.value}: receiver on {self.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
+                f"nothing left to wait for within timeout_s={self.timeout_s:g}"
             ) from None
 
     def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]]:
         parts = recv_frame(
-            self.sock, timeout_s=self.sender.timeout_s if timeout_s is None else timeout_s, phase=self.state.phase,
+            self.sock, timeout_s=self.timeout_s if timeout_s is None else timeout_s, phase=self.state.phase,
             waiting_for=waiting_for, peer=self._peer_name(),
         )  # fmt: skip
         if len(parts) != 2:
-            raise ProtocolError(f"{self.state.phase.value}: a {len(parts) - 1}-part message on {self.sender.endpoint!r}")
+            raise ProtocolError(f"{self.state.phase.value}: a {len(parts) - 1}-part message on {self.endpoint!r}")
         return parts[0], decode(parts[1])
 
     def _peer_name(self) -> str:
-        return f"the receiver on {self.sender.endpoint!r}"
+        return f"the receiver on {self.endpoint!r}"
 
     def _await_hello(self) -> dict[str, Any]:
-        waiting = self.sender._waiting.take()
+        waiting = self.waiting.take()
         if waiting is not None:
             self.peer, frame = waiting
             return frame
         waiting_for = "hello (is a receiver connected?)"
-        deadline = time.monotonic() + self.sender.timeout_s
+        deadline = time.monotonic() + self.timeout_s
         while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
             _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
             left_s = max(0.0, deadline - time.monotonic())
             slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
             if not self.sock.poll(int(slice_s * 1000), zmq.POLLIN):
                 if time.monotonic() >= deadline:
-                    raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.sender.timeout_s)
+                    raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.timeout_s)
                 continue
             peer, frame = self._recv(waiting_for, timeout_s=0.0)
             if frame["kind"] == "hello":
@@ -641,13 +698,13 @@ class _SendSession:
     def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
         if peer != self.peer:
             if frame["kind"] == "hello":  # the next receiver (it waits, bounded by its own timeout_s)
-                self.sender._waiting.add(peer, frame)
+                self.waiting.add(peer, frame)
             return  # else a well-formed frame from an earlier session's peer
         if frame["kind"] == "error":
             message = str(frame.get("message"))
             self.state = self.state.to(SendState.PEER_FAILED)  # the receiver released before it reported
             raise TransferError(
-                f"receiver on {self.sender.endpoint!r} failed ({frame.get('phase')}): {message}", remote_message=message
+                f"receiver on {self.endpoint!r} failed ({frame.get('phase')}): {message}", remote_message=message
             )
         expect(frame, "ready", "done", "released", session=self.session)
         kind, seq = frame["kind"], frame.get("seq")
@@ -684,16 +741,16 @@ class _SendSession:
             return  # the peer is dead, hostile or was never asked to map the bucket: free without waiting
         # Wait (bounded) for the receiver to unmap (it may still be mapping: setup went out before
         # ready came back) before the bucket is freed under it.
-        deadline = time.monotonic() + self.sender.timeout_s
+        deadline = time.monotonic() + self.timeout_s
         try:
             while time.monotonic() < deadline:
                 peer, frame = self._recv("released after abort", timeout_s=max(0.0, deadline - time.monotonic()))
                 if peer == self.peer and frame["kind"] in ("released", "error") and frame.get("session") == self.session:
                     return
                 if peer != self.peer and frame["kind"] == "hello":
-                    self.sender._waiting.add(peer, frame)
+                    self.waiting.add(peer, frame)
         except TransferError as late:
-            log.warning("receiver did not confirm the abort on %r: %s", self.sender.endpoint, late)
+            log.warning("receiver did not confirm the abort on %r: %s", self.endpoint, late)
 
     @property
     def ever_offered(self) -> bool:

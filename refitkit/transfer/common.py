@@ -1,5 +1,5 @@
-"""The phases of one transfer session, the sender's session states, the shared knob checks, and the
-figures a session reports."""
+"""What both wings of ``refitkit.transfer`` share: the phases of a session (named in every timeout and
+error), the figures a session reports, the weight version a receiver holds, and the knob checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from refitkit._knobs import MAX_TIMEOUT_S, checked_seconds  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
-from refitkit.errors import InvalidInput, TransferError
+from refitkit.errors import InvalidInput
 from refitkit.report import gbps
 
 TRANSPORTS = ("auto", "cuda_ipc", "shm")
@@ -25,54 +25,6 @@ class SessionPhase(enum.Enum):
     STREAMING = "streaming"  # buckets flow; the sender packs i+1 while the receiver consumes i
     DRAINING = "draining"  # last bucket sent; waiting for the receiver to release and ACK
     RELEASED = "released"  # bucket memory freed on both sides (success or failure)
-
-
-class SendState(enum.Enum):
-    """Where one ``send()`` session stands, as the sender sees it (one state, changed only by ``to``)."""
-
-    AWAITING_HELLO = "awaiting hello"  # no setup sent: a receiver gone by now can be replaced by the next hello
-    OFFERED = "offered"  # setup sent: the receiver may still be mapping the bucket; buckets queue meanwhile
-    STREAMING = "streaming"  # the receiver said ready: it mapped the bucket
-    DRAINING = "draining"  # every bucket sent; waiting for the final ACK (a late ready is still taken)
-    RELEASED = "released"  # the final ACK: the receiver released every view and its mapping
-    PEER_FAILED = "peer failed"  # the receiver reported an error (it released before reporting)
-    ABORTED = "aborted"  # this side gave up; a live receiver was sent an abort frame
-
-    @property
-    def phase(self) -> SessionPhase:
-        """The protocol phase this state belongs to, as messages name it."""
-        return _PHASE_OF[self]
-
-    @property
-    def setup_sent(self) -> bool:
-        """Whether the receiver may hold (or be making) a mapping of the bucket."""
-        return self in (SendState.OFFERED, SendState.STREAMING, SendState.DRAINING)
-
-    def to(self, new: SendState) -> SendState:
-        """``new``, if this state may become it; else TransferError (a bug, or a peer breaking the protocol)."""
-        if new not in _NEXT[self]:
-            raise TransferError(f"send session cannot go from {self.value!r} to {new.value!r}")
-        return new
-
-
-_PHASE_OF = {
-    SendState.AWAITING_HELLO: SessionPhase.HANDSHAKE,
-    SendState.OFFERED: SessionPhase.STREAMING,
-    SendState.STREAMING: SessionPhase.STREAMING,
-    SendState.DRAINING: SessionPhase.DRAINING,
-    SendState.RELEASED: SessionPhase.RELEASED,
-    SendState.PEER_FAILED: SessionPhase.RELEASED,
-    SendState.ABORTED: SessionPhase.RELEASED,
-}
-_NEXT: dict[SendState, frozenset[SendState]] = {
-    SendState.AWAITING_HELLO: frozenset({SendState.OFFERED, SendState.ABORTED}),
-    SendState.OFFERED: frozenset({SendState.STREAMING, SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
-    SendState.STREAMING: frozenset({SendState.DRAINING, SendState.PEER_FAILED, SendState.ABORTED}),
-    SendState.DRAINING: frozenset({SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED}),
-    SendState.RELEASED: frozenset(),
-    SendState.PEER_FAILED: frozenset(),
-    SendState.ABORTED: frozenset(),
-}
 
 
 _UNCHECKED: object = object()  # a knob this end does not have
@@ -126,3 +78,30 @@ def checked_device(device: object) -> torch.device:
     if checked.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInput(f"device={device!r}, but this process sees no CUDA device; use device='cpu'")
     return checked
+
+
+def checked_version(version: object) -> int:
+    """A weight version is an int in [0, 2**63): the RL loop's step, or any counter it keeps."""
+    if isinstance(version, bool):
+        raise InvalidInput(f"version={version!r}; need an int >= 0 (e.g. the training step)")
+    try:
+        value = operator.index(version)
+    except TypeError:
+        raise InvalidInput(f"version={version!r} is a {type(version).__name__}; need an int >= 0 (e.g. the training step)") from None
+    if not 0 <= value < 1 << 63:
+        raise InvalidInput(f"version={version!r}; need an int >= 0 and below 2**63")
+    return value
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    """Which weights a receiver holds: ``version`` of the last session that landed whole (None: none yet), and
+    ``incomplete``, the version of a session that failed part-way since then (None when the weights are clean)."""
+
+    version: int | None = None
+    incomplete: int | None = None
+
+    @property
+    def clean(self) -> bool:
+        """Whether every weight is the one of ``version`` (no failed session touched them since)."""
+        return self.incomplete is None

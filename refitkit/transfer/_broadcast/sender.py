@@ -36,7 +36,6 @@ Security (what the secret buys, and what it does not):
 from __future__ import annotations
 
 import logging
-import operator
 import secrets
 import threading
 import time
@@ -46,26 +45,13 @@ from typing import Any
 import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer import _broadcast_group as grp
+from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_version
 from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, encode
 
 log = logging.getLogger("refitkit.transfer.broadcast")
 _END = object()  # the end of a generator of weights
-
-
-def checked_version(version: object) -> int:
-    """A weight version is an int in [0, 2**63): the RL loop's step, or any counter it keeps."""
-    if isinstance(version, bool):
-        raise InvalidInput(f"version={version!r}; need an int >= 0 (e.g. the training step)")
-    try:
-        value = operator.index(version)
-    except TypeError:
-        raise InvalidInput(f"version={version!r} is a {type(version).__name__}; need an int >= 0 (e.g. the training step)") from None
-    if not 0 <= value < 1 << 63:
-        raise InvalidInput(f"version={version!r}; need an int >= 0 and below 2**63")
-    return value
 
 
 def checked_backend(backend: object, device: torch.device) -> str:
@@ -142,7 +128,12 @@ class BroadcastWeightSender:
         try:
             if self._stale is not None:  # kept until now: a receiver may still be reading the abort
                 grp.drop_session(self._store, *self._stale)
-            run = _BroadcastSend(self, pull, listed, number)
+            run = _BroadcastSend(
+                pull, listed, number, store=self._store, secret=self._secret, timeout_s=self.timeout_s,
+                receivers=self.receivers, half_bytes=self.half_bytes, backend=self.backend, device=self.device,
+                per_tensor=self.per_tensor,
+            )  # fmt: skip
+            self.last_timings_s = run.timings
             try:
                 return run.run()
             finally:
@@ -154,13 +145,18 @@ class BroadcastWeightSender:
 class _BroadcastSend:
     """One session of the sender: admission, the group, the packer and what is still on the wire."""
 
-    def __init__(self, sender: BroadcastWeightSender, pull: Callable[[], CheckedItem | None], listed: list | None, version: int) -> None:
-        self.sender, self.pull, self.version = sender, pull, version
-        self.store, self.secret, self.timeout_s = sender._store, sender._secret, sender.timeout_s
+    def __init__(
+        self, pull: Callable[[], CheckedItem | None], listed: list | None, version: int, *, store: Any, secret: bytes,
+        timeout_s: float, receivers: int, half_bytes: int, backend: str, device: torch.device, per_tensor: bool,
+    ) -> None:  # fmt: skip
+        self.pull, self.version = pull, version
+        self.store, self.secret, self.timeout_s = store, secret, timeout_s
+        self.backend, self.device, self.per_tensor = backend, device, per_tensor
+        self.timings: dict[str, float] = {}  # seconds per phase (the sender's last_timings_s)
         self.session = secrets.token_hex(8)
         self.nonce = secrets.token_bytes(16)
-        self.world = sender.receivers + 1
-        self.half_bytes = max(ALIGN_BYTES, half_bytes_for(listed, sender.half_bytes))
+        self.world = receivers + 1
+        self.half_bytes = max(ALIGN_BYTES, half_bytes_for(listed, half_bytes))
         self.batch = listed is not None
         self.keys = [f"{self.session}/{key}" for key in ("go", "abort", "failures")]
         self.keys += [f"{self.session}/{kind}/{rank}" for kind in ("join", "status") for rank in range(1, self.world)]
@@ -177,13 +173,13 @@ class _BroadcastSend:
         try:
             grp.put(self.store, "offer", grp.sign(self.secret, "offer", {
                 "session": self.session, "version": self.version, "world": self.world,
-                "half_bytes": self.half_bytes, "backend": self.sender.backend, "nonce": self.nonce,
-                "per_tensor": self.sender.per_tensor,
+                "half_bytes": self.half_bytes, "backend": self.backend, "nonce": self.nonce,
+                "per_tensor": self.per_tensor,
             }))  # fmt: skip
             self._admit()
             began = time.perf_counter()
-            self.group = grp.form_group(self.store, self.session, 0, self.world, self.sender.backend, self.timeout_s)
-            self.sender.last_timings_s["group"] = time.perf_counter() - began
+            self.group = grp.form_group(self.store, self.session, 0, self.world, self.backend, self.timeout_s)
+            self.timings["group"] = time.perf_counter() - began
             self.phase = SessionPhase.STREAMING
             total, count = self._stream()
             self.phase = SessionPhase.DRAINING
@@ -245,7 +241,7 @@ class _BroadcastSend:
     # -- streaming --------------------------------------------------------------------------------
 
     def _stream(self) -> tuple[int, int]:
-        buffer = torch.empty(2 * self.half_bytes, dtype=torch.uint8, device=self.sender.device)
+        buffer = torch.empty(2 * self.half_bytes, dtype=torch.uint8, device=self.device)
         self.packer = BucketPacker(buffer, self.half_bytes, send_bucket=self._ship, wait_free=self._wait_free, batch=self.batch)
         del buffer  # the packer holds it; detach() frees it at the end
         total = count = 0
@@ -266,7 +262,7 @@ class _BroadcastSend:
             raise TransferError("broadcast sender: a bucket shipped without a packer (a bug in refitkit)")
         used, start = packer.used, packer.bucket_start
         frame = encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, nbytes=used)
-        wire = torch.device("cpu") if self.sender.backend == "gloo" else self.sender.device
+        wire = torch.device("cpu") if self.backend == "gloo" else self.device
         header = torch.tensor([len(frame), used], dtype=torch.int64).to(wire)
         meta = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(wire)
         pending: list[Any] = [self.seq, header, meta]  # the bucket's number, then what its works read
@@ -275,7 +271,7 @@ class _BroadcastSend:
         if used:
             data = packer._typed_buffer(torch.uint8)[start : start + used]
             # per tensor: the receivers cut the bytes the same way (entries_from_wire)
-            ranges = _piece_ranges(entries) if self.sender.per_tensor else [(0, used)]
+            ranges = _piece_ranges(entries) if self.per_tensor else [(0, used)]
             for offset, nbytes in ranges:
                 piece = data[offset : offset + nbytes]
                 pending += [piece, grp.broadcast(self.group, piece)]

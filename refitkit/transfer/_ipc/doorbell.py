@@ -66,8 +66,8 @@ from collections.abc import Callable
 from typing import Any
 
 from refitkit.errors import ProtocolError, TransferError
-from refitkit.transfer import shm
-from refitkit.transfer.phases import SessionPhase
+from refitkit.transfer._ipc import shm
+from refitkit.transfer.common import SessionPhase
 from refitkit.transfer.protocol import timeout_error
 
 MAGIC = 0x52454649544B4954  # "REFITKIT"
@@ -186,7 +186,7 @@ def shm_identity() -> list[int] | None:
 @functools.lru_cache(maxsize=1)
 def _launch_host_func() -> tuple[Any, int]:
     """cuLaunchHostFunc from the CUDA driver, and sem_post's address as the host function."""
-    from refitkit.transfer.cuda_ipc import _driver
+    from refitkit.transfer._ipc.cuda_ipc import _driver
 
     driver = _driver()
     fn = driver.cuLaunchHostFunc

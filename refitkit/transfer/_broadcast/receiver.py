@@ -1,4 +1,4 @@
-"""The engine side of a broadcast sync, and the weight version it serves (see ``broadcast_sender`` for the
+"""The engine side of a broadcast sync, and the weight version it serves (see ``_broadcast/sender.py`` for the
 session, the rendezvous and the security model).
 
 ``BroadcastWeightReceiver(rendezvous, secret=..., rank=r)`` is one engine worker (rank ``r`` in
@@ -33,9 +33,9 @@ import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.offload.device import resolved_device
-from refitkit.transfer import _broadcast_group as grp
-from refitkit.transfer.broadcast_sender import checked_backend
-from refitkit.transfer.phases import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer._broadcast import group as grp
+from refitkit.transfer._broadcast.sender import checked_backend
+from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_fits, check_split_pieces, decode, entries_from_wire,
     expect,
@@ -69,20 +69,6 @@ class DirectStats:
         return self.direct_bytes / total if total else 0.0
 
 
-@dataclass(frozen=True)
-class WeightVersion:
-    """Which weights a receiver holds: ``version`` of the last session that landed whole (None: none yet), and
-    ``incomplete``, the version of a session that failed part-way since then (None when the weights are clean)."""
-
-    version: int | None = None
-    incomplete: int | None = None
-
-    @property
-    def clean(self) -> bool:
-        """Whether every weight is the one of ``version`` (no failed session touched them since)."""
-        return self.incomplete is None
-
-
 class BroadcastWeightReceiver:
     """One engine worker of a broadcast sync; one session per ``receive()``."""
 
@@ -111,7 +97,10 @@ class BroadcastWeightReceiver:
         weight for which ``direct(name, dtype, shape)`` gives a contiguous tensor of that dtype, shape and this
         receiver's device is received straight into it and not handed to ``on_bucket``; any other weight takes
         the bucket path (a destination that does not fit is logged and listed in ``last_direct.fallbacks``)."""
-        run = _BroadcastReceive(self, on_bucket, direct)
+        run = _BroadcastReceive(
+            on_bucket, direct, secret=self._secret, timeout_s=self.timeout_s, rank=self.rank, host=self.host,
+            port=self.port, backend=self.backend, device=self.device, last_session=self._last_session,
+        )  # fmt: skip
         try:
             stats = run.run()
         except BaseException:
@@ -120,6 +109,8 @@ class BroadcastWeightReceiver:
             raise
         finally:
             self.last_direct = run.direct_stats()
+            if run.session is not None:  # its offer was taken: served or failed, never taken twice
+                self._last_session = run.session
         self.weights_version = WeightVersion(run.version, None)
         self.last_stats = stats
         return stats
@@ -128,13 +119,18 @@ class BroadcastWeightReceiver:
 class _BroadcastReceive:
     """One session of a receiver: the store connection, the offer, the group and the bucket buffer."""
 
-    def __init__(self, receiver: BroadcastWeightReceiver, on_bucket: OnBucket, direct: Direct | None = None) -> None:
-        self.receiver, self.on_bucket, self.direct = receiver, on_bucket, direct
+    def __init__(
+        self, on_bucket: OnBucket, direct: Direct | None, *, secret: bytes, timeout_s: float, rank: int, host: str,
+        port: int, backend: str, device: torch.device, last_session: str | None,
+    ) -> None:  # fmt: skip
+        self.on_bucket, self.direct = on_bucket, direct
+        self.host, self.port, self.backend, self.device = host, port, backend, device
+        self.last_session = last_session  # the receiver's previous session (served or failed): not taken twice
         self.per_tensor = False  # the sender broadcasts each tensor (piece) on its own: receiving in place is possible
         self.split_landing: torch.Tensor | None = None  # the bytes of a split tensor landing in place
         self.direct_bytes = self.direct_tensors = self.bucket_bytes = 0
         self.fallbacks: dict[str, str] = {}
-        self.secret, self.timeout_s, self.rank = receiver._secret, receiver.timeout_s, receiver.rank
+        self.secret, self.timeout_s, self.rank = secret, timeout_s, rank
         self.store: Any = None
         self.group: Any = None
         self.session: str | None = None
@@ -146,11 +142,11 @@ class _BroadcastReceive:
     def run(self) -> TransferStats:
         start = time.perf_counter()
         failed = True
-        self.store = grp.connect_store(self.receiver.host, self.receiver.port, is_master=False, timeout_s=self.timeout_s)
+        self.store = grp.connect_store(self.host, self.port, is_master=False, timeout_s=self.timeout_s)
         try:
             offer = self._take_offer()
             self._join(offer)
-            self.group = grp.form_group(self.store, offer["session"], self.rank, offer["world"], self.receiver.backend, self.timeout_s)
+            self.group = grp.form_group(self.store, offer["session"], self.rank, offer["world"], self.backend, self.timeout_s)
             self.phase = SessionPhase.STREAMING
             total, count = self._stream(offer["half_bytes"])
             self.phase = SessionPhase.RELEASED
@@ -178,19 +174,19 @@ class _BroadcastReceive:
             if len(raw) > grp.MAX_OFFER_BYTES:
                 raise ProtocolError(f"handshake: the offer is {len(raw)} bytes, more than {grp.MAX_OFFER_BYTES}")
             offer = grp.open_signed(self.secret, "offer", raw, "handshake: the sender's offer")
-            return None if offer.get("session") == self.receiver._last_session else offer
+            return None if offer.get("session") == self.last_session else offer
 
         offer = grp.wait_until(fresh, deadline=time.monotonic() + self.timeout_s, on_timeout=lambda: TransferTimeout(
-            f"handshake: no new session offered at tcp://{self.receiver.host}:{self.receiver.port} within "
+            f"handshake: no new session offered at tcp://{self.host}:{self.port} within "
             f"timeout_s={self.timeout_s:g} (receiver rank {self.rank}); is the sender calling send()?"
         ))  # fmt: skip
         session, version, world, half = (offer.get(key) for key in ("session", "version", "world", "half_bytes"))
         if not (
             type(session) is str and session and type(version) is int and type(world) is int and type(half) is int
-            and 0 < half <= MAX_FRAME_BYTES << 10 and offer.get("backend") == self.receiver.backend
+            and 0 < half <= MAX_FRAME_BYTES << 10 and offer.get("backend") == self.backend
             and type(offer.get("nonce")) is bytes
         ):  # fmt: skip
-            raise ProtocolError(f"handshake: malformed offer {brief(offer)} (or backend other than {self.receiver.backend!r})")
+            raise ProtocolError(f"handshake: malformed offer {brief(offer)} (or backend other than {self.backend!r})")
         if not 1 <= self.rank < world:
             raise InvalidInput(f"receiver rank {self.rank} is not in the sender's group of {world} (ranks 1..{world - 1})")
         if type(offer.get("per_tensor", False)) is not bool:
@@ -201,8 +197,7 @@ class _BroadcastReceive:
                 "receiver rank %d: direct= given but session %s's sender sends whole buckets; every weight takes the "
                 "bucket path (BroadcastWeightSender(per_tensor=True) lets planned weights land in place)", self.rank, session,
             )  # fmt: skip
-        self.session, self.version = session, version
-        self.receiver._last_session = session
+        self.session, self.version = session, version  # from here on the receiver will not take this offer again
         return offer
 
     def _join(self, offer: dict[str, Any]) -> None:
@@ -247,8 +242,8 @@ class _BroadcastReceive:
         )  # fmt: skip
 
     def _stream(self, half_bytes: int) -> tuple[int, int]:
-        device = self.receiver.device
-        wire = torch.device("cpu") if self.receiver.backend == "gloo" else device
+        device = self.device
+        wire = torch.device("cpu") if self.backend == "gloo" else device
         buffer = torch.empty(2 * half_bytes, dtype=torch.uint8, device=device)
         progress: SplitProgress | None = None
         split: torch.Tensor | None = None  # the split tensor being reassembled
@@ -335,9 +330,9 @@ class _BroadcastReceive:
             return self._fall_back(
                 entry.name, f"the plan says {target.dtype} {tuple(target.shape)}, the sender sent {entry.dtype} {entry.shape}"
             )
-        if resolved_device(target.device) != resolved_device(self.receiver.device) or not target.is_contiguous():
+        if resolved_device(target.device) != resolved_device(self.device) or not target.is_contiguous():
             return self._fall_back(
-                entry.name, f"the destination is on {target.device} (contiguous={target.is_contiguous()}), the receiver on {self.receiver.device}"
+                entry.name, f"the destination is on {target.device} (contiguous={target.is_contiguous()}), the receiver on {self.device}"
             )
         return target.view(-1).view(torch.uint8)
 
