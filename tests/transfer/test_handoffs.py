@@ -141,9 +141,8 @@ def run_stream(device: str) -> list[tuple[str, torch.Tensor]]:
     return weights
 
 
-def test_runs_of_small_tensors_round_trip(receiver_server, endpoint, monkeypatch, case):
-    # Consecutive batched tensors of one dtype lie back to back and are copied by one cat per run; a
-    # dtype change, an odd size, a strided/conj/neg tensor, a full bucket and the end all end a run.
+def counted_runs(monkeypatch) -> list[int]:
+    """The length of every run the packer copies with one cat, in order (filled as runs end)."""
     runs: list[int] = []
     end_run = packing.BucketPacker._end_run
 
@@ -153,6 +152,13 @@ def test_runs_of_small_tensors_round_trip(receiver_server, endpoint, monkeypatch
         end_run(self)
 
     monkeypatch.setattr(packing.BucketPacker, "_end_run", counting_end_run)
+    return runs
+
+
+def test_runs_of_small_tensors_round_trip(receiver_server, endpoint, monkeypatch, case):
+    # Consecutive batched tensors of one dtype lie back to back and are copied by one cat per run; a
+    # dtype change, an odd size, a strided/conj/neg tensor, a full bucket and the end all end a run.
+    runs = counted_runs(monkeypatch)
     weights = run_stream(case.tensor_device)
     assert [name for name, tensor in weights if tensor.is_conj() or tensor.is_neg()] == ["conj", "neg"]
     expected = {name: digest(tensor.resolve_conj().resolve_neg()) for name, tensor in weights}
@@ -171,15 +177,7 @@ def test_a_modules_own_tensors_are_copied_in_runs_and_other_generators_one_by_on
     # torch's named_parameters() and a state_dict's items() yield tensors that stay as they are while send()
     # pulls the rest: their small copies are batched like a list's (one cat per run). A generator over the
     # very same tensors is one refitkit cannot vouch for (it might refill a buffer): one copy per tensor.
-    runs: list[int] = []
-    end_run = packing.BucketPacker._end_run
-
-    def counting_end_run(self):
-        if self._run:
-            runs.append(len(self._run))
-        end_run(self)
-
-    monkeypatch.setattr(packing.BucketPacker, "_end_run", counting_end_run)
+    runs = counted_runs(monkeypatch)
     torch.manual_seed(5)
     module = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(6))).to(case.tensor_device)
     expected = {name: digest(tensor) for name, tensor in module.state_dict().items()}
