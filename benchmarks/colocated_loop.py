@@ -87,7 +87,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 
 def bench_model(
     key: str, *, steps: int, bucket_bytes: int, sleep_level: int, utilization: float, sha256: bool, eager: bool,
-    overlap: bool, pushes: int = 0, profile: str | None = None,
+    overlap: bool, pushes: int = 0, profile: str | None = None, optimizer_impl: str = "foreach", zero_grads: bool = False,
 ) -> dict:  # fmt: skip
     from vllm import LLM
 
@@ -105,7 +105,10 @@ def bench_model(
         enable_sleep_mode=True, skip_tokenizer_init=True, enforce_eager=eager,
         worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
     )  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # foreach (torch's default on CUDA) makes a param-sized temporary per param in every step: after a flush each is
+    # its own segment, which the next flush returns; fused makes none
+    fused = optimizer_impl == "fused"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=not fused, fused=fused)
     limits = measure_copy_limits(1 << 30)
     rows = []
     memory_log: list[tuple[str, int]] = []
@@ -120,7 +123,7 @@ def bench_model(
 
     with BucketedWeightSender(f"colocated-{key}", bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
         link = VllmLink(llm, sender, sleep_level=sleep_level, engine_timeout_s=TIMEOUT_S)
-        adapter = FSDPAdapter(model, optimizer)
+        adapter = FSDPAdapter(model, optimizer, zero_grads=zero_grads)
         with RefitCycle(adapter, link, on_phase=on_phase, overlap=overlap) as cycle:
             for step in range(steps):
                 memory_log.clear()
@@ -182,7 +185,10 @@ def bench_model(
         pushes_out = live_pushes(llm, link, cycle, model, steps, pushes=pushes, profile=per_model) if pushes else []
     llm.llm_engine.engine_core.shutdown()
     del llm
-    return {"model": key, "overlap": overlap, "limits": limits.__dict__, "rows": rows, "pushes": pushes_out}
+    return {
+        "model": key, "overlap": overlap, "optimizer": optimizer_impl, "zero_grads": zero_grads, "limits": limits.__dict__,
+        "rows": rows, "pushes": pushes_out,
+    }  # fmt: skip
 
 
 def worker_split(worker: dict) -> dict:
@@ -262,7 +268,8 @@ def print_summary(result: dict) -> None:
         return values[len(values) // 2] if values else float("nan")
 
     print(
-        f"{result['model']}: sync {med('sync_weights_ms'):.1f} ms (engine load {med('engine_load_ms'):.1f}), refit "
+        f"{result['model']} (AdamW {result['optimizer']}, zero_grads={result['zero_grads']}): flush {med('flush_device_ms'):.0f} ms, "
+        f"sync {med('sync_weights_ms'):.1f} ms (engine load {med('engine_load_ms'):.1f}), refit "
         f"{med('refit_ms'):.0f} ms = {med('refit_vs_flat_d2h'):.3f}x flat D2H of {med('state_gb'):.1f} GB "
         f"({result['limits']['pinned_d2h_gbps']:.1f} GB/s), wake weights {med('engine_wake_weights_ms'):.0f} ms, "
         f"wake KV {med('engine_wake_kv_cache_ms'):.0f} ms, engine sleep {med('engine_sleep_ms'):.0f} ms, "
@@ -301,6 +308,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--pushes", type=int, default=0,
                         help="after the steps, this many syncs alone into the serving engine (trainer state resident)")
     parser.add_argument("--profile", help="cProfile the last of --pushes on both sides; text reports into this directory")
+    parser.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach", help="AdamW's implementation")
+    parser.add_argument("--zero-grads", action="store_true",
+                        help="FSDPAdapter(zero_grads=True): the resume gives zero grads (in shared segments) that the step accumulates into")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.profile:  # collective_rpc of a function (the profiler's start and stop) needs vLLM's pickle path
@@ -312,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         result = bench_model(
             key, steps=args.steps, bucket_bytes=int(args.bucket_gib * (1 << 30)), sleep_level=args.sleep_level,
             utilization=args.gpu_memory_utilization, sha256=args.sha256, eager=not args.cuda_graphs,
-            overlap=not args.no_overlap, pushes=args.pushes,
+            overlap=not args.no_overlap, pushes=args.pushes, optimizer_impl=args.optimizer, zero_grads=args.zero_grads,
             profile=None if args.profile is None else str(Path(args.profile) / key),
         )  # fmt: skip
         print_summary(result)

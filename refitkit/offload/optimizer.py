@@ -8,6 +8,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload.arena import HostArena
+from refitkit.offload.device import SegmentedRegrow, local_tensor
 from refitkit.offload.moves import offload_tensors, regrow_tensors, reload_tensors
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
@@ -56,7 +57,8 @@ def reload_grads(params: NamedParams, arena: HostArena, *, zero: bool = False) -
     """Restore kept grads in place; with ``zero=True`` every trainable param ends with a zero grad.
 
     Zeroing skips the copy of kept grads (their bytes are about to be overwritten) and allocates
-    a zero grad for params whose grad was dropped.
+    a zero grad for params whose grad was dropped, in shared segments of at most 2 GiB: a grad each
+    after a flush would be a ``cudaMalloc`` each now and a ``cudaFree`` each at the next flush.
     """
     named = list(params)
     if not zero:
@@ -66,6 +68,21 @@ def reload_grads(params: NamedParams, arena: HostArena, *, zero: bool = False) -
     for _, param in named:
         if param.grad is not None:
             param.grad.zero_()
-        elif param.requires_grad:
-            param.grad = torch.zeros_like(param)
+    fresh = [param for _, param in named if param.grad is None and param.requires_grad]
+    segments = SegmentedRegrow(_grads_device(fresh), [_dense_bytes(param) for param in fresh])
+    for index, param in enumerate(fresh):
+        segments.before(index)
+        param.grad = torch.zeros_like(param)
     return EMPTY_MOVE
+
+
+def _grads_device(params: list[torch.Tensor]) -> torch.device | None:
+    """The one device of these params' local shards (None when there are several: no shared segments then)."""
+    devices = {local_tensor(param).device for param in params}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _dense_bytes(param: torch.Tensor) -> int:
+    """The bytes of a zero grad like ``param``'s local shard."""
+    local = local_tensor(param)
+    return local.numel() * local.element_size()

@@ -331,3 +331,26 @@ def test_a_reload_without_a_flush_takes_the_cached_blocks_and_reserves_no_new_se
     reload_tensors(tensors, arena)
     assert torch.cuda.memory_reserved() == reserved_before  # a shared segment here would have sat unused
     assert all(torch.equal(t.cpu().view(torch.uint8), o) for t, o in zip(tensors, originals))
+
+
+def test_grads_zeroed_after_a_flush_share_segments_and_the_next_flush_frees_them_all():
+    from refitkit.offload import offload_grads, reload_grads
+
+    _warm_up()
+    params = [(f"p{i}", torch.nn.Parameter(torch.randn(1024 + 37 * i, 1024, device="cuda", dtype=torch.bfloat16))) for i in range(24)]
+    arena = HostArena()
+    for _, param in params:
+        param.grad = torch.ones_like(param)
+    offload_grads(params, arena)  # dropped, as a step's grads are by default
+    flush_device()
+    reserved_before = torch.cuda.memory_reserved()
+    reload_grads(params, arena, zero=True)
+    grads = [param.grad for _, param in params]
+    assert all(grad is not None and grad.shape == param.shape and not grad.any() for grad, (_, param) in zip(grads, params))
+    assert _segments_holding([grad.data_ptr() for grad in grads]) == 1  # 77 MiB in one shared segment; before: 24
+    total = sum(-(-grad.untyped_storage().nbytes() // 512) * 512 for grad in grads)
+    assert 0 <= torch.cuda.memory_reserved() - reserved_before - total < 2 * MIB
+    del grads
+    offload_grads(params, arena)
+    flush_device()
+    assert torch.cuda.memory_reserved() == reserved_before  # the shared segment went back whole
