@@ -344,12 +344,13 @@ def test_grads_zeroed_after_a_flush_share_segments_and_the_next_flush_frees_them
     offload_grads(params, arena)  # dropped, as a step's grads are by default
     flush_device()
     reserved_before = torch.cuda.memory_reserved()
+    segments_before = torch.cuda.memory_stats()["segment.all.current"]
     reload_grads(params, arena, zero=True)
     grads = [param.grad for _, param in params]
     assert all(grad is not None and grad.shape == param.shape and not grad.any() for grad, (_, param) in zip(grads, params))
-    assert _segments_holding([grad.data_ptr() for grad in grads]) == 1  # 77 MiB in one shared segment; before: 24
-    total = sum(-(-grad.untyped_storage().nbytes() // 512) * 512 for grad in grads)
-    assert 0 <= torch.cuda.memory_reserved() - reserved_before - total < 2 * MIB
+    # One new segment for all 77 MiB (before: one 20 MiB segment per few grads). The first grads may take the free
+    # tails of the params' own segments instead (best fit), which no flush returns while the params live.
+    assert torch.cuda.memory_stats()["segment.all.current"] - segments_before == 1
     del grads
     offload_grads(params, arena)
     flush_device()
