@@ -88,6 +88,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 def bench_model(
     key: str, *, steps: int, bucket_bytes: int, sleep_level: int, utilization: float, sha256: bool, eager: bool,
     overlap: bool, pushes: int = 0, profile: str | None = None, optimizer_impl: str = "foreach", zero_grads: bool = False,
+    direct: bool = False,
 ) -> dict:  # fmt: skip
     from vllm import LLM
 
@@ -121,7 +122,9 @@ def bench_model(
         memory_log.append((phase, nvml_free_bytes()))
         segments_log.append((phase, torch.cuda.memory_stats().get("segment.all.current", 0)))
 
-    with BucketedWeightSender(f"colocated-{key}", bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        f"colocated-{key}", bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=TIMEOUT_S, direct=direct
+    ) as sender:
         link = VllmLink(llm, sender, sleep_level=sleep_level, engine_timeout_s=TIMEOUT_S)
         adapter = FSDPAdapter(model, optimizer, zero_grads=zero_grads)
         with RefitCycle(adapter, link, on_phase=on_phase, overlap=overlap) as cycle:
@@ -166,6 +169,7 @@ def bench_model(
                 worker = link.last_push.workers[0] if link.last_push else {}
                 row["load_path"] = worker.get("load_path")
                 row.update(worker_split(worker))
+                row["split"] = sender.last_split.__dict__ if sender.last_split else None
                 row["engine_calls_ms"] = {call: round(seconds * 1e3, 1) for call, seconds in link.call_seconds.items()}
                 row["reserved_before_refit_gib"] = round(reserved_before_gib, 1)
                 row["segments"] = dict(segments_log)
@@ -186,7 +190,7 @@ def bench_model(
     llm.llm_engine.engine_core.shutdown()
     del llm
     return {
-        "model": key, "overlap": overlap, "optimizer": optimizer_impl, "zero_grads": zero_grads, "limits": limits.__dict__,
+        "model": key, "overlap": overlap, "optimizer": optimizer_impl, "zero_grads": zero_grads, "direct": direct, "limits": limits.__dict__,
         "rows": rows, "pushes": pushes_out,
     }  # fmt: skip
 
@@ -228,6 +232,7 @@ def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str
             llm.collective_rpc(_worker_profile_stop, args=(str(Path(profile).resolve() / "worker_push.txt"),))
         row = {"push": index, "sync_ms": wall_ms, **worker_split(link.last_push.workers[0])}
         row["sender_ms"] = {phase: round(seconds * 1e3, 2) for phase, seconds in link.sender.last_timings_s.items()}
+        row["split"] = link.sender.last_split.__dict__ if link.sender.last_split else None
         row["reset_prefix_cache_ms"] = round(link.call_seconds.get("reset_prefix_cache", 0.0) * 1e3, 2)
         if index == pushes - 1:
             held = llm.collective_rpc("refit_fingerprints")[0]
@@ -311,6 +316,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach", help="AdamW's implementation")
     parser.add_argument("--zero-grads", action="store_true",
                         help="FSDPAdapter(zero_grads=True): the resume gives zero grads (in shared segments) that the step accumulates into")
+    parser.add_argument("--direct", action="store_true",
+                        help="BucketedWeightSender(direct=True): the engine reads the trainer's weights where they lie")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.profile:  # collective_rpc of a function (the profiler's start and stop) needs vLLM's pickle path
@@ -323,6 +330,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             key, steps=args.steps, bucket_bytes=int(args.bucket_gib * (1 << 30)), sleep_level=args.sleep_level,
             utilization=args.gpu_memory_utilization, sha256=args.sha256, eager=not args.cuda_graphs,
             overlap=not args.no_overlap, pushes=args.pushes, optimizer_impl=args.optimizer, zero_grads=args.zero_grads,
+            direct=args.direct,
             profile=None if args.profile is None else str(Path(args.profile) / key),
         )  # fmt: skip
         print_summary(result)

@@ -98,11 +98,33 @@ def receiver_main(endpoint: str, shapes: list, sessions: int, loader: str, conn)
     conn.send(checksums([(name, params[name]) for name, _ in shapes]))
 
 
-def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str, warmup: int = 2, source: str = "list") -> dict:
+def segmented_weights(shapes: list, segment_bytes: int = 2 << 30) -> list[tuple[str, torch.Tensor]]:
+    """Random bf16 weights laid out as a reload leaves them: views into shared allocations of at most 2 GiB, each
+    weight at a 256-byte boundary (``SegmentedRegrow``), not one allocation each."""
+    sizes = [-(-torch.Size(shape).numel() * 2 // 256) * 256 for _, shape in shapes]
+    weights, at, segment, left = [], 0, None, sum(sizes)
+    for (name, shape), size in zip(shapes, sizes):
+        if segment is None or at + size > segment.numel():
+            segment, at = torch.empty(max(size, min(segment_bytes, left)), dtype=torch.uint8, device="cuda"), 0
+        left -= size
+        view = segment[at : at + torch.Size(shape).numel() * 2].view(torch.bfloat16).view(shape)
+        view.normal_()
+        weights.append((name, view))
+        at += size
+    return weights
+
+
+def bench_model(
+    model: str, rounds: int, bucket_bytes: int, loader: str, warmup: int = 2, source: str = "list", path: str = "bucket",
+    layout: str = "separate",
+) -> dict:  # fmt: skip
     from refitkit.transfer import BucketedWeightSender
 
     shapes = weight_shapes(MODELS[model])
-    weights = [(name, torch.randn(shape, dtype=torch.bfloat16, device="cuda")) for name, shape in shapes]
+    if layout == "segments":
+        weights = segmented_weights(shapes)
+    else:
+        weights = [(name, torch.randn(shape, dtype=torch.bfloat16, device="cuda")) for name, shape in shapes]
     total = sum(t.numel() * t.element_size() for _, t in weights)
     endpoint = f"bench-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
@@ -113,7 +135,8 @@ def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str, warmup:
     torch.cuda.synchronize()
     reserved_before, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
     times_ms, retained_reserved, retained_device, ack_ms, timings = [], [], [], [], []
-    with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120) as sender:
+    direct = path == "direct"
+    with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120, direct=direct) as sender:
         for _ in range(rounds + warmup):
             began = time.perf_counter()
             stats = sender.send(weights if source == "list" else (item for item in weights))
@@ -123,6 +146,7 @@ def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str, warmup:
             retained_reserved.append(torch.cuda.memory_reserved() - reserved_before)
             retained_device.append(free_before - torch.cuda.mem_get_info()[0])
             parent.recv()
+        split = sender.last_split
     parent.send("checksum")
     assert parent.poll(120)
     received = parent.recv()
@@ -130,7 +154,8 @@ def bench_model(model: str, rounds: int, bucket_bytes: int, loader: str, warmup:
     peer.join(60)
     steady = times_ms[warmup:]
     return {
-        "model": model, "source": source, "bytes": total, "tensors": len(weights), "first_ms": times_ms[0], "intact": intact,
+        "model": model, "source": source, "path": path, "layout": layout, "split": split.__dict__ if split else None,
+        "bytes": total, "tensors": len(weights), "first_ms": times_ms[0], "intact": intact,
         "median_ms": statistics.median(steady), "min_ms": min(steady),
         "gbps": total / (statistics.median(steady) / 1e3) / 1e9, "ack_wait_ms": statistics.median(ack_ms[warmup:]),
         "retained_reserved_mib": max(retained_reserved) / 2**20, "retained_device_mib": max(retained_device) / 2**20,
@@ -214,6 +239,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--sources", default="list,generator", help="what send() is given: a list, or a generator")
     parser.add_argument("--bucket-gib", type=float, default=2.0)
+    parser.add_argument("--paths", default="bucket", help="bucket (pack, then copy out) and/or direct (sender direct=True)")
+    parser.add_argument("--layout", default="separate", choices=("separate", "segments"),
+                        help="one allocation per weight, or shared allocations of <= 2 GiB as a reload leaves them")
     parser.add_argument(
         "--batch-max-mib", type=float, default=None,
         help="sender: copy tensors below this size in one batch per bucket (default: refitkit's BATCH_MAX_BYTES)",
@@ -239,26 +267,31 @@ def main() -> None:
         f"sender batches tensors < {BATCH_MAX_BYTES / 2**20:g} MiB"
     )
     header = (
-        f"{'model':>6} {'source':>9} {'loader':>10} {'GB':>6} {'tensors':>7} {'first ms':>9} {'median ms':>10} {'min ms':>7} {'GB/s':>6} "
+        f"{'model':>6} {'path':>6} {'source':>9} {'loader':>10} {'GB':>6} {'tensors':>7} {'first ms':>9} {'median ms':>10} {'min ms':>7} {'GB/s':>6} "
         f"{'ack ms':>7} {'floor ms':>8} {'floor/t':>7} {'reserved MiB':>12} {'device MiB':>10} target"
     )
     print(header)
     for model in args.models.split(","):
-        for source, loader in [(s, lo) for s in args.sources.split(",") for lo in args.loaders.split(",")]:
-            r = bench_model(model, args.rounds, int(args.bucket_gib * (1 << 30)), loader, max(1, args.warmup), source)
+        runs = [(s, lo, p) for p in args.paths.split(",") for s in args.sources.split(",") for lo in args.loaders.split(",")]
+        for source, loader, path in runs:
+            r = bench_model(
+                model, args.rounds, int(args.bucket_gib * (1 << 30)), loader, max(1, args.warmup), source, path, args.layout
+            )  # fmt: skip
             # Floor: every byte is copied once into the bucket (the sender), and once more out of it by a
-            # loader that copies; at this GPU's D2D rate measured above.
-            copies = 1 if loader == "none" else 2
+            # loader that copies (direct: only the loader's copy); at this GPU's D2D rate measured above.
+            copies = (0 if loader == "none" else 1) + (path == "bucket")
             floor_ms = copies * r["bytes"] / (copy_gbps * 1e9) * 1e3
             verdict = "ok" if r["median_ms"] <= targets_ms.get(model, float("inf")) else "MISS"
             if not r["intact"]:
                 verdict += ", WEIGHTS DIFFER (receiver checksums != sender's)"
             print(
-                f"{model:>6} {source:>9} {loader:>10} {r['bytes'] / 1e9:6.2f} {r['tensors']:7d} {r['first_ms']:9.1f} {r['median_ms']:10.1f} "
+                f"{model:>6} {path:>6} {source:>9} {loader:>10} {r['bytes'] / 1e9:6.2f} {r['tensors']:7d} {r['first_ms']:9.1f} {r['median_ms']:10.1f} "
                 f"{r['min_ms']:7.1f} {r['gbps']:6.0f} {r['ack_wait_ms']:7.1f} {floor_ms:8.1f} {floor_ms / r['median_ms']:7.2f} "
                 f"{r['retained_reserved_mib']:12.1f} {r['retained_device_mib']:10.1f} <= {targets_ms.get(model)} ms {verdict}",
                 flush=True,
             )
+            if r["split"] is not None:
+                print(f"{'':>6} split: {r['split']}", flush=True)
             print("        sender phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
 
 

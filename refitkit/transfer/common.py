@@ -67,6 +67,18 @@ class TransferStats:
         return gbps(self.bytes, self.seconds)
 
 
+@dataclass(frozen=True)
+class DirectSplit:
+    """How a sender with ``direct=True`` moved one session: tensors read where they lie, or through the bucket (and why)."""
+
+    direct_tensors: int
+    direct_bytes: int
+    bucket_tensors: int
+    bucket_bytes: int
+    allocations: int  # the sender's allocations the receiver mapped
+    bucket_reasons: dict[str, int]  # why tensors went through the bucket -> how many
+
+
 def checked_device(device: object) -> torch.device:
     """``device`` as a torch.device of a kind this process has (cpu, or cuda with CUDA present); else InvalidInput."""
     try:

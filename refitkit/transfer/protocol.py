@@ -53,8 +53,8 @@ from refitkit.offload.device import ALIGN_BYTES, align_up  # noqa: F401 (re-expo
 from refitkit.transfer.common import SessionPhase
 
 # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters;
-# 4: segment handles (sealed memfds or named), hello's pidns
-WIRE_VERSION = 4
+# 4: segment handles (sealed memfds or named), hello's pidns; 5: direct buckets (the sender's own allocations)
+WIRE_VERSION = 5
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 << 20
@@ -62,6 +62,9 @@ MAX_FRAME_BYTES = 64 << 20
 MAX_DIMS = 64
 # The largest tensor byte count that still fits the int64 element arithmetic of views and copies.
 MAX_TENSOR_BYTES = (1 << 63) - 1
+# Direct buckets: at most this many of the sender's allocations mapped in one session, and entries in one frame.
+MAX_EXPORTS = 1024
+DIRECT_MAX_TENSORS = 512
 
 _brief_repr = reprlib.Repr()
 _brief_repr.maxlevel, _brief_repr.maxlist, _brief_repr.maxstring, _brief_repr.maxother = 3, 8, 80, 80
@@ -227,6 +230,38 @@ def bucket_fields(frame: dict[str, Any], seq: int) -> tuple[int, bool, bool]:
             f"expected seq {seq} in half 0 or 1 (wide buckets in half 0)"
         )
     return half, wide, last
+
+
+def direct_fields(direct: Any, *, entries: list[Entry], sizes: list[int]) -> tuple[list[dict[str, Any]], list[int]]:
+    """The checked parts of a direct bucket: the allocations it exports first (raw handle fields, each checked
+    when mapped) and, per entry, the allocation it lies in. ``sizes``: the byte sizes of the allocations mapped
+    before this bucket. Every entry must be a whole tensor inside its allocation (its size as announced; the
+    mapping checks the announcement against the driver's)."""
+    if type(direct) is not dict:
+        raise ProtocolError(f"direct bucket: {brief(direct)} is not a map")
+    exports, allocs = direct.get("exports"), direct.get("allocs")
+    if type(exports) is not list or type(allocs) is not list or len(allocs) != len(entries) or len(entries) > DIRECT_MAX_TENSORS:
+        raise ProtocolError(
+            f"direct bucket: exports={brief(exports)} allocs={brief(allocs)} are not two lists with one allocation per "
+            f"entry ({len(entries)} entries, at most {DIRECT_MAX_TENSORS})"
+        )
+    if len(sizes) + len(exports) > MAX_EXPORTS:
+        raise ProtocolError(f"direct bucket: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}")
+    announced = list(sizes)
+    for handle in exports:
+        nbytes = handle.get("nbytes") if type(handle) is dict else None
+        if type(nbytes) is not int or nbytes <= 0:
+            raise ProtocolError(f"direct bucket: export {brief(handle)} announces no size")
+        announced.append(nbytes)
+    for entry, index in zip(entries, allocs):
+        if type(index) is not int or not 0 <= index < len(announced):
+            raise ProtocolError(f"direct bucket: {entry.name!r} lies in allocation {brief(index)}; {len(announced)} are exported")
+        if not entry.whole or entry.offset + entry.nbytes > announced[index]:
+            raise ProtocolError(
+                f"direct bucket: {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) is not a whole "
+                f"tensor inside allocation {index} of {announced[index]} bytes"
+            )
+    return exports, allocs
 
 
 def encode(kind: str, **fields: Any) -> bytes:

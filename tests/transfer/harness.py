@@ -83,18 +83,23 @@ def roundtrip(
     timeout_s: float = 10.0,
     expected: dict[str, Any] | None = None,
     generator: bool = False,
+    direct: bool = False,
 ) -> tuple[TransferStats, dict[str, Any]]:
     """Send ``weights`` and check the receiver got every tensor bit-exactly and both sides released.
 
     ``generator``: send them as a generator (a list is sent as is: its buffer is sized to it, and its
-    small tensors are batched; a generator gets halves of exactly ``bucket_bytes // 2``)."""
+    small tensors are batched; a generator gets halves of exactly ``bucket_bytes // 2``). ``direct``: the
+    sender's ``direct=True``; its ``last_split`` is in the returned result as ``split``."""
     if expected is None:
         expected = {name: digest(tensor) for name, tensor in weights}
-    with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport=case.transport, timeout_s=timeout_s) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=bucket_bytes, transport=case.transport, timeout_s=timeout_s, direct=direct
+    ) as sender:
         server.start_session(endpoint, device=case.receiver_device, timeout_s=timeout_s, mode=mode)
         stats = sender.send((item for item in weights) if generator else weights)
         assert own_segment_files() == [] and mapped_segments() == []  # sender holds no bucket memory
     result = server.result()
+    result["split"] = sender.last_split
     assert result["ok"], result
     assert result["digests"] == expected
     assert result["segments_after"] == []  # receiver unmapped before it returned

@@ -18,12 +18,21 @@ view dies, and ``free()`` checks that it did.
 
 The handle travels as raw fields: 64 handle bytes, the byte size and the GPU's UUID (so a
 receiver with a different ``CUDA_VISIBLE_DEVICES`` order maps the same physical GPU).
+
+Direct mode (``AllocationExports``): the sender exports the allocations that hold its weights (the
+caching allocator's segments, found with ``cuMemGetAddressRange``) with the same raw handles, once per
+allocation per session, and the receiver reads each weight where it lies. The trainer owns that memory
+throughout: the receiver closes every mapping before its final ACK, and a receiver that dies takes its
+mappings with it (the driver's teardown), so no torch refcount limbo is involved. Memory that
+``cuIpcGetMemHandle`` refuses (virtual-memory allocations, e.g. ``expandable_segments:True``) goes
+through the bucket instead.
 The driver calls were checked against the CUDA 12/13 driver API (libcuda.so.1, ``_v2`` entry
 points) with torch 2.11/2.13.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import weakref
@@ -241,3 +250,80 @@ class CudaIpcMapping:
             )
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
+
+
+class AllocationExports:
+    """The sender's exports of the allocations that hold its weights (direct mode), for one session.
+
+    ``locate`` finds the allocation a tensor's bytes lie in (known ranges first, the driver otherwise),
+    exports it on first use (``cuIpcGetMemHandle``) and returns its index and the bytes' offset in it, or
+    why the tensor must go through the bucket instead. ``take_new`` hands out the handles not yet announced.
+    """
+
+    def __init__(self, device: torch.device, *, max_allocations: int) -> None:
+        self.device = device
+        self.max_allocations = max_allocations
+        self._bases: list[int] = []  # sorted starts of the exported allocations
+        self._known: dict[int, tuple[int, int]] = {}  # start -> (end, index)
+        self._refused: dict[int, str] = {}  # start -> why its allocation cannot be exported (asked once)
+        self.handles: list[dict[str, Any]] = []  # index -> the raw fields the receiver maps
+        self._announced = 0
+        self.uuid = device_uuid(device)
+
+    def locate(self, pointer: int, nbytes: int) -> tuple[int, int] | str:
+        """(allocation index, byte offset) of ``nbytes`` bytes at ``pointer``, or why they cannot be exported."""
+        at = bisect.bisect_right(self._bases, pointer) - 1
+        if at >= 0:
+            base = self._bases[at]
+            end, index = self._known[base]
+            if pointer + nbytes <= end:
+                return index, pointer - base
+        lib = _driver()
+        base_c, size_c = ctypes.c_uint64(), ctypes.c_size_t()
+        with torch.cuda.device(self.device):
+            result = lib.cuMemGetAddressRange_v2(ctypes.byref(base_c), ctypes.byref(size_c), pointer)
+        if result != 0:
+            return f"its address has no allocation the driver knows (CUDA error {result})"
+        base, size = base_c.value, size_c.value
+        if base in self._refused:
+            return self._refused[base]
+        if pointer + nbytes > base + size:
+            return "its bytes span two allocations"
+        if len(self.handles) >= self.max_allocations:
+            return f"its allocation would be export number {len(self.handles) + 1} of at most {self.max_allocations}"
+        handle = _IpcHandle()
+        with torch.cuda.device(self.device):
+            result = lib.cuIpcGetMemHandle(ctypes.byref(handle), base)
+        if result != 0:
+            self._refused[base] = f"cuIpcGetMemHandle refused its allocation (CUDA error {result}; expandable segments?)"
+            return self._refused[base]
+        index = len(self.handles)
+        self.handles.append({"ipc_handle": bytes(handle.reserved), "nbytes": size, "device_uuid": self.uuid})
+        bisect.insort(self._bases, base)
+        self._known[base] = (base + size, index)
+        return index, pointer - base
+
+    def take_new(self) -> list[dict[str, Any]]:
+        """The handles exported since the last call, in index order (each is announced once)."""
+        new = self.handles[self._announced :]
+        self._announced = len(self.handles)
+        return new
+
+
+def release_mappings(mappings: list[CudaIpcMapping]) -> None:
+    """Close every mapping (after this stream's reads), then flush torch's caches once; raises if a view survives."""
+    if not mappings:
+        return
+    torch.cuda.current_stream(mappings[0].device).synchronize()
+    alive = []
+    for mapping in mappings:
+        mapping.tensor = None  # the finalizer closes the mapping as this last view dies
+        if mapping._closed.alive:
+            alive.append(mapping)
+    if alive:
+        raise TransferError(
+            f"receiver release: tensor views of {len(alive)} of the sender's exported allocations are still referenced "
+            "(tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
+        )
+    torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()

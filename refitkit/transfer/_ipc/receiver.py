@@ -44,8 +44,9 @@ from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
 from refitkit.transfer._ipc.endpoint import connect_receiver, socket_path
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits, check_split_pieces,
-    contiguous_strides, decode, encode, entries_from_wire, expect, recv_frame, setup_fields,
+    ALIGN_BYTES, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
+    check_split_pieces, contiguous_strides, decode, direct_fields, encode, entries_from_wire, expect, recv_frame,
+    setup_fields,
 )  # fmt: skip
 
 
@@ -170,6 +171,7 @@ class _ReceiveSession:
         self.sock: zmq.Socket | None = None
         self.session: str | None = None
         self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
+        self.exported: list[cuda_ipc.CudaIpcMapping] = []  # the sender's own allocations (direct buckets), in index order
         self.bell: doorbell.Doorbell | None = None
         self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
         self.packed = 0  # buckets the sender announced as complete
@@ -238,6 +240,8 @@ class _ReceiveSession:
         frame = self._next_frame(f"bucket {self.seq}")
         expect(frame, "bucket", session=self.session)
         half, wide, last = bucket_fields(frame, self.seq)
+        if "direct" in frame:
+            return self._direct_bucket(frame, last), last
         entries = entries_from_wire(frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes)
         if not entries:
             check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
@@ -245,6 +249,34 @@ class _ReceiveSession:
         self._check_entries(entries, last)  # before any byte is read or any view exists
         self._wait_packed()
         return self._unpack(entries, 0 if wide else half * self.half_bytes), last
+
+    def _direct_bucket(self, frame: dict[str, Any], last: bool) -> list[tuple[str, torch.Tensor]]:
+        """A bucket whose tensors lie in the sender's own allocations: map the ones it exports first, then views."""
+        if self.device.type != "cuda" or not isinstance(self.mapping, cuda_ipc.CudaIpcMapping):
+            raise ProtocolError(f"a direct bucket in a session whose transport is not cuda_ipc (receiver on {self.device})")
+        entries = entries_from_wire(frame.get("entries") or [], capacity=MAX_TENSOR_BYTES)
+        sizes = [mapping.tensor.numel() for mapping in self.exported]  # type: ignore[union-attr]
+        exports, allocs = direct_fields(frame["direct"], entries=entries, sizes=sizes)
+        check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
+        for handle in exports:  # each checked against the driver's size of what it maps
+            self.exported.append(cuda_ipc.CudaIpcMapping(handle, self.device))
+        for entry, index in zip(entries, allocs):  # the announced sizes were checked; now the mapped ones
+            if entry.offset + entry.nbytes > self.exported[index].tensor.numel():  # type: ignore[union-attr]
+                raise ProtocolError(f"direct bucket: {entry.name!r} lies beyond the end of mapped allocation {index}")
+        self._wait_packed()
+        self.assembled.clear()
+        weights = []
+        try:
+            for entry, index in zip(entries, allocs):
+                whole = self.exported[index].tensor
+                view = whole[entry.offset : entry.offset + entry.nbytes].view(entry.dtype)  # type: ignore[index]
+                weights.append((entry.name, view.view(entry.shape)))
+                self.bytes += entry.nbytes
+        except BaseException:
+            whole = view = weights = None  # type: ignore[assignment]  # the traceback must not pin a mapping
+            raise
+        self.tensors += len(weights)
+        return weights
 
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
         """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
@@ -452,13 +484,23 @@ class _ReceiveSession:
         self.assembled.clear()
         self.unconsumed.clear()
         mapping, self.mapping = self.mapping, None
+        exported, self.exported = self.exported, []
         bell, self.bell = self.bell, None
         try:
+            unreleased: TransferError | None = None
+            if exported:
+                self._reads_stream()
+                try:
+                    cuda_ipc.release_mappings(exported)  # the sender's own memory: closed before the final ACK too
+                except TransferError as exc:
+                    unreleased = exc
             if mapping is not None:
                 self._reads_stream()
                 mapping.release()  # finishes this stream's reads (and so the loader's streams') first
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            if unreleased is not None:
+                raise unreleased
             if final:
                 # Release strictly before the final ACK: an ACK first lets the sender free memory still mapped here.
                 log.debug("bucket memory released", extra={"refit_event": "receiver_released"})

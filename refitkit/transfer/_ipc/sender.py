@@ -55,8 +55,10 @@ from refitkit.transfer._ipc.endpoint import WaitingReceivers, bind_sender, remov
 from refitkit.transfer.packing import (
     BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for, held_unchanged,
 )  # fmt: skip
-from refitkit.transfer.common import SessionPhase, TransferStats, checked_knobs
-from refitkit.transfer.protocol import ALIGN_BYTES, decode, encode, expect, recv_frame, timeout_error
+from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
+from refitkit.transfer.protocol import (
+    ALIGN_BYTES, DIRECT_MAX_TENSORS, decode, encode, entry_to_wire, expect, recv_frame, timeout_error,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +121,29 @@ async def _anext_or_end(iterator: Any) -> Any:
         return END
 
 
+DIRECT_MAX_ALLOCATIONS = 64  # more of the trainer's allocations than this in one sync: the rest go through the bucket
+
+
 class BucketedWeightSender:
-    """Binds ``endpoint`` and sends weights to one ``BucketedWeightReceiver`` per ``send()``."""
+    """Binds ``endpoint`` and sends weights to one ``BucketedWeightReceiver`` per ``send()``.
+
+    ``direct`` (CUDA IPC only): the receiver reads each weight where the trainer holds it, one copy per byte
+    instead of two: the sender exports the allocations that hold the weights (at most
+    ``DIRECT_MAX_ALLOCATIONS`` a sync) and keeps them referenced until the receiver released every mapping.
+    Only for sources whose tensors stay as they are during ``send()`` (a list or tuple, a module's
+    ``named_parameters()``, a dict's ``items()``); the rest, and tensors that are strided, unaligned or in memory
+    the driver will not export, go through the bucket. ``last_split`` says how a session split.
+    """
 
     def __init__(
-        self, endpoint: str, bucket_bytes: int = 2 << 30, transport: str = "auto", timeout_s: float = 120.0
-    ) -> None:
+        self, endpoint: str, bucket_bytes: int = 2 << 30, transport: str = "auto", timeout_s: float = 120.0, *,
+        direct: bool = False,
+    ) -> None:  # fmt: skip
         timeout_s, bucket_bytes, transport = checked_knobs(  # type: ignore[assignment]
             timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport, min_bucket_bytes=4 * ALIGN_BYTES
         )
+        if not isinstance(direct, bool):
+            raise InvalidInput(f"BucketedWeightSender: direct= must be a bool, got {direct!r}")
         if transport == "cuda_ipc" and not cuda_ipc.ipc_available():
             raise InvalidInput("transport='cuda_ipc' needs a CUDA GPU and the CUDA driver in the sender")
         self.endpoint = endpoint
@@ -136,6 +152,8 @@ class BucketedWeightSender:
         self.half_bytes = bucket_bytes // 2 // ALIGN_BYTES * ALIGN_BYTES
         self.transport = transport
         self.timeout_s = timeout_s
+        self.direct = direct
+        self.last_split: DirectSplit | None = None  # with direct=True: how the last session split (direct / bucket)
         self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
         self._owner: int | None = None  # the thread running the current session
         self._stop: StopRequest | None = None  # stops the current session (close() from another thread)
@@ -325,9 +343,10 @@ class BucketedWeightSender:
         run = _SendSession(
             self._socket, self._waiting, endpoint=self.endpoint, transport=self.transport, timeout_s=self.timeout_s,
             pull=pull, listed=listed, all_cuda=all_cuda, held=held, cancel=cancel,
-            half_bytes=half_bytes_for(listed, self.half_bytes),
+            half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct,
         )  # fmt: skip
         self.last_timings_s = run.timings
+        self.last_split = None
         try:
             stats = run.run()
         except BaseException as exc:  # also KeyboardInterrupt / SystemExit from the caller's iterator
@@ -337,6 +356,7 @@ class BucketedWeightSender:
                 self._clean_up_after(run, exc)
             raise
         run.free()
+        self.last_split = run.split()
         return stats
 
     def _clean_up_after(self, run: _SendSession, exc: BaseException) -> None:
@@ -396,7 +416,7 @@ class _SendSession:
     def __init__(
         self, sock: zmq.Socket, waiting: WaitingReceivers, *, endpoint: str, transport: str, timeout_s: float,
         pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool,
-        cancel: StopRequest | None, half_bytes: int,
+        cancel: StopRequest | None, half_bytes: int, direct: bool = False,
     ) -> None:  # fmt: skip
         self.sock = sock
         self.waiting = waiting  # hellos queued for later sessions (the sender's, shared across its sessions)
@@ -425,6 +445,18 @@ class _SendSession:
         self.items = 0
         self.seen: set[str] = set()
         self.need_cuda = transport == "cuda_ipc"
+        # direct mode: the sender's allocations exported to the receiver, this bucket's entries, the tensors they are
+        # (referenced until the session ends: the receiver reads them in place), and why others took the bucket
+        self.direct = direct
+        self.exports: cuda_ipc.AllocationExports | None = None
+        self.direct_entries: list[Any] = []
+        self.direct_allocs: list[int] = []
+        self.direct_held: list[torch.Tensor] = []
+        self.direct_tensors = 0
+        self.direct_bytes = 0
+        self.bucket_reasons: dict[str, int] = {}
+        self.bucket_tensors = 0
+        self.bucket_bytes = 0
 
     def run(self) -> TransferStats:
         start = time.perf_counter()
@@ -448,14 +480,18 @@ class _SendSession:
         item = first
         if self.packer is not None:
             pack, next_item, unpacked = self.packer.pack, self._next_item, self.unpacked
+            take_direct = self._direct_taker()
             self.span = _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
             try:
                 while item is not None:
-                    pack(*item)
+                    if take_direct is None or not take_direct(*item):
+                        pack(*item)
                     total_bytes += item[1].nbytes
                     if unpacked:  # announce finished buckets now, not when the next one is full
                         self._announce_packed()
                     item = next_item()
+                if self.direct_entries:
+                    self._ship_direct()
                 self.packer.finish()
             finally:
                 if self.span is not None:  # the stream stopped before its last bucket shipped
@@ -472,6 +508,79 @@ class _SendSession:
         return TransferStats(
             bytes=total_bytes, tensors=self.items, buckets=self.seq,
             seconds=time.perf_counter() - start, ack_wait_s=self.ack_wait_s,
+        )  # fmt: skip
+
+    # -- direct mode: weights read where the trainer holds them ------------------------------------
+
+    def _direct_taker(self) -> Callable[[str, torch.Tensor, str], bool] | None:
+        """``take(name, tensor, wire_dtype)`` -> whether the tensor went into a direct bucket (else: the bucket path,
+        its reason counted); None when this session packs everything (no direct mode asked for)."""
+        if not self.direct:
+            return None
+        why_not = None
+        if not isinstance(self.bucket, cuda_ipc.CudaIpcBucket):
+            why_not = "the session's transport is not cuda_ipc"
+        elif not self.batch:
+            why_not = "the source's tensors may change or die while it is sent (a generator other than a module's or dict's)"
+        if why_not is not None:
+            def refuse(name: str, tensor: torch.Tensor, wire_dtype: str) -> bool:
+                self._through_bucket(why_not, tensor.nbytes)  # type: ignore[arg-type]
+                return False
+
+            return refuse
+        self.exports = cuda_ipc.AllocationExports(self.bucket.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
+        return self._take_direct
+
+    def _take_direct(self, name: str, tensor: torch.Tensor, wire_dtype: str) -> bool:
+        exports = self.exports
+        nbytes = tensor.nbytes
+        if exports is None or tensor.device != exports.device:
+            self._through_bucket("it is on another device than the session's", nbytes)
+            return False
+        if nbytes == 0 or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            self._through_bucket("it is empty, strided or a lazy conj/neg view", nbytes)
+            return False
+        pointer = tensor.data_ptr()
+        if pointer % ALIGN_BYTES:
+            self._through_bucket(f"its bytes are not {ALIGN_BYTES}-byte aligned (a view into a larger tensor)", nbytes)
+            return False
+        located = exports.locate(pointer, nbytes)
+        if isinstance(located, str):
+            self._through_bucket(located, nbytes)
+            return False
+        index, offset = located
+        self.direct_entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
+        self.direct_allocs.append(index)
+        self.direct_held.append(tensor)
+        self.direct_tensors += 1
+        self.direct_bytes += nbytes
+        if len(self.direct_entries) >= DIRECT_MAX_TENSORS:
+            self._ship_direct()
+        return True
+
+    def _through_bucket(self, reason: str, nbytes: int) -> None:
+        self.bucket_reasons[reason] = self.bucket_reasons.get(reason, 0) + 1
+        self.bucket_tensors += 1
+        self.bucket_bytes += nbytes
+
+    def _ship_direct(self) -> None:
+        """Ship the pending direct entries as one bucket. It holds no half, but counts as holding both, so at most two
+        buckets are ever in flight (the receiver's bound): it waits for those before it, the packer's next for it."""
+        if self.exports is None:
+            raise TransferError("sender: a direct bucket in a session without exports (a bug in refitkit)")
+        entries, allocs = self.direct_entries, self.direct_allocs
+        self.direct_entries, self.direct_allocs = [], []
+        self._wait_free(BOTH_HALVES)
+        self._send_bucket(0, True, entries, False, direct={"exports": self.exports.take_new(), "allocs": allocs})
+
+    def split(self) -> DirectSplit | None:
+        """How this session split between direct and bucket reads (None without direct mode)."""
+        if not self.direct:
+            return None
+        return DirectSplit(
+            direct_tensors=self.direct_tensors, direct_bytes=self.direct_bytes, bucket_tensors=self.bucket_tensors,
+            bucket_bytes=self.bucket_bytes, allocations=len(self.exports.handles) if self.exports else 0,
+            bucket_reasons=dict(self.bucket_reasons),
         )  # fmt: skip
 
     def _mark(self, phase: str, began: float) -> None:
@@ -552,15 +661,19 @@ class _SendSession:
             raise InvalidInput(f"{first[0]!r} is on {first[1].device}; transport='cuda_ipc' needs CUDA tensors")
         return wanted
 
-    def _send_bucket(self, half: int, wide: bool, entries: list[Any], last: bool) -> None:
-        """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished."""
+    def _send_bucket(
+        self, half: int, wide: bool, entries: list[Any], last: bool, *, direct: dict[str, Any] | None = None
+    ) -> None:
+        """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished (for a
+        direct bucket: once the work queued so far on the current stream, which wrote its tensors, finished)."""
         if entries and self.bucket is not None:  # an empty bucket has no bytes to announce
             stream = self.bucket.shipped()
             if self.bell is not None:
                 self.bell.post_when_done(doorbell.PACKED, stream)
             else:
                 self.unpacked.append((self.seq, doorbell.event_after(stream)))
-        self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries))
+        extra = {} if direct is None else {"direct": direct}
+        self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, **extra))
         self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
         self.seq += 1
         if self.span is not None:  # the shipped bucket's range ends, the next one's begins
@@ -771,5 +884,6 @@ class _SendSession:
                 bucket.free()  # after every stream a bucket was shipped on (with the posts queued there) ran
                 self._mark("free", began)
         finally:
+            self.direct_held = []  # the trainer's own tensors: referenced no longer (the receiver released or is gone)
             if bell is not None:
                 bell.close()

@@ -1,0 +1,169 @@
+"""Direct mode: the receiver reads each weight where the sender's tensors lie (the sender's own allocations,
+exported once a session), one copy per byte; what cannot go direct goes through the bucket, and says why.
+
+On the CPU: the fallback (shm has no direct reads) and a hostile direct frame; the rest on the GPU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from refitkit.errors import ProtocolError, TransferTimeout
+from refitkit.transfer import BucketedWeightSender
+from refitkit.transfer._ipc import sender as sender_module
+from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire
+from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, roundtrip
+from tests.transfer.peers import digest, one_shot_receiver_main
+from tests.transfer.test_hostile_peer import bucket_frame, run_rogue_sender
+
+pytestmark = pytest.mark.timeout(120)
+
+CUDA_IPC = Case("cuda_ipc", "cuda", "cuda")
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def weights_on(device: str) -> list[tuple[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    return [(f"w{i}", torch.randn(64 + i, 96, device=device).to(torch.bfloat16)) for i in range(6)]
+
+
+# -- on the CPU -------------------------------------------------------------------------------------
+
+
+def test_direct_over_shm_sends_everything_through_the_bucket_and_says_why(receiver_server, endpoint):
+    weights = weights_on("cpu")
+    _, result = roundtrip(receiver_server, endpoint, weights, direct=True)
+    split = result["split"]
+    assert (split.direct_tensors, split.bucket_tensors, split.allocations) == (0, len(weights), 0)
+    assert split.bucket_bytes == sum(tensor.nbytes for _, tensor in weights)
+    assert split.bucket_reasons == {"the session's transport is not cuda_ipc": len(weights)}
+
+
+def test_without_direct_the_sender_reports_no_split(receiver_server, endpoint):
+    _, result = roundtrip(receiver_server, endpoint, weights_on("cpu"))
+    assert result["split"] is None
+
+
+def _entries(*items: list) -> list:
+    return entries_from_wire(list(items), capacity=1 << 40)
+
+
+@pytest.mark.parametrize(
+    "direct, entries, sizes, message",
+    [
+        pytest.param([1], _entries(["w", "float32", [4], 0]), [], r"is not a map", id="not-a-map"),
+        pytest.param({"exports": [], "allocs": []}, _entries(["w", "float32", [4], 0]), [MIB], r"one allocation per entry",
+                     id="allocs-missing"),
+        pytest.param({"exports": [], "allocs": [1]}, _entries(["w", "float32", [4], 0]), [MIB], r"'w' lies in allocation 1; 1 are",
+                     id="index-out-of-range"),
+        pytest.param({"exports": [], "allocs": [True]}, _entries(["w", "float32", [4], 0]), [MIB], r"allocation True",
+                     id="index-not-int"),
+        pytest.param({"exports": [], "allocs": [0]}, _entries(["w", "float32", [128], MIB - 256]), [MIB],
+                     r"'w' \(bytes 1048320\.\.1048832\) is not a whole tensor inside allocation 0 of 1048576 bytes", id="beyond"),
+        pytest.param({"exports": [], "allocs": [0]}, _entries(["w", "float32", [4], 0, 0, 8]), [MIB], r"not a whole tensor",
+                     id="split-piece"),
+        pytest.param({"exports": [{"nbytes": 0}], "allocs": [0]}, _entries(["w", "float32", [4], 0]), [], r"announces no size",
+                     id="export-without-size"),
+        pytest.param({"exports": [{"nbytes": 4096}] * 2, "allocs": [0]}, _entries(["w", "float32", [4], 0]),
+                     [MIB] * (MAX_EXPORTS - 1), r"1025 exported allocations in one session, at most 1024", id="too-many-exports"),
+    ],
+)
+def test_a_hostile_direct_bucket_is_refused_before_anything_is_mapped(direct, entries, sizes, message):
+    with pytest.raises(ProtocolError, match=message):
+        direct_fields(direct, entries=entries, sizes=sizes)
+
+
+def test_a_direct_bucket_in_an_shm_session_fails_the_receiver_cleanly(endpoint):
+    direct = {"exports": [{"ipc_handle": b"\0" * 64, "nbytes": 4096, "device_uuid": "GPU-x"}], "allocs": [0]}
+    raised, message, seconds, replies = run_rogue_sender(
+        endpoint, {}, [bucket_frame([["w", "float32", [4], 0]], direct=direct)]
+    )
+    assert raised is ProtocolError and "a direct bucket in a session whose transport is not cuda_ipc" in message, message
+    assert seconds < 2.0
+    assert any(reply["kind"] == "error" and "direct bucket" in reply["message"] for reply in replies), replies
+
+
+# -- on the GPU -------------------------------------------------------------------------------------
+
+
+def _allocations(tensors: list[torch.Tensor]) -> int:
+    """How many of the caching allocator's segments hold these tensors."""
+    found = set()
+    for segment in torch.cuda.memory_snapshot():
+        start, size = segment["address"], segment["total_size"]
+        found.update(start for t in tensors if start <= t.data_ptr() < start + size)
+    return len(found)
+
+
+@pytest.mark.cuda
+def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_kept(receiver_server, endpoint):
+    weights = weights_on("cuda") + [(f"big{i}", torch.randn(1024, 1024 + i, device="cuda")) for i in range(3)]
+    torch.cuda.synchronize()
+    reserved, free = torch.cuda.memory_reserved(), device_free_bytes()
+    _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="copy")
+    split = result["split"]
+    assert (split.direct_tensors, split.bucket_tensors, split.bucket_reasons) == (len(weights), 0, {})
+    assert split.direct_bytes == sum(tensor.nbytes for _, tensor in weights)
+    assert split.allocations == _allocations([tensor for _, tensor in weights])
+    assert torch.cuda.memory_reserved() == reserved  # the trainer's memory stayed the trainer's: nothing new, nothing lost
+    assert_device_memory_back(free, "a direct sync")  # the receiver closed every mapping; the bucket was freed
+
+
+@pytest.mark.cuda
+def test_a_modules_parameters_go_direct_and_a_plain_generator_through_the_bucket(receiver_server, endpoint):
+    module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
+    expected = {name: digest(param) for name, param in module.named_parameters()}
+    _, result = roundtrip(receiver_server, endpoint, module.named_parameters(), case=CUDA_IPC, direct=True, expected=expected)
+    assert result["split"].direct_tensors == 4 and result["split"].bucket_tensors == 0
+    _, result = roundtrip(receiver_server, endpoint, list(module.named_parameters()), case=CUDA_IPC, direct=True,
+                          generator=True)  # fmt: skip
+    split = result["split"]
+    assert split.direct_tensors == 0 and split.bucket_tensors == 4
+    assert list(split.bucket_reasons) == [
+        "the source's tensors may change or die while it is sent (a generator other than a module's or dict's)"
+    ]
+
+
+@pytest.mark.cuda
+def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(receiver_server, endpoint, monkeypatch):
+    monkeypatch.setattr(sender_module, "DIRECT_MAX_ALLOCATIONS", 2)
+    flat = torch.randn(3 * MIB, device="cuda")  # one allocation: its aligned views go direct, the odd one does not
+    others = [torch.randn(3 * MIB + 1024 * i, device="cuda") for i in range(3)]  # three more (12 MiB: one segment each)
+    weights = [("a", flat[: MIB]), ("b", flat[MIB : 2 * MIB]), ("odd", flat[2 * MIB + 1 : 2 * MIB + 65])]
+    weights += [(f"o{i}", tensor) for i, tensor in enumerate(others)]
+    _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, bucket_bytes=64 * MIB)
+    split = result["split"]
+    assert split.allocations == 2 and split.direct_tensors == 3  # a, b (one export) and o0 (the second)
+    assert split.bucket_reasons == {
+        "its bytes are not 256-byte aligned (a view into a larger tensor)": 1,
+        "its allocation would be export number 3 of at most 2": 2,
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+def test_a_receiver_killed_mid_direct_sync_times_the_sender_out_and_the_weights_stay_intact(endpoint):
+    # 1100 tensors of 64 KiB: three direct buckets (512 entries each) over ~35 of the small pool's 2 MiB segments
+    weights = [(f"w{i}", torch.full((16 * KIB,), float(i), device="cuda")) for i in range(1100)]
+    expected = [tensor.clone() for _, tensor in weights]
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cuda", 5.0, "kill", 2, child))
+    victim.start()
+    try:
+        assert parent.poll(60) and parent.recv() == "starting"
+        with BucketedWeightSender(endpoint, bucket_bytes=64 * MIB, transport="cuda_ipc", timeout_s=5.0, direct=True) as sender:
+            began = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                sender.send(weights)
+            assert time.monotonic() - began < 5.0 + 2.0
+    finally:
+        victim.join(30)
+    assert victim.exitcode == -9
+    assert all(torch.equal(tensor, before) for (_, tensor), before in zip(weights, expected))  # nothing wrote into them
+    assert torch.cuda.memory_reserved() == reserved  # the sender allocated nothing of torch's, and freed its bucket
