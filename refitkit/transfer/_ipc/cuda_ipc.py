@@ -239,18 +239,6 @@ class CudaIpcMapping:
             raise ProtocolError(f"bucket bytes {offset}..{offset + used_bytes} are outside the mapped CUDA IPC buffer")
         return self.tensor[offset : offset + used_bytes]
 
-    def release(self) -> None:
-        """Finish reads, close the IPC mapping and flush torch's caches; raises if a view is still referenced."""
-        torch.cuda.current_stream(self.device).synchronize()
-        self.tensor = None  # the finalizer closes the mapping as this last view dies
-        if self._closed.alive:
-            raise TransferError(
-                "receiver release: a tensor view of the CUDA IPC bucket is still referenced "
-                "(tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
-            )
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
-
 
 class AllocationExports:
     """The sender's exports of the allocations that hold its weights (direct mode), for one session.
@@ -310,20 +298,20 @@ class AllocationExports:
         return new
 
 
-def release_mappings(mappings: list[CudaIpcMapping]) -> None:
-    """Close every mapping (after this stream's reads), then flush torch's caches once; raises if a view survives."""
+def release_mappings(mappings: list[CudaIpcMapping], *, what: str) -> None:
+    """Close every mapping (the bucket, and the sender's allocations of direct buckets) after this stream's reads,
+    then flush torch's caches once; raises if a view of one is still referenced (that one stays open until it dies)."""
     if not mappings:
         return
     torch.cuda.current_stream(mappings[0].device).synchronize()
-    alive = []
+    alive = 0
     for mapping in mappings:
         mapping.tensor = None  # the finalizer closes the mapping as this last view dies
-        if mapping._closed.alive:
-            alive.append(mapping)
+        alive += mapping._closed.alive
     if alive:
         raise TransferError(
-            f"receiver release: tensor views of {len(alive)} of the sender's exported allocations are still referenced "
-            "(tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
+            f"receiver release: a tensor view of {what} is still referenced ({alive} of {len(mappings)} mappings "
+            "kept open; tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
         )
     torch.cuda.ipc_collect()
     torch.cuda.empty_cache()

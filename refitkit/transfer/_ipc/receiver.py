@@ -258,11 +258,8 @@ class _ReceiveSession:
         sizes = [mapping.tensor.numel() for mapping in self.exported]  # type: ignore[union-attr]
         exports, allocs = direct_fields(frame["direct"], entries=entries, sizes=sizes)
         check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
-        for handle in exports:  # each checked against the driver's size of what it maps
+        for handle in exports:  # each announced size checked against the driver's size of what it maps
             self.exported.append(cuda_ipc.CudaIpcMapping(handle, self.device))
-        for entry, index in zip(entries, allocs):  # the announced sizes were checked; now the mapped ones
-            if entry.offset + entry.nbytes > self.exported[index].tensor.numel():  # type: ignore[union-attr]
-                raise ProtocolError(f"direct bucket: {entry.name!r} lies beyond the end of mapped allocation {index}")
         self._wait_packed()
         self.assembled.clear()
         weights = []
@@ -487,20 +484,15 @@ class _ReceiveSession:
         exported, self.exported = self.exported, []
         bell, self.bell = self.bell, None
         try:
-            unreleased: TransferError | None = None
-            if exported:
-                self._reads_stream()
-                try:
-                    cuda_ipc.release_mappings(exported)  # the sender's own memory: closed before the final ACK too
-                except TransferError as exc:
-                    unreleased = exc
             if mapping is not None:
                 self._reads_stream()
-                mapping.release()  # finishes this stream's reads (and so the loader's streams') first
+                if isinstance(mapping, cuda_ipc.CudaIpcMapping):  # with the sender's own allocations (direct buckets)
+                    what = "the CUDA IPC bucket" + (" or the sender's exported allocations" if exported else "")
+                    cuda_ipc.release_mappings([*exported, mapping], what=what)  # after this stream's reads
+                else:
+                    mapping.release()  # finishes this stream's reads (and so the loader's streams') first
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            if unreleased is not None:
-                raise unreleased
             if final:
                 # Release strictly before the final ACK: an ACK first lets the sender free memory still mapped here.
                 log.debug("bucket memory released", extra={"refit_event": "receiver_released"})
