@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import glob
+import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from refitkit.transfer import BucketedWeightSender, TransferStats
-from tests.transfer.peers import ReceiverServer, digest, mapped_segments
+from tests.transfer.peers import ReceiverServer, digest, mapped_segments, one_shot_receiver_main
 
 
 @dataclass(frozen=True)
@@ -108,3 +111,20 @@ def roundtrip(
                               for dtype, shape, _ in expected.values())  # fmt: skip
     return stats, result
 
+
+
+@contextmanager
+def receiver_killed_at(endpoint: str, bucket: int, *, device: str, timeout_s: float) -> Iterator[None]:
+    """A receiver in its own process that SIGKILLs itself in its ``bucket``-th on_bucket call (reading nothing on its
+    way, so a test that times the sender times no digests); its hello is queued when the block starts, and it must
+    have died by SIGKILL when the block ends."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, device, timeout_s, "kill", bucket, child))
+    victim.start()
+    try:
+        assert parent.poll(60) and parent.recv() == "starting"
+        yield
+    finally:
+        victim.join(30)
+    assert victim.exitcode == -9

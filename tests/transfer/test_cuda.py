@@ -10,7 +10,6 @@ The cuda_ipc round trips and fault cases run from test_roundtrip / test_fault_ma
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -22,8 +21,8 @@ import torch
 
 from refitkit.errors import TransferTimeout
 from refitkit.transfer import BucketedWeightSender
-from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, roundtrip
-from tests.transfer.peers import ALLOC_CONF, cuda_allocator_expandable, digest, one_shot_receiver_main
+from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, receiver_killed_at, roundtrip
+from tests.transfer.peers import ALLOC_CONF, cuda_allocator_expandable, digest
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(180)]
 
@@ -66,21 +65,13 @@ def test_sigkilled_receiver_does_not_strand_the_bucket(receiver_server, endpoint
     weights = weights_3gib()
     roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=CUDA_IPC, timeout_s=60)
     reserved_before, free_before = torch.cuda.memory_reserved(), device_free_bytes()  # before the victim exists
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cuda", 5.0, "kill", 2, child))
-    victim.start()
-    try:
-        assert parent.poll(60) and parent.recv() == "starting"
+    with receiver_killed_at(endpoint, 2, device="cuda", timeout_s=5.0):
         with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=5.0) as sender:
             began = time.monotonic()
             with pytest.raises(TransferTimeout):
                 sender.send(weights)
             assert time.monotonic() - began < 5.0 + 2.0  # timeout_s, + the victim's hello and our cleanup (~0.02 s)
             assert torch.cuda.memory_reserved() == reserved_before  # nothing parked in a limbo
-    finally:
-        victim.join(30)
-    assert victim.exitcode == -9
     # Our bucket is freed already; the dead receiver's context goes when the driver has torn it down.
     assert_device_memory_back(free_before, "after the receiver was SIGKILLed with the bucket mapped", settle_s=10.0)
     roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=CUDA_IPC)

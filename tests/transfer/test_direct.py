@@ -5,7 +5,6 @@ On the CPU: the fallback (shm has no direct reads) and a hostile direct frame; t
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -15,8 +14,8 @@ from refitkit.errors import ProtocolError, TransferTimeout
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
 from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire
-from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, roundtrip
-from tests.transfer.peers import digest, one_shot_receiver_main
+from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, receiver_killed_at, roundtrip
+from tests.transfer.peers import digest
 from tests.transfer.test_hostile_peer import bucket_frame, run_rogue_sender
 
 pytestmark = pytest.mark.timeout(120)
@@ -151,19 +150,11 @@ def test_a_receiver_killed_mid_direct_sync_times_the_sender_out_and_the_weights_
     expected = [tensor.clone() for _, tensor in weights]
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cuda", 5.0, "kill", 2, child))
-    victim.start()
-    try:
-        assert parent.poll(60) and parent.recv() == "starting"
+    with receiver_killed_at(endpoint, 2, device="cuda", timeout_s=5.0):
         with BucketedWeightSender(endpoint, bucket_bytes=64 * MIB, transport="cuda_ipc", timeout_s=5.0, direct=True) as sender:
             began = time.monotonic()
             with pytest.raises(TransferTimeout):
                 sender.send(weights)
             assert time.monotonic() - began < 5.0 + 2.0
-    finally:
-        victim.join(30)
-    assert victim.exitcode == -9
     assert all(torch.equal(tensor, before) for (_, tensor), before in zip(weights, expected))  # nothing wrote into them
     assert torch.cuda.memory_reserved() == reserved  # the sender allocated nothing of torch's, and freed its bucket

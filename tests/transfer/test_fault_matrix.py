@@ -23,8 +23,10 @@ from refitkit.errors import ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
-from tests.transfer.harness import PAGE_BYTES, assert_device_memory_back, device_free_bytes, own_segment_files, roundtrip
-from tests.transfer.peers import killed_sender_main, mapped_segments, one_shot_receiver_main
+from tests.transfer.harness import (
+    PAGE_BYTES, assert_device_memory_back, device_free_bytes, own_segment_files, receiver_killed_at, roundtrip,
+)  # fmt: skip
+from tests.transfer.peers import killed_sender_main, mapped_segments
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,17 +98,9 @@ def test_receiver_raises_in_cleanup(receiver_server, endpoint, case):
 
 def test_receiver_sigkilled_mid_stream(receiver_server, endpoint, case):
     weights, baseline_free = prepared(receiver_server, endpoint, case)  # before the victim's CUDA context exists
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, case.receiver_device, TIMEOUT_S, "kill", 2, child))
-    victim.start()
-    assert parent.poll(30) and parent.recv() == "starting"  # its hello is queued: time only the session
-    try:
+    with receiver_killed_at(endpoint, 2, device=case.receiver_device, timeout_s=TIMEOUT_S):  # its hello is queued first
         # A timed-out wait, or (frames are sent ahead of the copies) a send to the vanished peer refused at once.
         send_expecting(endpoint, TransferTimeout, r"timeout_s=3", transport=case.transport, weights=weights)
-    finally:
-        victim.join(10)
-    assert victim.exitcode == -9
     if baseline_free is not None:  # our bucket is freed; the victim's memory once the driver tore its context down
         assert_device_memory_back(baseline_free, f"{case}: after the receiver was SIGKILLed mid-stream", settle_s=10.0)
     fresh_session_works(receiver_server, endpoint, case)
