@@ -58,6 +58,8 @@ class _Weights:
     def __init__(self, weights: Iterator[tuple[str, Any]]) -> None:
         self._weights = weights
         self.pulled = 0
+        # the adapter's word that its tensors stay as they are while sent (``HeldWeights``), passed on to the sender
+        self.refitkit_holds_tensors = getattr(weights, "refitkit_holds_tensors", False) is True
 
     def __iter__(self) -> "_Weights":
         return self

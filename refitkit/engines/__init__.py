@@ -8,9 +8,10 @@ from refitkit.engines.base import (
     AdapterMove,
     DeviceState,
     EngineAdapter,
+    HeldWeights,
     PartBytes,
     PartStates,
     StateBytes,
 )
 
-__all__ = ["AdapterMove", "DeviceState", "EngineAdapter", "PartBytes", "PartStates", "StateBytes"]
+__all__ = ["AdapterMove", "DeviceState", "EngineAdapter", "HeldWeights", "PartBytes", "PartStates", "StateBytes"]

@@ -215,6 +215,28 @@ class DeferredOptimizer:
 # -- Overlapped offload: ``begin_offload`` starts the optimizer-state copies on a side stream, -----
 
 
+class HeldWeights:
+    """An adapter's weight stream whose tensors are the model's own, yielded as they are: they stay unchanged while a
+    sender pulls the rest, so it may batch their small copies and, with ``direct=True``, let the engine read them
+    where they lie (``refitkit_holds_tensors``). Lazy like the generator it wraps: its checks run at the first item."""
+
+    refitkit_holds_tensors = True
+
+    def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
+
+    def __iter__(self) -> "HeldWeights":
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._weights)
+
+    def close(self) -> None:
+        close = getattr(self._weights, "close", None)
+        if close is not None:
+            close()
+
+
 @dataclass
 class OffloadInFlight:
     """``begin_offload()``'s copies of the optimizer state (and kept grads), not finished yet."""

@@ -101,9 +101,13 @@ _DICT_ITEMS_ITERATORS = (type(iter({}.items())), type(iter(OrderedDict().items()
 
 def held_unchanged(iterator: Any) -> bool:
     """Whether ``iterator`` yields tensors that stay as they are while ``send()`` pulls the rest, so their small
-    copies may be deferred like a list's: a generator made by torch's ``Module.named_parameters()`` or
-    ``named_buffers()`` (the module's own tensors: nothing runs between two items but torch's walk over the
-    modules), or a dict's ``items()`` (the dict holds every tensor). Anything else may reuse a buffer."""
+    copies may be deferred like a list's (and, with ``direct=True``, read where they lie): a generator made by
+    torch's ``Module.named_parameters()`` or ``named_buffers()`` (the module's own tensors: nothing runs between
+    two items but torch's walk over the modules), a dict's ``items()`` (the dict holds every tensor), or an
+    iterator that says so itself (``refitkit_holds_tensors = True``: an adapter's ``named_weights()`` over a
+    model whose weights it yields as they are). Anything else may reuse a buffer."""
+    if getattr(iterator, "refitkit_holds_tensors", False) is True:
+        return True
     code = getattr(iterator, "gi_code", None)
     if code is not None:
         return code in _MODULE_MEMBER_CODES

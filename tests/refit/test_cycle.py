@@ -76,3 +76,36 @@ def test_arefit_and_aresume_run_on_the_callers_gpu_not_on_gpu_0():
     assert {device for _, device in result["seen"]} == {1}, result["seen"]
     assert [name for name, _ in result["seen"]][-2:] == ["reload", "barrier"]
     assert result["gpu0_context_bytes"] == 0  # nothing was allocated on GPU 0
+
+
+@pytest.mark.timeout(120)
+def test_the_cycle_passes_on_the_adapters_word_that_its_weights_stay_as_they_are(monkeypatch):
+    # An unsharded model's named_weights() are its own tensors (HeldWeights): the cycle's stream says so to the
+    # sender, which then batches their small copies (one cat per run) as it does a module's named_parameters().
+    import uuid
+
+    from refitkit.engines.fsdp import FSDPAdapter
+    from refitkit.refit import RefitCycle
+    from refitkit.transfer import BucketedWeightSender
+    from tests.transfer.peers import ReceiverServer, digest
+    from tests.transfer.test_handoffs import counted_runs
+
+    runs = counted_runs(monkeypatch)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(6)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    # (digests of copies: .numpy() makes a storage non-resizable, and the offload would refuse the param)
+    expected = {name: digest(tensor.clone()) for name, tensor in model.state_dict().items()}
+    endpoint = f"held-{uuid.uuid4().hex[:8]}"
+    server = ReceiverServer()
+    try:
+        with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=30.0) as sender:
+            with RefitCycle(FSDPAdapter(model, optimizer), sender) as cycle:
+                server.start_session(endpoint, device="cpu", timeout_s=30.0)
+                cycle.refit(0)
+                result = server.result()
+                cycle.resume(0)
+    finally:
+        server.close()
+    assert result["ok"] and result["digests"] == expected, result
+    assert sum(runs) == 12 and max(runs) >= 2, runs  # 6 weights + 6 biases, in runs (one by one: runs == [])

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from refitkit.engines import HeldWeights
 from refitkit.errors import ProtocolError, TransferError
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, packing
 from refitkit.transfer._ipc import doorbell, shm
@@ -185,6 +186,7 @@ def test_a_modules_own_tensors_are_copied_in_runs_and_other_generators_one_by_on
     sources = {
         "named_parameters": (module.named_parameters(), on_buffer_device),
         "state_dict items": (iter(module.state_dict().items()), on_buffer_device),
+        "an adapter's stream that says so": (HeldWeights(iter(module.state_dict().items())), on_buffer_device),
         "a plain generator": (((name, tensor) for name, tensor in module.named_parameters()), False),
     }
     for label, (source, batched) in sources.items():

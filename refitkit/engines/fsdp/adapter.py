@@ -13,6 +13,7 @@ from torch import nn
 from refitkit.engines.base import (
     DeviceState,
     EngineAdapter,
+    HeldWeights,
     NamedTensors,
     as_modules,
     as_optimizers,
@@ -132,8 +133,19 @@ class FSDPAdapter(EngineAdapter):
         the caller holds. With ``pp_group``, every rank of the pipeline group gets every stage's
         weights (stage by stage, in pipeline-rank order), so one rank can send the whole model; a
         stage that fails part-way (or does not come within ``pp_timeout_s``) makes every pipeline
-        rank raise.
+        rank raise. A model with nothing sharded and no pipeline yields its own tensors: the stream
+        says so (``HeldWeights``), so a sender may read them where they lie.
         """
+        weights = self._named_weights()
+        return HeldWeights(weights) if self._yields_own_tensors() else weights
+
+    def _yields_own_tensors(self) -> bool:
+        """Whether ``named_weights()`` yields the model's own tensors (no gather, no other pipeline stage's)."""
+        if self._stages is not None:
+            return False
+        return not any(is_dtensor(tensor) for part in self.model_parts for _, tensor in state_dict_entries(part))
+
+    def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._states["model"] is DeviceState.OFFLOADED:
             raise RefitError(
                 f"{type(self).__name__}.named_weights(): the model is offloaded; reload(model=True) first"

@@ -61,6 +61,22 @@ def test_named_weights_match_the_unsharded_state_dict_bit_for_bit():
         assert result["trained_equal"]
         assert result["types"] == ["Tensor"], "full tensors, not DTensors"
         assert result["trained_changed"]
+        assert result["says_held"] is False
+
+
+def test_an_unsharded_models_weights_are_its_own_tensors_and_the_stream_says_so():
+    model, _, adapter = _plain()
+    weights = adapter.named_weights()
+    assert weights.refitkit_holds_tensors is True
+    streamed = list(weights)
+    own = dict(model.state_dict(keep_vars=True))
+    assert [name for name, _ in streamed] == list(model.state_dict())
+    # the very bytes of the model's tensors, not copies: a sender may read them where they lie
+    assert all(tensor.data_ptr() == own[name].data_ptr() for name, tensor in streamed)
+    adapter.offload()
+    lazy = adapter.named_weights()  # checks run at the first item, as a generator's do (a cycle exchanges them)
+    with pytest.raises(RefitError, match="model is offloaded; reload"):
+        next(lazy)
 
 
 @pytest.mark.timeout(180)
