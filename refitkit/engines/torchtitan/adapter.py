@@ -54,6 +54,11 @@ class TorchTitanAdapter(FSDPAdapter):
         if self._to_hf is None:
             logger.info("TorchTitanAdapter: no state_dict_adapter given; named_weights() yields torchtitan's FQNs")
 
+    def _yields_own_tensors(self) -> bool:
+        """Not with a state-dict adapter: ``to_hf`` makes new tensors (split, permuted), which a sender must not
+        keep referenced or read in place."""
+        return self._to_hf is None and super()._yields_own_tensors()
+
     def _local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights under HF names when a state-dict adapter was given, else torchtitan's FQNs.
 
