@@ -100,7 +100,7 @@ def _allocations(tensors: list[torch.Tensor]) -> int:
 @pytest.mark.cuda
 def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_kept(receiver_server, endpoint):
     weights = weights_on("cuda") + [(f"big{i}", torch.randn(1024, 1024 + i, device="cuda")) for i in range(3)]
-    torch.cuda.synchronize()
+    roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="copy")  # the receiver's CUDA context
     reserved, free = torch.cuda.memory_reserved(), device_free_bytes()
     _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="copy")
     split = result["split"]
