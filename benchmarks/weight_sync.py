@@ -101,7 +101,9 @@ def receiver_main(endpoint: str, shapes: list, sessions: int, loader: str, conn)
 def segmented_weights(shapes: list, segment_bytes: int = 2 << 30) -> list[tuple[str, torch.Tensor]]:
     """Random bf16 weights laid out as a reload leaves them: views into shared allocations of at most 2 GiB, each
     weight at a 256-byte boundary (``SegmentedRegrow``), not one allocation each."""
-    sizes = [-(-torch.Size(shape).numel() * 2 // 256) * 256 for _, shape in shapes]
+    from refitkit.offload.device import align_up
+
+    sizes = [align_up(torch.Size(shape).numel() * 2) for _, shape in shapes]
     weights, at, segment, left = [], 0, None, sum(sizes)
     for (name, shape), size in zip(shapes, sizes):
         if segment is None or at + size > segment.numel():

@@ -449,6 +449,7 @@ class _SendSession:
         # (referenced until the session ends: the receiver reads them in place), and why others took the bucket
         self.direct = direct
         self.exports: cuda_ipc.AllocationExports | None = None
+        self.direct_refusal: str | None = None  # why no tensor of this session can go direct
         self.direct_entries: list[Any] = []
         self.direct_allocs: list[int] = []
         self.direct_held: list[torch.Tensor] = []
@@ -517,23 +518,20 @@ class _SendSession:
         its reason counted); None when this session packs everything (no direct mode asked for)."""
         if not self.direct:
             return None
-        why_not = None
         if not isinstance(self.bucket, cuda_ipc.CudaIpcBucket):
-            why_not = "the session's transport is not cuda_ipc"
+            self.direct_refusal = "the session's transport is not cuda_ipc"
         elif not self.batch:
-            why_not = "the source's tensors may change or die while it is sent (a generator other than a module's or dict's)"
-        if why_not is not None:
-            def refuse(name: str, tensor: torch.Tensor, wire_dtype: str) -> bool:
-                self._through_bucket(why_not, tensor.nbytes)  # type: ignore[arg-type]
-                return False
-
-            return refuse
-        self.exports = cuda_ipc.AllocationExports(self.bucket.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
+            self.direct_refusal = "the source's tensors may change or die while it is sent (a generator other than a module's or dict's)"
+        else:
+            self.exports = cuda_ipc.AllocationExports(self.bucket.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
         return self._take_direct
 
     def _take_direct(self, name: str, tensor: torch.Tensor, wire_dtype: str) -> bool:
         exports = self.exports
         nbytes = tensor.nbytes
+        if self.direct_refusal is not None:
+            self._through_bucket(self.direct_refusal, nbytes)
+            return False
         if exports is None or tensor.device != exports.device:
             self._through_bucket("it is on another device than the session's", nbytes)
             return False
