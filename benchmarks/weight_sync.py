@@ -9,8 +9,10 @@ process on the same GPU. What it does with each bucket is the ``--loaders`` choi
 - ``none``: reads nothing: the transfer alone (the sender's copies and the hand-offs).
 
 ``--sources``: what the sender is given. ``list``: a list of (name, tensor); ``generator``: a
-generator that yields them one at a time, as ``adapter.named_weights()`` does (the sender cannot
-see the whole stream ahead, so it checks and packs item by item). Trainers pass a generator
+generator that yields them one at a time (the sender cannot see the whole stream ahead, so it checks
+and packs item by item); ``held``: such a generator marked as yielding the model's own tensors
+(``HeldWeights``, what ``FSDPAdapter.named_weights()`` returns over an unsharded model), which a
+sender may read in place (``--paths direct``). Trainers pass a generator
 into a receiver that copies each tensor into its own params: ``generator`` with ``per-tensor``
 is the case the targets are set for.
 
@@ -116,6 +118,18 @@ def segmented_weights(shapes: list, segment_bytes: int = 2 << 30) -> list[tuple[
     return weights
 
 
+def stream(weights: list[tuple[str, torch.Tensor]], source: str):
+    """What send() is given: the list itself, a plain generator, or a generator an adapter marks as yielding the
+    model's own tensors (``HeldWeights``, as ``FSDPAdapter.named_weights()`` does over an unsharded model)."""
+    if source == "list":
+        return weights
+    if source == "held":
+        from refitkit.engines import HeldWeights
+
+        return HeldWeights(item for item in weights)
+    return (item for item in weights)
+
+
 def bench_model(
     model: str, rounds: int, bucket_bytes: int, loader: str, warmup: int = 2, source: str = "list", path: str = "bucket",
     layout: str = "separate",
@@ -141,7 +155,7 @@ def bench_model(
     with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120, direct=direct) as sender:
         for _ in range(rounds + warmup):
             began = time.perf_counter()
-            stats = sender.send(weights if source == "list" else (item for item in weights))
+            stats = sender.send(stream(weights, source))
             times_ms.append((time.perf_counter() - began) * 1e3)
             ack_ms.append(stats.ack_wait_s * 1e3)
             timings.append(dict(sender.last_timings_s))
@@ -239,7 +253,7 @@ def main() -> None:
         "--warmup", type=int, default=2,
         help="rounds before the steady state (the second round is still slower: first uses of the receiver's paths)",
     )  # fmt: skip
-    parser.add_argument("--sources", default="list,generator", help="what send() is given: a list, or a generator")
+    parser.add_argument("--sources", default="list,generator", help="what send() is given: list, generator, held")
     parser.add_argument("--bucket-gib", type=float, default=2.0)
     parser.add_argument("--paths", default="bucket", help="bucket (pack, then copy out) and/or direct (sender direct=True)")
     parser.add_argument("--layout", default="separate", choices=("separate", "segments"),

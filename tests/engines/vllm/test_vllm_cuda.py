@@ -40,6 +40,31 @@ def test_cuda_ipc_push_lands_bit_exactly(engine):
     assert worker["direct_bytes"] + worker["loader_bytes"] == worker["bytes"]
 
 
+def test_a_direct_push_reads_the_trainers_weights_in_place_bit_exact_and_leaves_nothing_mapped(engine):
+    """direct=True into the live engine: vLLM's workers load from views of the trainer's own allocations, release
+    every mapping before the final ACK, and the trainer's device memory is exactly what it was."""
+    import torch
+
+    from tests.transfer.harness import assert_device_memory_back, device_free_bytes
+
+    trainer = random_llama(seed=4).to("cuda")
+    for round_index in range(3):  # the first makes the engine's temporaries; the rest are the one-copy arrival
+        torch.cuda.synchronize()
+        reserved, free = torch.cuda.memory_reserved(), device_free_bytes()
+        with BucketedWeightSender("vllm-refit-direct", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S,
+                                  direct=True) as sender:  # fmt: skip
+            stats = push_weights(engine.llm, sender, trainer.named_parameters())
+            split = sender.last_split
+        assert torch.cuda.memory_reserved() == reserved
+        if round_index:
+            assert_device_memory_back(free, f"direct push {round_index + 1} into vLLM")
+        params = list(trainer.parameters())
+        assert (split.direct_tensors, split.bucket_tensors, split.bucket_reasons) == (len(params), 0, {})
+        assert split.direct_bytes == sum(p.nbytes for p in params) and stats.workers[0]["tensors"] == len(params)
+        assert_engine_holds(engine, trainer)
+    assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
+
+
 def test_gloo_broadcast_of_cuda_weights_lands_bit_exactly(engine):
     """One GPU: the gloo path with CUDA tensors on both sides (staged through the host), as a disaggregated run would."""
     from refitkit.rollout import clean_weight_version, push_weights_broadcast
