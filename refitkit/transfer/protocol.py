@@ -53,8 +53,9 @@ from refitkit.offload.device import ALIGN_BYTES, align_up  # noqa: F401 (re-expo
 from refitkit.transfer.common import SessionPhase
 
 # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters;
-# 4: segment handles (sealed memfds or named), hello's pidns; 5: direct buckets (the sender's own allocations)
-WIRE_VERSION = 5
+# 4: segment handles (sealed memfds or named), hello's pidns; 5: direct buckets (the sender's own allocations);
+# 6: a direct session's bucket announced with the first bucket that uses it (bucket_later), up to 4 buckets in flight
+WIRE_VERSION = 6
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 << 20
@@ -65,6 +66,10 @@ MAX_TENSOR_BYTES = (1 << 63) - 1
 # Direct buckets: at most this many of the sender's allocations mapped in one session, and entries in one frame.
 MAX_EXPORTS = 1024
 DIRECT_MAX_TENSORS = 512
+# Buckets a sender may have in flight at once (shipped, not yet announced done): the bucket's two halves, and beside
+# them this many direct buckets (they occupy no half). A receiver refuses announcements further ahead than that.
+DIRECT_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 2 + DIRECT_IN_FLIGHT
 
 _brief_repr = reprlib.Repr()
 _brief_repr.maxlevel, _brief_repr.maxlist, _brief_repr.maxstring, _brief_repr.maxother = 3, 8, 80, 80
@@ -206,16 +211,19 @@ def check_split_pieces(entries: list[Entry], progress: SplitProgress | None, *, 
     return progress
 
 
-def setup_fields(frame: dict[str, Any]) -> tuple[str, str, int, dict[str, Any], Any]:
-    """The checked fields of a setup frame: session, transport, half_bytes, handle, control."""
+def setup_fields(frame: dict[str, Any]) -> tuple[str, str, int, dict[str, Any], Any, bool]:
+    """The checked fields of a setup frame: session, transport, half_bytes, handle, control, bucket_later (a
+    cuda_ipc session with no handle yet: the bucket comes with the first bucket frame that uses it)."""
     session, transport, half_bytes = frame.get("session"), frame.get("transport"), frame.get("half_bytes", 0)
-    handle = frame.get("handle") or {}
+    handle, later = frame.get("handle") or {}, frame.get("bucket_later", False)
     if not (type(session) is str and session and type(transport) is str and type(half_bytes) is int and type(handle) is dict):
         raise ProtocolError(
             f"setup: session={brief(session)} transport={brief(transport)} half_bytes={brief(half_bytes)} "
             f"handle={brief(handle)} are not a str, str, int and map"
         )
-    return session, transport, half_bytes, handle, frame.get("control")
+    if type(later) is not bool or (later and (transport != "cuda_ipc" or handle)):
+        raise ProtocolError(f"setup: bucket_later={brief(later)} is only for a cuda_ipc session that sends no handle yet")
+    return session, transport, half_bytes, handle, frame.get("control"), later
 
 
 def bucket_fields(frame: dict[str, Any], seq: int) -> tuple[int, bool, bool]:

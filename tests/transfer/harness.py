@@ -102,7 +102,7 @@ def roundtrip(
         stats = sender.send((item for item in weights) if generator else weights)
         assert own_segment_files() == [] and mapped_segments() == []  # sender holds no bucket memory
     result = server.result()
-    result["split"] = sender.last_split
+    result["split"], result["timings"] = sender.last_split, dict(sender.last_timings_s)
     assert result["ok"], result
     assert result["digests"] == expected
     assert result["segments_after"] == []  # receiver unmapped before it returned

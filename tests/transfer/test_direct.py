@@ -107,6 +107,7 @@ def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_
     assert (split.direct_tensors, split.bucket_tensors, split.bucket_reasons) == (len(weights), 0, {})
     assert split.direct_bytes == sum(tensor.nbytes for _, tensor in weights)
     assert split.allocations == _allocations([tensor for _, tensor in weights])
+    assert not {"early_bucket", "late_bucket"} & set(result["timings"])  # nothing needed the bucket: none was allocated
     assert torch.cuda.memory_reserved() == reserved  # the trainer's memory stayed the trainer's: nothing new, nothing lost
     assert_device_memory_back(free, "a direct sync")  # the receiver closed every mapping; the bucket was freed
 
@@ -136,6 +137,7 @@ def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(re
     _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, bucket_bytes=64 * MIB)
     split = result["split"]
     assert split.allocations == 2 and split.direct_tensors == 3  # a, b (one export) and o0 (the second)
+    assert "late_bucket" in result["timings"]  # the bucket came when the odd view needed it, announced with its frame
     assert split.bucket_reasons == {
         "its bytes are not 256-byte aligned (a view into a larger tensor)": 1,
         "its allocation would be export number 3 of at most 2": 2,
@@ -143,9 +145,24 @@ def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(re
 
 
 @pytest.mark.cuda
+def test_direct_buckets_and_bucket_halves_in_flight_together_land_bit_exact(receiver_server, endpoint):
+    # aligned tensors (direct) alternate with odd views (through a small bucket): up to two direct buckets and
+    # both halves are in flight at once, and the receiver takes them in order
+    flat = torch.randn(4 * MIB, device="cuda")
+    weights = []
+    for i in range(200):
+        weights.append((f"d{i}", torch.randn(4096 + i, device="cuda")))
+        weights.append((f"odd{i}", flat[i * 4096 + 1 : i * 4096 + 1 + 3000]))
+    for _ in range(2):
+        _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, bucket_bytes=64 * KIB)
+        split = result["split"]
+        assert (split.direct_tensors, split.bucket_tensors) == (200, 200)
+
+
+@pytest.mark.cuda
 @pytest.mark.timeout(120)
 def test_a_receiver_killed_mid_direct_sync_times_the_sender_out_and_the_weights_stay_intact(endpoint):
-    # 1100 tensors of 64 KiB: three direct buckets (512 entries each) over ~35 of the small pool's 2 MiB segments
+    # 1100 tensors of 64 KiB: 18 direct buckets (64 entries each) over ~35 of the small pool's 2 MiB segments
     weights = [(f"w{i}", torch.full((16 * KIB,), float(i), device="cuda")) for i in range(1100)]
     expected = [tensor.clone() for _, tensor in weights]
     torch.cuda.synchronize()

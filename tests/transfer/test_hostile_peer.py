@@ -22,7 +22,7 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc import doorbell, shm
 from refitkit.transfer._ipc.endpoint import socket_path
-from refitkit.transfer.protocol import MAX_FRAME_BYTES, WIRE_VERSION, encode
+from refitkit.transfer.protocol import MAX_FRAME_BYTES, MAX_IN_FLIGHT, WIRE_VERSION, encode
 from tests.transfer.harness import own_segment_files, roundtrip
 from tests.transfer.peers import digest, mapped_segments
 
@@ -238,6 +238,10 @@ BAD_FRAMES = {
     "half_bytes-not-int": ({"half_bytes": "4096"}, [], "setup: .*half_bytes='4096'"),
     "half_bytes-beyond-mapping": ({"half_bytes": 1 << 40}, [], "does not fit"),
     "handle-not-a-map": ({"handle": [1, 2]}, [], "setup: .*not a str, str, int and map"),
+    "bucket-later-over-shm": ({"bucket_later": True}, [], "setup: bucket_later=True is only for a cuda_ipc session"),
+    "bucket-later-not-bool": ({"bucket_later": 1}, [], "setup: bucket_later=1"),
+    "second-bucket-handle": ({}, [bucket_frame([["w", "float32", [4], 0]], handle={"ipc_handle": b"x" * 64})],
+                             "announces a bucket handle .* is mapped already"),
     "negative-offset": ({}, [bucket_frame([["w", "float32", [4], -256]])], "bad name, shape or byte range"),
     "offset-beyond-half": ({}, [bucket_frame([["w", "float32", [4], HALF]])], "bad name, shape or byte range"),
     "negative-length": ({}, [bucket_frame([["w", "uint8", [1 << 20], 0, 0, -5]])], "bad name, shape or byte range"),
@@ -256,8 +260,8 @@ BAD_FRAMES = {
                                           "incomplete"),
     "seq-as-bool": ({}, [bucket_frame([], seq=False)], "bucket frame seq=False"),
     "half-as-bool": ({}, [bucket_frame([], half=True)], "bucket frame .*half=True"),
-    "packed-far-ahead": ({}, [packed(0), packed(1), packed(2), bucket_frame([["w", "float32", [4], 0]])],
-                         "packed frame for bucket 2"),
+    "packed-far-ahead": ({}, [*(packed(seq) for seq in range(MAX_IN_FLIGHT + 1)), bucket_frame([["w", "float32", [4], 0]])],
+                         f"packed frame for bucket {MAX_IN_FLIGHT}"),
     "deep-nesting": ({}, [bucket_frame([NESTED])], "malformed bucket entry"),
     "wrong-version": ({}, [msgpack.packb({"v": WIRE_VERSION + 1, "kind": "bucket"})], "wire version"),
 }

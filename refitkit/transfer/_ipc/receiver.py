@@ -44,7 +44,7 @@ from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
 from refitkit.transfer._ipc.endpoint import connect_receiver, socket_path
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
+    ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
     check_split_pieces, contiguous_strides, decode, direct_fields, encode, entries_from_wire, expect, recv_frame,
     setup_fields,
 )  # fmt: skip
@@ -177,6 +177,8 @@ class _ReceiveSession:
         self.packed = 0  # buckets the sender announced as complete
         self.unconsumed: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
         self.half_bytes = 0
+        self.transport = "none"
+        self.bucket_later = False  # a direct session whose bucket is announced with the first bucket that uses it
         self.seq = 0
         self.partial: tuple[SplitProgress, torch.Tensor] | None = None  # the split tensor being assembled
         self.streams: dict[int, Any] = {}  # the loader's own streams (wait_on), waited for like the current one
@@ -208,14 +210,15 @@ class _ReceiveSession:
         if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
             self.session = setup["session"]
         try:
-            self.session, transport, self.half_bytes, handle, control = setup_fields(setup)
+            self.session, transport, self.half_bytes, handle, control, self.bucket_later = setup_fields(setup)
+            self.transport = transport
             if transport == "shm":
                 self.mapping = shm.ShmMapping(handle, self.device)
             elif transport == "cuda_ipc":
                 if self.device.type != "cuda":
                     raise TransferError(f"sender chose cuda_ipc but this receiver is on {self.device}")
-                self.mapping = cuda_ipc.CudaIpcMapping(handle, self.device)
-                self.device = self.mapping.device
+                if not self.bucket_later:
+                    self._map_cuda_bucket(handle)
             elif transport != "none":
                 raise ProtocolError(f"unknown transport {brief(transport)} in setup")
             if control is not None:
@@ -224,14 +227,31 @@ class _ReceiveSession:
                 if path is not None:  # both sides hold mappings now: no crash can leak the names
                     shm.unlink_quietly(path)
             if self.mapping is not None:
-                buffer_bytes = self.mapping.tensor.numel()  # type: ignore[union-attr]
-                if not (0 < self.half_bytes and self.half_bytes % ALIGN_BYTES == 0 and 2 * self.half_bytes <= buffer_bytes):
-                    raise ProtocolError(f"setup: half_bytes={self.half_bytes} does not fit a {buffer_bytes}-byte bucket buffer")
+                self._check_halves_fit()
         except Exception as exc:
             self.fail(f"could not map the bucket: {exc}")
             raise
         self.sock.send(encode("ready", session=self.session))
         self.phase = SessionPhase.STREAMING
+
+    def _map_cuda_bucket(self, handle: dict[str, Any]) -> None:
+        self.mapping = cuda_ipc.CudaIpcMapping(handle, self.device)
+        self.device = self.mapping.device
+
+    def _check_halves_fit(self) -> None:
+        buffer_bytes = self.mapping.tensor.numel()  # type: ignore[union-attr]
+        if not (0 < self.half_bytes and self.half_bytes % ALIGN_BYTES == 0 and 2 * self.half_bytes <= buffer_bytes):
+            raise ProtocolError(f"setup: half_bytes={self.half_bytes} does not fit a {buffer_bytes}-byte bucket buffer")
+
+    def _map_late_bucket(self, handle: Any) -> None:
+        """The bucket of a direct session, announced with the first bucket that uses it: map it now."""
+        if not self.bucket_later or self.mapping is not None or type(handle) is not dict:
+            raise ProtocolError(
+                f"bucket {self.seq} announces a bucket handle {brief(handle)}, but this session's bucket "
+                + ("is mapped already" if self.mapping is not None else "was not announced as coming later")
+            )
+        self._map_cuda_bucket(handle)
+        self._check_halves_fit()
 
     # -- buckets ----------------------------------------------------------------------------------
 
@@ -242,6 +262,8 @@ class _ReceiveSession:
         half, wide, last = bucket_fields(frame, self.seq)
         if "direct" in frame:
             return self._direct_bucket(frame, last), last
+        if "handle" in frame:
+            self._map_late_bucket(frame["handle"])
         entries = entries_from_wire(frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes)
         if not entries:
             check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
@@ -252,7 +274,7 @@ class _ReceiveSession:
 
     def _direct_bucket(self, frame: dict[str, Any], last: bool) -> list[tuple[str, torch.Tensor]]:
         """A bucket whose tensors lie in the sender's own allocations: map the ones it exports first, then views."""
-        if self.device.type != "cuda" or not isinstance(self.mapping, cuda_ipc.CudaIpcMapping):
+        if self.device.type != "cuda" or self.transport != "cuda_ipc":
             raise ProtocolError(f"a direct bucket in a session whose transport is not cuda_ipc (receiver on {self.device})")
         entries = entries_from_wire(frame.get("entries") or [], capacity=MAX_TENSOR_BYTES)
         sizes = [mapping.tensor.numel() for mapping in self.exported]  # type: ignore[union-attr]
@@ -260,17 +282,25 @@ class _ReceiveSession:
         check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
         for handle in exports:  # each announced size checked against the driver's size of what it maps
             self.exported.append(cuda_ipc.CudaIpcMapping(handle, self.device))
+            self.device = self.exported[-1].device
         self._wait_packed()
         self.assembled.clear()
         weights = []
+        typed: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}  # (allocation, dtype) -> its view, first element
         try:
-            for entry, index in zip(entries, allocs):
-                whole = self.exported[index].tensor
-                view = whole[entry.offset : entry.offset + entry.nbytes].view(entry.dtype)  # type: ignore[index]
-                weights.append((entry.name, view.view(entry.shape)))
+            for entry, index in zip(entries, allocs):  # one as_strided per tensor (its bytes are checked to lie inside)
+                dtype = entry.dtype
+                key = (index, dtype)
+                if key not in typed:
+                    whole = self.exported[index].tensor  # whole ALIGN_BYTES blocks: seen as any dtype
+                    view = whole[: len(whole) // ALIGN_BYTES * ALIGN_BYTES].view(dtype)  # type: ignore[index, arg-type]
+                    typed[key] = (view, view.storage_offset())
+                view, first = typed[key]
+                element = first + entry.offset // dtype.itemsize
+                weights.append((entry.name, view.as_strided(entry.shape, contiguous_strides(entry.shape), element)))
                 self.bytes += entry.nbytes
         except BaseException:
-            whole = view = weights = None  # type: ignore[assignment]  # the traceback must not pin a mapping
+            whole = view = typed = weights = None  # type: ignore[assignment]  # the traceback must not pin a mapping
             raise
         self.tensors += len(weights)
         return weights
@@ -365,7 +395,7 @@ class _ReceiveSession:
         if kind == "packed":
             expect(frame, "packed", session=self.session)
             seq = frame.get("seq")
-            if self.bell is not None or type(seq) is not int or seq != self.packed or seq > self.seq + 1:
+            if self.bell is not None or type(seq) is not int or seq != self.packed or seq >= self.seq + MAX_IN_FLIGHT:
                 raise ProtocolError(f"packed frame for bucket {brief(seq)}, expected bucket {self.packed} (reading {self.seq})")
             self.packed += 1
             return
@@ -484,13 +514,15 @@ class _ReceiveSession:
         exported, self.exported = self.exported, []
         bell, self.bell = self.bell, None
         try:
-            if mapping is not None:
+            if mapping is not None or exported:
                 self._reads_stream()
-                if isinstance(mapping, cuda_ipc.CudaIpcMapping):  # with the sender's own allocations (direct buckets)
-                    what = "the CUDA IPC bucket" + (" or the sender's exported allocations" if exported else "")
-                    cuda_ipc.release_mappings([*exported, mapping], what=what)  # after this stream's reads
-                else:
+                if isinstance(mapping, shm.ShmMapping):
                     mapping.release()  # finishes this stream's reads (and so the loader's streams') first
+                else:  # the CUDA IPC bucket (if any) and the sender's own allocations (direct buckets)
+                    what = " or ".join(
+                        ([] if mapping is None else ["the CUDA IPC bucket"]) + (["the sender's exported allocations"] if exported else [])
+                    )
+                    cuda_ipc.release_mappings([*exported, *([] if mapping is None else [mapping])], what=what)
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if final:

@@ -57,7 +57,7 @@ from refitkit.transfer.packing import (
 )  # fmt: skip
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, DIRECT_MAX_TENSORS, decode, encode, entry_to_wire, expect, recv_frame, timeout_error,
+    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, decode, encode, entry_to_wire, expect, recv_frame, timeout_error,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,10 @@ async def _anext_or_end(iterator: Any) -> Any:
 
 
 DIRECT_MAX_ALLOCATIONS = 64  # more of the trainer's allocations than this in one sync: the rest go through the bucket
+# A direct bucket ships once it names this many tensors or bytes (or the stream ends), so the receiver copies the
+# first weights while the sender still walks the rest (at most protocol.DIRECT_IN_FLIGHT await the receiver at once).
+DIRECT_SHIP_TENSORS = 64
+DIRECT_SHIP_BYTES = 1 << 30
 
 
 class BucketedWeightSender:
@@ -452,12 +456,19 @@ class _SendSession:
         self.direct_refusal: str | None = None  # why no tensor of this session can go direct
         self.direct_entries: list[Any] = []
         self.direct_allocs: list[int] = []
+        self.direct_pending_bytes = 0  # of the entries not shipped yet
         self.direct_held: list[torch.Tensor] = []
         self.direct_tensors = 0
         self.direct_bytes = 0
         self.bucket_reasons: dict[str, int] = {}
         self.bucket_tensors = 0
         self.bucket_bytes = 0
+        # A direct session over CUDA IPC allocates its bucket only when a tensor must go through it (most syncs of
+        # a reloaded model need none); its handle then travels with the first bucket that uses it.
+        self.bucket_later = direct and held and transport != "shm"
+        self.session_transport = "none"
+        self.session_device: torch.device | None = None
+        self.announce_bucket = False
 
     def run(self) -> TransferStats:
         start = time.perf_counter()
@@ -479,21 +490,24 @@ class _SendSession:
         began = time.perf_counter()
         total_bytes = 0
         item = first
-        if self.packer is not None:
-            pack, next_item, unpacked = self.packer.pack, self._next_item, self.unpacked
+        if item is not None:
+            next_item, unpacked = self._next_item, self.unpacked
             take_direct = self._direct_taker()
             self.span = _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
             try:
                 while item is not None:
                     if take_direct is None or not take_direct(*item):
-                        pack(*item)
+                        (self.packer or self._late_packer()).pack(*item)
                     total_bytes += item[1].nbytes
                     if unpacked:  # announce finished buckets now, not when the next one is full
                         self._announce_packed()
                     item = next_item()
                 if self.direct_entries:
                     self._ship_direct()
-                self.packer.finish()
+                if self.packer is not None:
+                    self.packer.finish()
+                else:  # every tensor went direct: an empty last bucket ends the stream
+                    self._send_bucket(0, False, [], True)
             finally:
                 if self.span is not None:  # the stream stopped before its last bucket shipped
                     self.span.__exit__(None, None, None)
@@ -518,12 +532,12 @@ class _SendSession:
         its reason counted); None when this session packs everything (no direct mode asked for)."""
         if not self.direct:
             return None
-        if not isinstance(self.bucket, cuda_ipc.CudaIpcBucket):
+        if self.session_transport != "cuda_ipc" or self.session_device is None:
             self.direct_refusal = "the session's transport is not cuda_ipc"
         elif not self.batch:
             self.direct_refusal = "the source's tensors may change or die while it is sent (a generator other than a module's or dict's)"
         else:
-            self.exports = cuda_ipc.AllocationExports(self.bucket.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
+            self.exports = cuda_ipc.AllocationExports(self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS)
         return self._take_direct
 
     def _take_direct(self, name: str, tensor: torch.Tensor, wire_dtype: str) -> bool:
@@ -552,9 +566,24 @@ class _SendSession:
         self.direct_held.append(tensor)
         self.direct_tensors += 1
         self.direct_bytes += nbytes
-        if len(self.direct_entries) >= DIRECT_MAX_TENSORS:
+        self.direct_pending_bytes += nbytes
+        if len(self.direct_entries) >= min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS) or self.direct_pending_bytes >= DIRECT_SHIP_BYTES:
             self._ship_direct()
         return True
+
+    def _late_packer(self) -> BucketPacker:
+        """The packer of a session whose bucket waited until a tensor needed it: allocate the bucket now (its
+        handle goes out with the first bucket frame that uses it)."""
+        if not self.bucket_later or self.session_device is None or self.bucket is not None:
+            raise TransferError("sender: a tensor to pack in a session without a bucket (a bug in refitkit)")
+        began = time.perf_counter()
+        self.bucket = cuda_ipc.CudaIpcBucket(2 * self.half_bytes, device=self.session_device)
+        self._mark("late_bucket", began)
+        self.announce_bucket = True
+        self.packer = BucketPacker(
+            self.bucket.tensor, self.half_bytes, send_bucket=self._send_bucket, wait_free=self._wait_free, batch=self.batch
+        )
+        return self.packer
 
     def _through_bucket(self, reason: str, nbytes: int) -> None:
         self.bucket_reasons[reason] = self.bucket_reasons.get(reason, 0) + 1
@@ -562,13 +591,19 @@ class _SendSession:
         self.bucket_bytes += nbytes
 
     def _ship_direct(self) -> None:
-        """Ship the pending direct entries as one bucket. It holds no half, but counts as holding both, so at most two
-        buckets are ever in flight (the receiver's bound): it waits for those before it, the packer's next for it."""
+        """Ship the pending direct entries as one bucket. It occupies neither half of the bucket (packing goes on
+        beside it), but at most ``DIRECT_IN_FLIGHT`` direct buckets await the receiver at once."""
         if self.exports is None:
             raise TransferError("sender: a direct bucket in a session without exports (a bug in refitkit)")
         entries, allocs = self.direct_entries, self.direct_allocs
-        self.direct_entries, self.direct_allocs = [], []
-        self._wait_free(BOTH_HALVES)
+        self.direct_entries, self.direct_allocs, self.direct_pending_bytes = [], [], 0
+
+        def room() -> bool:
+            self._retire_consumed()
+            return sum(1 for _, halves in self.unacked if not halves) < DIRECT_IN_FLIGHT
+
+        if not room():
+            self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
         self._send_bucket(0, True, entries, False, direct={"exports": self.exports.take_new(), "allocs": allocs})
 
     def split(self) -> DirectSplit | None:
@@ -603,6 +638,8 @@ class _SendSession:
         ``transport='cuda_ipc'`` (a list's device, else the current one) or a list of CUDA tensors under ``auto``.
         The set-up keeps it when the hello and the first item agree, else frees it; a failure here (out of
         memory, say) is left to the set-up, which meets it again and then tells the receiver."""
+        if self.bucket_later:
+            return  # a direct session: most likely no tensor needs the bucket
         if self.transport == "cuda_ipc":
             device = self.first_device or torch.device("cuda", torch.cuda.current_device())
         elif self.transport == "auto" and self.all_cuda and self.first_device is not None and cuda_ipc.ipc_available():
@@ -623,20 +660,24 @@ class _SendSession:
         early = self.bucket  # from _allocate_early: kept if the session turned out to need just that
         if early is not None and not (transport == "cuda_ipc" and first is not None and early.device == first[1].device):
             self.free()
+        self.session_transport = transport
+        self.session_device = first[1].device if first is not None else None
+        self.bucket_later = self.bucket_later and transport == "cuda_ipc"
         if transport == "shm":
             self.bucket = shm.ShmBucket(2 * half, session=self.session, peer_pidns=hello.get("pidns"))
-        elif transport == "cuda_ipc" and first is not None and self.bucket is None:
+        elif transport == "cuda_ipc" and first is not None and self.bucket is None and not self.bucket_later:
             self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         control = None
         shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
-        if self.bucket is not None and shared_shm and doorbell.available():
+        if transport != "none" and shared_shm and doorbell.available():
             try:
                 self.bell = doorbell.Doorbell.create(self.session, peer_pidns=hello.get("pidns"))
                 control = self.bell.handle()
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
                 log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.endpoint, exc)
-        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control))
+        later = {"bucket_later": True} if self.bucket_later else {}
+        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control, **later))
         self.state = self.state.to(SendState.OFFERED)
         # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
         if self.bucket is not None:
@@ -664,15 +705,21 @@ class _SendSession:
     ) -> None:
         """Ship one bucket whose copies were just issued: its frame now, its "packed" once the copies finished (for a
         direct bucket: once the work queued so far on the current stream, which wrote its tensors, finished)."""
-        if entries and self.bucket is not None:  # an empty bucket has no bytes to announce
-            stream = self.bucket.shipped()
+        if entries and (self.bucket is not None or direct is not None):  # an empty bucket has no bytes to announce
+            if self.bucket is not None:
+                stream = self.bucket.shipped()
+            else:  # a direct bucket in a session without a bucket (yet): its tensors were written on this stream
+                stream = torch.cuda.current_stream(self.session_device)
             if self.bell is not None:
                 self.bell.post_when_done(doorbell.PACKED, stream)
             else:
                 self.unpacked.append((self.seq, doorbell.event_after(stream)))
-        extra = {} if direct is None else {"direct": direct}
+        extra: dict[str, Any] = {} if direct is None else {"direct": direct}
+        if direct is None and self.announce_bucket:  # the first bucket packed into a bucket allocated late
+            extra["handle"] = self.bucket.handle()  # type: ignore[union-attr]
+            self.announce_bucket = False
         self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, **extra))
-        self.unacked.append((self.seq, BOTH_HALVES if wide else 1 << half))
+        self.unacked.append((self.seq, 0 if direct is not None else BOTH_HALVES if wide else 1 << half))
         self.seq += 1
         if self.span is not None:  # the shipped bucket's range ends, the next one's begins
             self.span.__exit__(None, None, None)
@@ -712,14 +759,18 @@ class _SendSession:
         """Wait until no bucket in flight occupies ``halves`` (double buffering: we overwrite them next)."""
 
         def free() -> bool:
-            if self.bell is not None:
-                self._take_consumed()
-            while self.unacked and self.unacked[0][0] < self.consumed:
-                self.unacked.popleft()
+            self._retire_consumed()
             return not any(mask & halves for _, mask in self.unacked)
 
         if not free():
             self._wait(free, f"done for bucket {self.unacked[0][0]}", counter=True)
+
+    def _retire_consumed(self) -> None:
+        """Forget the buckets in flight that the receiver announced as done."""
+        if self.bell is not None:
+            self._take_consumed()
+        while self.unacked and self.unacked[0][0] < self.consumed:
+            self.unacked.popleft()
 
     def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
         """Until ``condition()``: spin a little, then sleep in short slices (on the CONSUMED semaphore when
