@@ -363,11 +363,11 @@ class _ReceiveSession:
     def _count_packed(self) -> int:
         """Buckets announced as complete so far (taking the doorbell's announcements).
 
-        The sender packs a bucket only into a half we handed back, so at most two are announced beyond
-        the ones consumed: a count past that is a peer writing over the segment, not a loop to run.
+        The sender has at most ``MAX_IN_FLIGHT`` buckets out beyond the ones consumed (two halves, two direct
+        buckets): a count past that is a peer writing over the segment, not a loop to run.
         """
         if self.bell is not None:
-            most = self.seq + 2
+            most = self.seq + MAX_IN_FLIGHT
             while self.packed <= most and self.bell.take(doorbell.PACKED):
                 self.packed += 1
             if self.packed > most:
