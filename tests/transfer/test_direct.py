@@ -15,7 +15,7 @@ from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
 from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire
 from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, receiver_killed_at, roundtrip
-from tests.transfer.peers import digest
+from tests.transfer.peers import cuda_allocator_expandable, digest
 from tests.transfer.test_hostile_peer import bucket_frame, run_rogue_sender
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,6 +88,12 @@ def test_a_direct_bucket_in_an_shm_session_fails_the_receiver_cleanly(endpoint):
 # -- on the GPU -------------------------------------------------------------------------------------
 
 
+def exportable_memory() -> None:
+    """Skip a test that needs the allocator's memory exportable (not so under expandable_segments:True)."""
+    if cuda_allocator_expandable():
+        pytest.skip("expandable_segments:True: torch's memory cannot be exported (tested by the fallback test)")
+
+
 def _allocations(tensors: list[torch.Tensor]) -> int:
     """How many of the caching allocator's segments hold these tensors."""
     found = set()
@@ -99,6 +105,7 @@ def _allocations(tensors: list[torch.Tensor]) -> int:
 
 @pytest.mark.cuda
 def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_kept(receiver_server, endpoint):
+    exportable_memory()
     weights = weights_on("cuda") + [(f"big{i}", torch.randn(1024, 1024 + i, device="cuda")) for i in range(3)]
     roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="copy")  # the receiver's CUDA context
     reserved, free = torch.cuda.memory_reserved(), device_free_bytes()
@@ -113,7 +120,22 @@ def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_
 
 
 @pytest.mark.cuda
+def test_under_expandable_segments_weights_go_through_the_bucket_saying_why(receiver_server, endpoint):
+    """With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (run the suite so), torch maps its memory through the
+    driver's virtual-memory calls, which CUDA IPC cannot export: every weight takes the bucket, the reason named."""
+    if not cuda_allocator_expandable():
+        pytest.skip("the suite runs without expandable_segments:True (run it again with that PYTORCH_CUDA_ALLOC_CONF)")
+    weights = weights_on("cuda")
+    _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True)
+    split = result["split"]
+    assert (split.direct_tensors, split.bucket_tensors, split.allocations) == (0, len(weights), 0)
+    [reason] = split.bucket_reasons
+    assert reason.startswith("cuIpcGetMemHandle refused its allocation"), reason
+
+
+@pytest.mark.cuda
 def test_a_modules_parameters_go_direct_and_a_plain_generator_through_the_bucket(receiver_server, endpoint):
+    exportable_memory()
     module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
     expected = {name: digest(param) for name, param in module.named_parameters()}
     _, result = roundtrip(receiver_server, endpoint, module.named_parameters(), case=CUDA_IPC, direct=True, expected=expected)
@@ -129,6 +151,7 @@ def test_a_modules_parameters_go_direct_and_a_plain_generator_through_the_bucket
 
 @pytest.mark.cuda
 def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(receiver_server, endpoint, monkeypatch):
+    exportable_memory()
     monkeypatch.setattr(sender_module, "DIRECT_MAX_ALLOCATIONS", 2)
     flat = torch.randn(3 * MIB, device="cuda")  # one allocation: its aligned views go direct, the odd one does not
     others = [torch.randn(3 * MIB + 1024 * i, device="cuda") for i in range(3)]  # three more (12 MiB: one segment each)
@@ -146,6 +169,7 @@ def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(re
 
 @pytest.mark.cuda
 def test_direct_buckets_and_bucket_halves_in_flight_together_land_bit_exact(receiver_server, endpoint):
+    exportable_memory()
     # aligned tensors (direct) alternate with odd views (through a small bucket): up to two direct buckets and
     # both halves are in flight at once, and the receiver takes them in order
     flat = torch.randn(4 * MIB, device="cuda")
