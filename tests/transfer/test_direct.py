@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from refitkit.errors import ProtocolError, TransferTimeout
+from refitkit.errors import ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
 from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire
@@ -165,6 +165,31 @@ def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(re
         "its bytes are not 256-byte aligned (a view into a larger tensor)": 1,
         "its allocation would be export number 3 of at most 2": 2,
     }
+
+
+@pytest.mark.cuda
+def test_a_late_bucket_that_cannot_be_allocated_aborts_the_session_and_the_receiver_hears_why(
+    receiver_server, endpoint, monkeypatch
+):  # fmt: skip
+    exportable_memory()
+    weights = weights_on("cuda")
+    flat = torch.randn(MIB, device="cuda")
+    weights.append(("odd", flat[1:1001]))  # the last one needs the bucket, after six went direct
+
+    def device_full(self, nbytes, *, device):
+        raise TransferError(f"cuMemAlloc({nbytes} bytes) failed: CUDA error 2 (out of memory)")
+
+    monkeypatch.setattr(sender_module.cuda_ipc.CudaIpcBucket, "__init__", device_full)
+    monkeypatch.setattr(sender_module, "DIRECT_SHIP_TENSORS", 2)  # the six direct ones ship before the odd one
+    reserved = torch.cuda.memory_reserved()
+    with BucketedWeightSender(endpoint, bucket_bytes=4 * MIB, transport="cuda_ipc", timeout_s=10.0, direct=True) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=10.0)
+        with pytest.raises(TransferError, match=r"cuMemAlloc\(\d+ bytes\) failed"):
+            sender.send(weights)
+    result = receiver_server.result()
+    assert not result["ok"] and "aborted the session" in result["message"] and "cuMemAlloc" in result["message"], result
+    assert result["segments_after"] == []
+    assert torch.cuda.memory_reserved() == reserved
 
 
 @pytest.mark.cuda
