@@ -161,12 +161,14 @@ def entries_from_wire(raw: Any, *, capacity: int) -> list[Entry]:
         if dtype is None or type(shape) is not list or len(shape) > MAX_DIMS:
             raise ProtocolError(f"malformed bucket entry {brief(item)}: unknown dtype or shape not a list of <= {MAX_DIMS} dims")
         total = dtype.itemsize
+        span = 1  # the largest stride of its views (empty dims count as 1): it too must fit torch's int64
         for size in shape:
             if type(size) is not int or size < 0:
                 raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range: dim {brief(size)}")
             total *= size
-        if total > MAX_TENSOR_BYTES:  # Python ints do not overflow; torch's int64 sizes would
-            raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range: {total} bytes overflow int64")
+            span *= max(size, 1)
+        if total > MAX_TENSOR_BYTES or span > MAX_TENSOR_BYTES:  # Python ints do not overflow; torch's int64 sizes would
+            raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range: its size overflows int64")
         start, nbytes = (0, total) if len(item) == 4 else item[4:]
         if not (
             type(name) is str and name and type(offset) is int and type(start) is int and type(nbytes) is int
@@ -248,10 +250,10 @@ def direct_fields(direct: Any, *, entries: list[Entry], sizes: list[int]) -> tup
     if type(direct) is not dict:
         raise ProtocolError(f"direct bucket: {brief(direct)} is not a map")
     exports, allocs = direct.get("exports"), direct.get("allocs")
-    if type(exports) is not list or type(allocs) is not list or len(allocs) != len(entries) or len(entries) > DIRECT_MAX_TENSORS:
+    if type(exports) is not list or type(allocs) is not list or len(allocs) != len(entries) or not 0 < len(entries) <= DIRECT_MAX_TENSORS:
         raise ProtocolError(
             f"direct bucket: exports={brief(exports)} allocs={brief(allocs)} are not two lists with one allocation per "
-            f"entry ({len(entries)} entries, at most {DIRECT_MAX_TENSORS})"
+            f"entry ({len(entries)} entries, 1 to {DIRECT_MAX_TENSORS})"
         )
     if len(sizes) + len(exports) > MAX_EXPORTS:
         raise ProtocolError(f"direct bucket: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}")

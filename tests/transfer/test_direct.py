@@ -54,6 +54,7 @@ def _entries(*items: list) -> list:
     "direct, entries, sizes, message",
     [
         pytest.param([1], _entries(["w", "float32", [4], 0]), [], r"is not a map", id="not-a-map"),
+        pytest.param({"exports": [], "allocs": []}, [], [MIB], r"\(0 entries, 1 to 512\)", id="no-entries"),
         pytest.param({"exports": [], "allocs": []}, _entries(["w", "float32", [4], 0]), [MIB], r"one allocation per entry",
                      id="allocs-missing"),
         pytest.param({"exports": [], "allocs": [1]}, _entries(["w", "float32", [4], 0]), [MIB], r"'w' lies in allocation 1; 1 are",
@@ -117,6 +118,16 @@ def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_
     assert not {"early_bucket", "late_bucket"} & set(result["timings"])  # nothing needed the bucket: none was allocated
     assert torch.cuda.memory_reserved() == reserved  # the trainer's memory stayed the trainer's: nothing new, nothing lost
     assert_device_memory_back(free, "a direct sync")  # the receiver closed every mapping; the bucket was freed
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("count", [128, 130])  # a whole number of direct buckets, and one more partial
+def test_iter_weights_over_an_all_direct_stream_hands_out_every_tensor(receiver_server, endpoint, count):
+    # a plain for loop keeps its last tensor referenced while the stream ends: the last bucket must be a real one
+    exportable_memory()
+    weights = [(f"w{i}", torch.full((1024,), float(i), device="cuda")) for i in range(count)]
+    _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="iter")
+    assert result["split"].direct_tensors == count and "late_bucket" not in result["timings"]
 
 
 @pytest.mark.cuda

@@ -36,8 +36,8 @@ only its early twin) stay on the socket.
 What a same-uid peer can do: anyone running as our uid can open or map the segment (and the bucket)
 and write over it. It can always disrupt a session (post too often, never post, truncate the file);
 it must not make us loop unboundedly, crash, or touch memory outside our buffers. So every loop over
-a counter takes at most what the protocol allows (``PACKED``: two buckets beyond those consumed,
-one per half; ``CONSUMED``: one per bucket sent) and calls a count beyond it a ProtocolError, and
+a counter takes at most what the protocol allows (``PACKED``: ``MAX_IN_FLIGHT`` buckets beyond those
+consumed, the two halves and two direct buckets; ``CONSUMED``: one per bucket sent) and calls a count beyond it a ProtocolError, and
 before each call into glibc the semaphore's words are checked against what ``sem_init`` wrote
 (glibc's 64-bit layout: a value/waiters word, then ``private``): glibc aborts the process on a
 futex error caused by a garbage ``private``, and a value of 4e9 would be 4e9 turns. A post queued
@@ -77,7 +77,7 @@ CONTROL_BYTES = 4096
 _SEM_OFFSETS = (64, 128)  # sem_t is 32 bytes on x86-64 and 32 on aarch64 glibc; each gets a cache line
 SPIN_S = 0.002  # spin this long before a waiter sleeps in sem_timedwait slices
 WAIT_SLICE_S = 0.001  # one sleeping look; the socket is looked at between slices
-# No semaphore has more announcements pending than a few (two halves in flight, then the final ACK):
+# No semaphore has more announcements pending than a few (MAX_IN_FLIGHT buckets, then the final ACK):
 # a larger value is a peer writing over the segment, refused before glibc counts it down 4e9 times.
 MAX_PENDING = 16
 _NAMES = ("PACKED", "CONSUMED")

@@ -179,6 +179,7 @@ class _ReceiveSession:
         self.half_bytes = 0
         self.transport = "none"
         self.bucket_later = False  # a direct session whose bucket is announced with the first bucket that uses it
+        self.device_fixed = False  # a CUDA mapping set self.device (all later ones must be on it)
         self.seq = 0
         self.partial: tuple[SplitProgress, torch.Tensor] | None = None  # the split tensor being assembled
         self.streams: dict[int, Any] = {}  # the loader's own streams (wait_on), waited for like the current one
@@ -236,7 +237,14 @@ class _ReceiveSession:
 
     def _map_cuda_bucket(self, handle: dict[str, Any]) -> None:
         self.mapping = cuda_ipc.CudaIpcMapping(handle, self.device)
-        self.device = self.mapping.device
+        self._adopt_device(self.mapping, "the bucket")
+
+    def _adopt_device(self, mapping: cuda_ipc.CudaIpcMapping, what: str) -> None:
+        """The session reads on the device of its first mapping; every later one must lie on that device too (the
+        release synchronizes one device's stream before it closes them all)."""
+        if self.device_fixed and mapping.device != self.device:
+            raise ProtocolError(f"{what} lies on {mapping.device}; this session's other mappings are on {self.device}")
+        self.device, self.device_fixed = mapping.device, True
 
     def _check_halves_fit(self) -> None:
         buffer_bytes = self.mapping.tensor.numel()  # type: ignore[union-attr]
@@ -261,6 +269,8 @@ class _ReceiveSession:
         expect(frame, "bucket", session=self.session)
         half, wide, last = bucket_fields(frame, self.seq)
         if "direct" in frame:
+            if "handle" in frame:
+                raise ProtocolError(f"direct bucket {self.seq} also announces a bucket handle (only a packed bucket may)")
             return self._direct_bucket(frame, last), last
         if "handle" in frame:
             self._map_late_bucket(frame["handle"])
@@ -282,7 +292,7 @@ class _ReceiveSession:
         check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
         for handle in exports:  # each announced size checked against the driver's size of what it maps
             self.exported.append(cuda_ipc.CudaIpcMapping(handle, self.device))
-            self.device = self.exported[-1].device
+            self._adopt_device(self.exported[-1], f"exported allocation {len(self.exported) - 1}")
         self._wait_packed()
         self.assembled.clear()
         weights = []

@@ -502,12 +502,12 @@ class _SendSession:
                     if unpacked:  # announce finished buckets now, not when the next one is full
                         self._announce_packed()
                     item = next_item()
-                if self.direct_entries:
-                    self._ship_direct()
-                if self.packer is not None:
+                if self.packer is None:  # every tensor went direct: their last bucket ends the stream
+                    self._ship_direct(last=True)
+                else:
+                    if self.direct_entries:
+                        self._ship_direct()
                     self.packer.finish()
-                else:  # every tensor went direct: an empty last bucket ends the stream
-                    self._send_bucket(0, False, [], True)
             finally:
                 if self.span is not None:  # the stream stopped before its last bucket shipped
                     self.span.__exit__(None, None, None)
@@ -561,14 +561,14 @@ class _SendSession:
             self._through_bucket(located, nbytes)
             return False
         index, offset = located
+        if len(self.direct_entries) >= min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS) or self.direct_pending_bytes >= DIRECT_SHIP_BYTES:
+            self._ship_direct()  # a full one ships when the next comes: the stream's last is never an empty bucket
         self.direct_entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
         self.direct_allocs.append(index)
         self.direct_held.append(tensor)
         self.direct_tensors += 1
         self.direct_bytes += nbytes
         self.direct_pending_bytes += nbytes
-        if len(self.direct_entries) >= min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS) or self.direct_pending_bytes >= DIRECT_SHIP_BYTES:
-            self._ship_direct()
         return True
 
     def _late_packer(self) -> BucketPacker:
@@ -590,11 +590,12 @@ class _SendSession:
         self.bucket_tensors += 1
         self.bucket_bytes += nbytes
 
-    def _ship_direct(self) -> None:
-        """Ship the pending direct entries as one bucket. It occupies neither half of the bucket (packing goes on
-        beside it), but at most ``DIRECT_IN_FLIGHT`` direct buckets await the receiver at once."""
-        if self.exports is None:
-            raise TransferError("sender: a direct bucket in a session without exports (a bug in refitkit)")
+    def _ship_direct(self, *, last: bool = False) -> None:
+        """Ship the pending direct entries as one bucket (``last``: the stream's last). It occupies neither half of
+        the bucket (packing goes on beside it), but at most ``DIRECT_IN_FLIGHT`` direct buckets await the receiver
+        at once."""
+        if self.exports is None or not self.direct_entries:
+            raise TransferError("sender: a direct bucket without exports or entries (a bug in refitkit)")
         entries, allocs = self.direct_entries, self.direct_allocs
         self.direct_entries, self.direct_allocs, self.direct_pending_bytes = [], [], 0
 
@@ -604,7 +605,7 @@ class _SendSession:
 
         if not room():
             self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
-        self._send_bucket(0, True, entries, False, direct={"exports": self.exports.take_new(), "allocs": allocs})
+        self._send_bucket(0, True, entries, last, direct={"exports": self.exports.take_new(), "allocs": allocs})
 
     def split(self) -> DirectSplit | None:
         """How this session split between direct and bucket reads (None without direct mode)."""
