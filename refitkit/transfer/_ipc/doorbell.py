@@ -37,8 +37,8 @@ What a same-uid peer can do: anyone running as our uid can open or map the segme
 and write over it. It can always disrupt a session (post too often, never post, truncate the file);
 it must not make us loop unboundedly, crash, or touch memory outside our buffers. So every loop over
 a counter takes at most what the protocol allows (``PACKED``: ``MAX_IN_FLIGHT`` buckets beyond those
-consumed, the two halves and two direct buckets; ``CONSUMED``: one per bucket sent) and calls a count beyond it a ProtocolError, and
-before each call into glibc the semaphore's words are checked against what ``sem_init`` wrote
+consumed, the two halves and two direct buckets; ``CONSUMED``: one per bucket sent) and calls a count
+beyond it a ProtocolError, and before each call into glibc the semaphore's words are checked against what ``sem_init`` wrote
 (glibc's 64-bit layout: a value/waiters word, then ``private``): glibc aborts the process on a
 futex error caused by a garbage ``private``, and a value of 4e9 would be 4e9 turns. A post queued
 on a CUDA stream runs ``sem_post`` unchecked; a scribble landing in that window can still make
