@@ -529,10 +529,10 @@ class _ReceiveSession:
                 if isinstance(mapping, shm.ShmMapping):
                     mapping.release()  # finishes this stream's reads (and so the loader's streams') first
                 else:  # the CUDA IPC bucket (if any) and the sender's own allocations (direct buckets)
-                    what = " or ".join(
-                        ([] if mapping is None else ["the CUDA IPC bucket"]) + (["the sender's exported allocations"] if exported else [])
+                    named = {"the CUDA IPC bucket": [] if mapping is None else [mapping], "the sender's exported allocations": exported}
+                    cuda_ipc.release_mappings(
+                        [m for ms in named.values() for m in ms], what=" or ".join(what for what, ms in named.items() if ms)
                     )
-                    cuda_ipc.release_mappings([*exported, *([] if mapping is None else [mapping])], what=what)
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if final:
