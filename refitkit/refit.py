@@ -60,6 +60,7 @@ class _Weights:
         self.pulled = 0
         # the adapter's word that its tensors stay as they are while sent (``HeldWeights``), passed on to the sender
         self.refitkit_holds_tensors = getattr(weights, "refitkit_holds_tensors", False) is True
+        self.refitkit_fresh_tensors = getattr(weights, "refitkit_fresh_tensors", False) is True  # (``FreshWeights``)
 
     def __iter__(self) -> "_Weights":
         return self

@@ -8,10 +8,11 @@ from refitkit.engines.base import (
     AdapterMove,
     DeviceState,
     EngineAdapter,
+    FreshWeights,
     HeldWeights,
     PartBytes,
     PartStates,
     StateBytes,
 )
 
-__all__ = ["AdapterMove", "DeviceState", "EngineAdapter", "HeldWeights", "PartBytes", "PartStates", "StateBytes"]
+__all__ = ["AdapterMove", "DeviceState", "EngineAdapter", "FreshWeights", "HeldWeights", "PartBytes", "PartStates", "StateBytes"]

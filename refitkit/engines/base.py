@@ -237,6 +237,16 @@ class HeldWeights:
             close()
 
 
+class FreshWeights(HeldWeights):
+    """An adapter's weight stream whose tensors are made for the caller (gathered, e.g. an FSDP2 ``full_tensor()``)
+    or are the model's own as they are: nothing else writes one after it was yielded, so a sender that keeps it may
+    let the engine read it where it lies until it lets go (``refitkit_fresh_tensors``). Unlike ``HeldWeights`` the
+    tensors die once dropped, so a sender keeps each only while it is needed (small copies are not deferred)."""
+
+    refitkit_holds_tensors = False
+    refitkit_fresh_tensors = True
+
+
 @dataclass
 class OffloadInFlight:
     """``begin_offload()``'s copies of the optimizer state (and kept grads), not finished yet."""

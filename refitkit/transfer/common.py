@@ -77,6 +77,9 @@ class DirectSplit:
     bucket_bytes: int
     allocations: int  # the sender's allocations the receiver mapped
     bucket_reasons: dict[str, int]  # why tensors went through the bucket -> how many
+    # fresh tensors (``FreshWeights``): allocations returned to the driver during the sync and made again at an
+    # exported address, each exported anew (so counted in ``allocations`` twice)
+    replaced_allocations: int = 0
 
 
 def checked_device(device: object) -> torch.device:

@@ -114,6 +114,13 @@ def held_unchanged(iterator: Any) -> bool:
     return type(iterator) in _DICT_ITEMS_ITERATORS
 
 
+def fresh_each(iterator: Any) -> bool:
+    """Whether ``iterator`` says each tensor it yields is made for the caller or is the model's own as it is
+    (``refitkit_fresh_tensors = True``: an adapter's ``named_weights()`` that gathers them), so nothing else writes
+    one while a sender keeps it: with ``direct=True`` the engine may read it where it lies until the sender lets go."""
+    return getattr(iterator, "refitkit_fresh_tensors", False) is True
+
+
 def check_items(listed: list | tuple, *, need_cuda: bool) -> tuple[list[CheckedItem], bool]:
     """Every item of a list or tuple checked in one pass, before anything is sent (so no receiver sees a
     byte of a bad list), and whether all its tensors are CUDA tensors; InvalidInput names the first bad one."""

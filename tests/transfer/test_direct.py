@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from refitkit.engines import FreshWeights
 from refitkit.errors import ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
@@ -156,8 +157,64 @@ def test_a_modules_parameters_go_direct_and_a_plain_generator_through_the_bucket
     split = result["split"]
     assert split.direct_tensors == 0 and split.bucket_tensors == 4
     assert list(split.bucket_reasons) == [
-        "the source's tensors may change or die while it is sent (a generator other than a module's or dict's)"
+        "the source's tensors may change or die while it is sent (a generator other than a module's or dict's, "
+        "or an adapter's HeldWeights / FreshWeights)"
     ]
+
+
+def _gathered(weights: list[tuple[str, torch.Tensor]], *, alive: list[int], return_cache: bool = False) -> FreshWeights:
+    """Each weight cloned as it is yielded, as an FSDP2 gather makes it: a new tensor nothing else holds. ``alive``
+    gets torch's allocated bytes before each clone (what the sender still keeps); ``return_cache``: return the
+    allocator's free segments to the driver before each clone (those of tensors the sender let go)."""
+
+    def gather():
+        for name, tensor in weights:
+            if return_cache:
+                torch.cuda.empty_cache()
+            alive.append(torch.cuda.memory_allocated())
+            yield name, tensor.clone()
+
+    return FreshWeights(gather())
+
+
+def _send_gathered(server, endpoint: str, weights: list, *, bucket_bytes: int, return_cache: bool = False):
+    """``weights`` gathered afresh through a default (direct) sender into a copying receiver; (split, timings, alive)."""
+    expected = {name: digest(tensor) for name, tensor in weights}
+    alive: list[int] = []
+    with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=20.0) as sender:
+        server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="copy")
+        sender.send(_gathered(weights, alive=alive, return_cache=return_cache))
+    result = server.result()
+    assert result["ok"], result
+    assert result["digests"] == expected
+    assert result["segments_after"] == []
+    return sender.last_split, dict(sender.last_timings_s), alive
+
+
+@pytest.mark.cuda
+def test_gathered_tensors_go_direct_each_kept_only_until_the_receiver_read_it(receiver_server, endpoint):
+    exportable_memory()
+    torch.manual_seed(0)
+    weights = [(f"w{i}", torch.randn(8 * MIB, device="cuda")) for i in range(48)]  # 32 MiB each, 1.5 GiB in all
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    split, timings, alive = _send_gathered(receiver_server, endpoint, weights, bucket_bytes=256 * MIB)
+    assert (split.direct_tensors, split.bucket_tensors, split.bucket_reasons) == (48, 0, {})
+    assert "late_bucket" not in timings  # no tensor needed the bucket: none was allocated
+    # direct buckets of 64 MiB (a quarter of bucket_bytes), two in flight and one filling: never all 1.5 GiB at once
+    assert max(alive) - baseline <= 256 * MIB, f"{(max(alive) - baseline) / MIB:.0f} MiB of gathered tensors alive at once"
+    assert torch.cuda.memory_allocated() == baseline  # every gathered tensor let go
+
+
+@pytest.mark.cuda
+def test_an_allocation_returned_during_the_sync_and_made_again_at_its_address_is_exported_anew(receiver_server, endpoint):
+    exportable_memory()
+    # 32 MiB each: one segment per gathered tensor; the allocator returns a read one's segment before the next clone,
+    # and the driver tends to hand its address out again: the receiver must not read the new one through the old mapping
+    weights = [(f"w{i}", torch.full((8 * MIB,), float(i), device="cuda")) for i in range(24)]
+    split, _, _ = _send_gathered(receiver_server, endpoint, weights, bucket_bytes=128 * MIB, return_cache=True)
+    assert (split.direct_tensors, split.bucket_tensors) == (24, 0)
+    assert split.replaced_allocations >= 1, split  # the case this test is about did happen
 
 
 @pytest.mark.cuda

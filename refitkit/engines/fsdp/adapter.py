@@ -13,6 +13,7 @@ from torch import nn
 from refitkit.engines.base import (
     DeviceState,
     EngineAdapter,
+    FreshWeights,
     HeldWeights,
     NamedTensors,
     as_modules,
@@ -134,10 +135,19 @@ class FSDPAdapter(EngineAdapter):
         weights (stage by stage, in pipeline-rank order), so one rank can send the whole model; a
         stage that fails part-way (or does not come within ``pp_timeout_s``) makes every pipeline
         rank raise. A model with nothing sharded and no pipeline yields its own tensors: the stream
-        says so (``HeldWeights``), so a sender may read them where they lie.
+        says so (``HeldWeights``), so a sender may read them where they lie. Without a pipeline the
+        gathered tensors are new ones nothing else holds (``FreshWeights``): a sender may keep each
+        while the engine reads it in place.
         """
         weights = self._named_weights()
-        return HeldWeights(weights) if self._yields_own_tensors() else weights
+        if self._yields_own_tensors():
+            return HeldWeights(weights)
+        return FreshWeights(weights) if self._yields_fresh_tensors() else weights
+
+    def _yields_fresh_tensors(self) -> bool:
+        """Whether each tensor ``named_weights()`` yields is new (gathered) or the model's own: not with a pipeline,
+        whose other stages' weights arrive through staging this class does not vouch for."""
+        return self._stages is None
 
     def _yields_own_tensors(self) -> bool:
         """Whether ``named_weights()`` yields the model's own tensors (no gather, no other pipeline stage's)."""

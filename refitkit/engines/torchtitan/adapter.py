@@ -59,6 +59,10 @@ class TorchTitanAdapter(FSDPAdapter):
         keep referenced or read in place."""
         return self._to_hf is None and super()._yields_own_tensors()
 
+    def _yields_fresh_tensors(self) -> bool:
+        """Not with a state-dict adapter either: whatever ``to_hf`` builds its tensors from is its own business."""
+        return self._to_hf is None and super()._yields_fresh_tensors()
+
     def _local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights under HF names when a state-dict adapter was given, else torchtitan's FQNs.
 

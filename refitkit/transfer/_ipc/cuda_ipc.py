@@ -47,6 +47,7 @@ _IPC_HANDLE_BYTES = 64
 # with a partial last page on the H200 (CUDA 13), 0.2-0.45 ms for the same size rounded up.
 _ALLOC_GRAIN_BYTES = 2 << 20
 _LAZY_ENABLE_PEER_ACCESS = 1
+_POINTER_BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID: a process-wide unique id of the allocation a pointer lies in
 
 
 class _IpcHandle(ctypes.Structure):
@@ -66,6 +67,7 @@ def _driver() -> ctypes.CDLL:
     lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
     lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
     lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
     _check(lib, lib.cuInit(0), "cuInit")
     return lib
 
@@ -246,15 +248,23 @@ class AllocationExports:
     ``locate`` finds the allocation a tensor's bytes lie in (known ranges first, the driver otherwise),
     exports it on first use (``cuIpcGetMemHandle``) and returns its index and the bytes' offset in it, or
     why the tensor must go through the bucket instead. ``take_new`` hands out the handles not yet announced.
+
+    ``recycled``: the session lets go of tensors before it ends (gathered weights, dropped once the receiver
+    read them), so the caching allocator may return an exported allocation to the driver and get a new one at
+    the same address. Every known range is then checked against the allocation's buffer id (one driver call
+    per tensor), and a new allocation at an old address is exported anew (the receiver's old mapping of the
+    freed one stays unread until the session ends).
     """
 
-    def __init__(self, device: torch.device, *, max_allocations: int) -> None:
+    def __init__(self, device: torch.device, *, max_allocations: int, recycled: bool = False) -> None:
         self.device = device
         self.max_allocations = max_allocations
+        self.recycled = recycled
         self._bases: list[int] = []  # sorted starts of the exported allocations
-        self._known: dict[int, tuple[int, int]] = {}  # start -> (end, index)
+        self._known: dict[int, tuple[int, int, int]] = {}  # start -> (end, index, buffer id)
         self._refused: dict[int, str] = {}  # start -> why its allocation cannot be exported (asked once)
         self.handles: list[dict[str, Any]] = []  # index -> the raw fields the receiver maps
+        self.replaced = 0  # allocations found new at an exported address (``recycled`` sessions)
         self._announced = 0
         self.uuid = device_uuid(device)
 
@@ -263,9 +273,12 @@ class AllocationExports:
         at = bisect.bisect_right(self._bases, pointer) - 1
         if at >= 0:
             base = self._bases[at]
-            end, index = self._known[base]
+            end, index, buffer_id = self._known[base]
             if pointer + nbytes <= end:
-                return index, pointer - base
+                if not self.recycled or self._buffer_id(pointer) == buffer_id:
+                    return index, pointer - base
+                del self._bases[at], self._known[base]  # freed since it was exported: the one there now is another
+                self.replaced += 1
         lib = _driver()
         base_c, size_c = ctypes.c_uint64(), ctypes.c_size_t()
         with torch.cuda.device(self.device):
@@ -279,6 +292,9 @@ class AllocationExports:
             return "its bytes span two allocations"
         if len(self.handles) >= self.max_allocations:
             return f"its allocation would be export number {len(self.handles) + 1} of at most {self.max_allocations}"
+        buffer_id = self._buffer_id(base) if self.recycled else 0
+        if self.recycled and not buffer_id:  # no way to tell this allocation from a later one at its address
+            return "the driver gives its allocation no buffer id (needed for tensors dropped during the sync)"
         handle = _IpcHandle()
         with torch.cuda.device(self.device):
             result = lib.cuIpcGetMemHandle(ctypes.byref(handle), base)
@@ -288,8 +304,14 @@ class AllocationExports:
         index = len(self.handles)
         self.handles.append({"ipc_handle": bytes(handle.reserved), "nbytes": size, "device_uuid": self.uuid})
         bisect.insort(self._bases, base)
-        self._known[base] = (base + size, index)
+        self._known[base] = (base + size, index, buffer_id)
         return index, pointer - base
+
+    def _buffer_id(self, pointer: int) -> int:
+        """The driver's unique id of the allocation ``pointer`` lies in (0 when it knows none)."""
+        value = ctypes.c_uint64()
+        result = _driver().cuPointerGetAttribute(ctypes.byref(value), _POINTER_BUFFER_ID, pointer)
+        return value.value if result == 0 else 0
 
     def take_new(self) -> list[dict[str, Any]]:
         """The handles exported since the last call, in index order (each is announced once)."""

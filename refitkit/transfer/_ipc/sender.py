@@ -53,7 +53,7 @@ from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
 from refitkit.transfer._ipc.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
 from refitkit.transfer.packing import (
-    BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, half_bytes_for, held_unchanged,
+    BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, fresh_each, half_bytes_for, held_unchanged,
 )  # fmt: skip
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import (
@@ -110,8 +110,9 @@ _NEXT: dict[SendState, frozenset[SendState]] = {
     SendState.ABORTED: frozenset(),
 }
 
-# pull, a list's checked items, all on CUDA, whether the items stay as they are during the session (``held_unchanged``)
-_Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool, bool]
+# pull, a list's checked items, all on CUDA, whether the items stay as they are during the session (``held_unchanged``),
+# whether each is made for the sender (``fresh_each``)
+_Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool, bool, bool]
 
 
 async def _anext_or_end(iterator: Any) -> Any:
@@ -131,17 +132,21 @@ DIRECT_SHIP_BYTES = 1 << 30
 class BucketedWeightSender:
     """Binds ``endpoint`` and sends weights to one ``BucketedWeightReceiver`` per ``send()``.
 
-    ``direct`` (CUDA IPC only): the receiver reads each weight where the trainer holds it, one copy per byte
-    instead of two: the sender exports the allocations that hold the weights (at most
-    ``DIRECT_MAX_ALLOCATIONS`` a sync) and keeps them referenced until the receiver released every mapping.
+    ``direct`` (the default; it applies to CUDA IPC sessions): the receiver reads each weight where the trainer
+    holds it, one copy per byte instead of two: the sender exports the allocations that hold the weights (at
+    most ``DIRECT_MAX_ALLOCATIONS`` a sync) and keeps them referenced until the receiver released every mapping.
     Only for sources whose tensors stay as they are during ``send()`` (a list or tuple, a module's
-    ``named_parameters()``, a dict's ``items()``); the rest, and tensors that are strided, unaligned or in memory
-    the driver will not export, go through the bucket. ``last_split`` says how a session split.
+    ``named_parameters()``, a dict's ``items()``, an adapter's ``HeldWeights``) or that yield tensors made for
+    the sender (an adapter's ``FreshWeights``, e.g. FSDP2's gathered weights: each is kept only until the
+    receiver read it, so at most about ``bucket_bytes`` of them are alive at once); the rest, and tensors that
+    are strided, unaligned or in memory the driver will not export, go through the bucket. ``last_split`` says
+    how a session split. ``direct=False``: every weight through the bucket (two copies, the bucket allocated
+    before the first byte).
     """
 
     def __init__(
         self, endpoint: str, bucket_bytes: int = 2 << 30, transport: str = "auto", timeout_s: float = 120.0, *,
-        direct: bool = False,
+        direct: bool = True,
     ) -> None:  # fmt: skip
         timeout_s, bucket_bytes, transport = checked_knobs(  # type: ignore[assignment]
             timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport, min_bucket_bytes=4 * ALIGN_BYTES
@@ -260,7 +265,7 @@ class BucketedWeightSender:
                             raise _Cancelled("asend() was cancelled while waiting for the next item") from None
 
             def prepare() -> _Prepared:
-                return pull, None, False, False
+                return pull, None, False, False, False
 
         else:
 
@@ -299,11 +304,11 @@ class BucketedWeightSender:
                 raise TransferError(f"sender on {self.endpoint!r} is closed")
             _raise_if_cancelled(cancel, "before its session started")
             try:
-                pull, listed, all_cuda, held = prepare()
+                pull, listed, all_cuda, held, fresh = prepare()
             except InvalidInput as exc:
                 self._refuse_waiting(f"the sender's weights were invalid: {exc}")
                 raise
-            return self._session(pull, listed, all_cuda, held, cancel)
+            return self._session(pull, listed, all_cuda, held, fresh, cancel)
         finally:
             self._owner = self._stop = None
             self._lock.release()
@@ -314,12 +319,12 @@ class BucketedWeightSender:
         if isinstance(weights, (list, tuple)):
             checked, all_cuda = check_items(weights, need_cuda=self.transport == "cuda_ipc")
             items = iter(checked)
-            return lambda: next(items, END), checked, all_cuda, True
+            return lambda: next(items, END), checked, all_cuda, True, False
         try:
             iterator = iter(weights)
         except TypeError:
             raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
-        return lambda: next(iterator, END), None, False, held_unchanged(iterator)
+        return lambda: next(iterator, END), None, False, held_unchanged(iterator), fresh_each(iterator)
 
     def _refuse_waiting(self, reason: str) -> None:
         """Send an abort to every receiver whose hello is already here, so none waits its timeout for nothing."""
@@ -338,15 +343,17 @@ class BucketedWeightSender:
     # -- one session ------------------------------------------------------------------------------
 
     def _session(
-        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool, cancel: StopRequest
-    ) -> TransferStats:
+        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool, fresh: bool,
+        cancel: StopRequest,
+    ) -> TransferStats:  # fmt: skip
         """One session; ``listed``: the checked items, when the caller gave a list or tuple (its size is known up
-        front); ``held``: the items' tensors stay as they are during the session, so small copies may be deferred."""
+        front); ``held``: the items' tensors stay as they are during the session, so small copies may be deferred;
+        ``fresh``: each tensor is made for the sender (direct mode may keep it until the receiver read it)."""
         if self._socket is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
         run = _SendSession(
             self._socket, self._waiting, endpoint=self.endpoint, transport=self.transport, timeout_s=self.timeout_s,
-            pull=pull, listed=listed, all_cuda=all_cuda, held=held, cancel=cancel,
+            pull=pull, listed=listed, all_cuda=all_cuda, held=held, fresh=fresh, cancel=cancel,
             half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct,
         )  # fmt: skip
         self.last_timings_s = run.timings
@@ -420,13 +427,14 @@ class _SendSession:
     def __init__(
         self, sock: zmq.Socket, waiting: WaitingReceivers, *, endpoint: str, transport: str, timeout_s: float,
         pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool,
-        cancel: StopRequest | None, half_bytes: int, direct: bool = False,
+        cancel: StopRequest | None, half_bytes: int, direct: bool = False, fresh: bool = False,
     ) -> None:  # fmt: skip
         self.sock = sock
         self.waiting = waiting  # hellos queued for later sessions (the sender's, shared across its sessions)
         self.endpoint, self.transport, self.timeout_s = endpoint, transport, timeout_s
         self.timings: dict[str, float] = {}  # seconds per phase (the sender's last_timings_s)
         self.batch = held  # small copies deferred to one per run (packing.py): only for tensors that stay as they are
+        self.fresh = fresh and not held  # each tensor made for us: direct buckets keep theirs only until consumed
         self.first_device = listed[0][1].device if listed else None
         self.checked = listed is not None  # a list's items were checked whole before the session
         self.all_cuda = all_cuda
@@ -450,7 +458,8 @@ class _SendSession:
         self.seen: set[str] = set()
         self.need_cuda = transport == "cuda_ipc"
         # direct mode: the sender's allocations exported to the receiver, this bucket's entries, the tensors they are
-        # (referenced until the session ends: the receiver reads them in place), and why others took the bucket
+        # (referenced until the session ends, or for fresh tensors until the receiver consumed their bucket: the
+        # receiver reads them in place), and why others took the bucket
         self.direct = direct
         self.exports: cuda_ipc.AllocationExports | None = None
         self.direct_refusal: str | None = None  # why no tensor of this session can go direct
@@ -458,6 +467,9 @@ class _SendSession:
         self.direct_allocs: list[int] = []
         self.direct_pending_bytes = 0  # of the entries not shipped yet
         self.direct_held: list[torch.Tensor] = []
+        self.direct_shipped: deque[tuple[int, list[torch.Tensor]]] = deque()  # fresh: (seq, tensors) not consumed yet
+        # fresh tensors live until their bucket is consumed: smaller direct buckets keep about bucket_bytes alive at most
+        self.direct_ship_bytes = min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
         self.direct_tensors = 0
         self.direct_bytes = 0
         self.bucket_reasons: dict[str, int] = {}
@@ -465,7 +477,7 @@ class _SendSession:
         self.bucket_bytes = 0
         # A direct session over CUDA IPC allocates its bucket only when a tensor must go through it (most syncs of
         # a reloaded model need none); its handle then travels with the first bucket that uses it.
-        self.bucket_later = direct and held and transport != "shm"
+        self.bucket_later = direct and (held or fresh) and transport != "shm"
         self.session_transport = "none"
         self.session_device: torch.device | None = None
         self.announce_bucket = False
@@ -534,10 +546,15 @@ class _SendSession:
             return None
         if self.session_transport != "cuda_ipc" or self.session_device is None:
             self.direct_refusal = "the session's transport is not cuda_ipc"
-        elif not self.batch:
-            self.direct_refusal = "the source's tensors may change or die while it is sent (a generator other than a module's or dict's)"
+        elif not (self.batch or self.fresh):
+            self.direct_refusal = (
+                "the source's tensors may change or die while it is sent (a generator other than a module's or dict's, "
+                "or an adapter's HeldWeights / FreshWeights)"
+            )
         else:
-            self.exports = cuda_ipc.AllocationExports(self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS)
+            self.exports = cuda_ipc.AllocationExports(
+                self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
+            )  # fmt: skip
         return self._take_direct
 
     def _take_direct(self, name: str, tensor: torch.Tensor, wire_dtype: str) -> bool:
@@ -561,7 +578,7 @@ class _SendSession:
             self._through_bucket(located, nbytes)
             return False
         index, offset = located
-        if len(self.direct_entries) >= min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS) or self.direct_pending_bytes >= DIRECT_SHIP_BYTES:
+        if len(self.direct_entries) >= min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS) or self.direct_pending_bytes >= self.direct_ship_bytes:
             self._ship_direct()  # a full one ships when the next comes: the stream's last is never an empty bucket
         self.direct_entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
         self.direct_allocs.append(index)
@@ -606,6 +623,9 @@ class _SendSession:
         if not room():
             self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
         self._send_bucket(0, True, entries, last, direct={"exports": self.exports.take_new(), "allocs": allocs})
+        if self.fresh:  # kept until the receiver consumed this bucket (_retire_consumed), not to the session's end
+            self.direct_shipped.append((self.seq - 1, self.direct_held))
+            self.direct_held = []
 
     def split(self) -> DirectSplit | None:
         """How this session split between direct and bucket reads (None without direct mode)."""
@@ -614,7 +634,7 @@ class _SendSession:
         return DirectSplit(
             direct_tensors=self.direct_tensors, direct_bytes=self.direct_bytes, bucket_tensors=self.bucket_tensors,
             bucket_bytes=self.bucket_bytes, allocations=len(self.exports.handles) if self.exports else 0,
-            bucket_reasons=dict(self.bucket_reasons),
+            bucket_reasons=dict(self.bucket_reasons), replaced_allocations=self.exports.replaced if self.exports else 0,
         )  # fmt: skip
 
     def _mark(self, phase: str, began: float) -> None:
@@ -772,6 +792,8 @@ class _SendSession:
             self._take_consumed()
         while self.unacked and self.unacked[0][0] < self.consumed:
             self.unacked.popleft()
+        while self.direct_shipped and self.direct_shipped[0][0] < self.consumed:
+            self.direct_shipped.popleft()  # the receiver's reads of these ran: the trainer may free or reuse them
 
     def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
         """Until ``condition()``: spin a little, then sleep in short slices (on the CONSUMED semaphore when
@@ -935,5 +957,6 @@ class _SendSession:
                 self._mark("free", began)
         finally:
             self.direct_held = []  # the trainer's own tensors: referenced no longer (the receiver released or is gone)
+            self.direct_shipped.clear()
             if bell is not None:
                 bell.close()

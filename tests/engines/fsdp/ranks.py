@@ -148,6 +148,7 @@ def named_weights_match(rank: int, world_size: int) -> dict:
         "trained_equal": all(bits_equal(t, full[n]) for n, t in trained),
         "types": sorted({type(t).__name__ for _, t in trained}),
         "says_held": getattr(adapter.named_weights(), "refitkit_holds_tensors", False),  # gathered: not the model's own
+        "says_fresh": getattr(adapter.named_weights(), "refitkit_fresh_tensors", False),  # but new ones nothing else holds
         "trained_changed": not all(bits_equal(t, reference[n]) for n, t in trained if n in reference),
     }
 

@@ -62,6 +62,7 @@ def test_named_weights_match_the_unsharded_state_dict_bit_for_bit():
         assert result["types"] == ["Tensor"], "full tensors, not DTensors"
         assert result["trained_changed"]
         assert result["says_held"] is False
+        assert result["says_fresh"] is True  # a direct sender may keep each gathered tensor while the engine reads it
 
 
 def test_an_unsharded_models_weights_are_its_own_tensors_and_the_stream_says_so():
