@@ -88,7 +88,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 def bench_model(
     key: str, *, steps: int, bucket_bytes: int, sleep_level: int, utilization: float, sha256: bool, eager: bool,
     overlap: bool, pushes: int = 0, profile: str | None = None, optimizer_impl: str = "foreach", zero_grads: bool = False,
-    direct: bool = False,
+    direct: bool = True, push_paths: list[str] | None = None,
 ) -> dict:  # fmt: skip
     from vllm import LLM
 
@@ -186,7 +186,10 @@ def bench_model(
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         per_model = str(Path(profile) / key) if profile else None  # one directory per model size
-        pushes_out = live_pushes(llm, link, cycle, model, steps, pushes=pushes, profile=per_model) if pushes else []
+        pushes_out = (
+            live_pushes(llm, link, cycle, model, steps, pushes=pushes, profile=per_model, paths=push_paths or ["direct"])
+            if pushes else []
+        )  # fmt: skip
     llm.llm_engine.engine_core.shutdown()
     del llm
     return {
@@ -205,9 +208,10 @@ def worker_split(worker: dict) -> dict:
     }  # fmt: skip
 
 
-def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str | None) -> list[dict]:
+def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str | None, paths: list[str]) -> list[dict]:
     """The sync alone into the serving engine (trainer state and the engine's KV cache both resident), ``pushes``
-    times: ``link.send`` of the trainer's params, as a user's ``push_weights`` between two rollouts would run."""
+    times: ``link.send`` of the trainer's params, as a user's ``push_weights`` between two rollouts would run; push
+    ``i`` takes ``paths[i % len(paths)]`` (direct, or bucket: the same sender with ``direct=False``)."""
     from refitkit.rollout.vllm import stacked_digests, tensor_fingerprint
 
     cycle.resume(step)  # the engine sleeps, the trainer's state comes back
@@ -221,6 +225,8 @@ def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str
             llm.collective_rpc(_worker_profile_start)
             trainer_profile = cProfile.Profile()
             trainer_profile.enable()
+        path = paths[index % len(paths)]
+        link.sender.direct = path == "direct"
         torch.cuda.synchronize()
         start = time.perf_counter()
         link.send(model.named_parameters())
@@ -230,7 +236,7 @@ def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str
             Path(profile).mkdir(parents=True, exist_ok=True)
             _write_profile(trainer_profile, Path(profile) / "trainer_push.txt")
             llm.collective_rpc(_worker_profile_stop, args=(str(Path(profile).resolve() / "worker_push.txt"),))
-        row = {"push": index, "sync_ms": wall_ms, **worker_split(link.last_push.workers[0])}
+        row = {"push": index, "path": path, "sync_ms": wall_ms, **worker_split(link.last_push.workers[0])}
         row["sender_ms"] = {phase: round(seconds * 1e3, 2) for phase, seconds in link.sender.last_timings_s.items()}
         row["split"] = link.sender.last_split.__dict__ if link.sender.last_split else None
         row["reset_prefix_cache_ms"] = round(link.call_seconds.get("reset_prefix_cache", 0.0) * 1e3, 2)
@@ -283,18 +289,19 @@ def print_summary(result: dict) -> None:
         flush=True,
     )
     pushes = result.get("pushes") or []
-    if pushes:
-        steady_pushes = pushes[1:] or pushes
+    for path in sorted({row["path"] for row in pushes}):
+        of_path = [row for row in pushes if row["path"] == path]
+        steady_pushes = of_path[1:] or of_path
 
         def pmed(key: str) -> float:
             values = sorted(row[key] for row in steady_pushes)
             return values[len(values) // 2]
 
         print(
-            f"{result['model']}: sync alone into the serving engine {pmed('sync_ms'):.1f} ms (min "
+            f"{result['model']} ({path}): sync alone into the serving engine {pmed('sync_ms'):.1f} ms (min "
             f"{min(row['sync_ms'] for row in steady_pushes):.1f}); worker: whole {pmed('engine_load_ms'):.1f}, session "
             f"{pmed('engine_session_ms'):.1f}, loaders {pmed('engine_loader_ms'):.1f}, post {pmed('engine_post_ms'):.1f}, "
-            f"waiting on the sender {pmed('engine_wait_ms'):.1f}; params equal: {pushes[-1].get('params_equal')}",
+            f"waiting on the sender {pmed('engine_wait_ms'):.1f}; params equal after the last push: {pushes[-1].get('params_equal')}",
             flush=True,
         )
 
@@ -316,10 +323,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach", help="AdamW's implementation")
     parser.add_argument("--zero-grads", action="store_true",
                         help="FSDPAdapter(zero_grads=True): the resume gives zero grads (in shared segments) that the step accumulates into")
-    parser.add_argument("--direct", action="store_true",
-                        help="BucketedWeightSender(direct=True): the engine reads the trainer's weights where they lie")
+    parser.add_argument("--path", choices=("direct", "bucket"), default="direct",
+                        help="the sender's path: direct (the default: the engine reads the trainer's weights where they lie) "
+                             "or bucket (direct=False: every weight packed into the bucket first)")
+    parser.add_argument("--push-paths", help="the paths of the --pushes, alternating (e.g. bucket,direct; default: --path)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.push_paths and not set(args.push_paths.split(",")) <= {"direct", "bucket"}:
+        parser.error(f"--push-paths {args.push_paths!r}: a comma list of direct and bucket")
     if args.profile:  # collective_rpc of a function (the profiler's start and stop) needs vLLM's pickle path
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
@@ -330,8 +341,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             key, steps=args.steps, bucket_bytes=int(args.bucket_gib * (1 << 30)), sleep_level=args.sleep_level,
             utilization=args.gpu_memory_utilization, sha256=args.sha256, eager=not args.cuda_graphs,
             overlap=not args.no_overlap, pushes=args.pushes, optimizer_impl=args.optimizer, zero_grads=args.zero_grads,
-            direct=args.direct,
-            profile=None if args.profile is None else str(Path(args.profile) / key),
+            direct=args.path == "direct", push_paths=(args.push_paths or args.path).split(","), profile=args.profile,
         )  # fmt: skip
         print_summary(result)
         results.append(result)

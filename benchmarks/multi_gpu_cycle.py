@@ -190,7 +190,10 @@ def rank_main(rank: int, args: argparse.Namespace, store_path: str) -> None:
     if rank == 0:
         endpoint = f"refitkit-cycle-{uuid.uuid4().hex[:8]}"
         transport = "cuda_ipc" if device.type == "cuda" else "shm"
-        sender = BucketedWeightSender(endpoint, bucket_bytes=args.bucket_mib << 20, transport=transport, timeout_s=RECEIVER_TIMEOUT_S)
+        sender = BucketedWeightSender(
+            endpoint, bucket_bytes=args.bucket_mib << 20, transport=transport, timeout_s=RECEIVER_TIMEOUT_S,
+            direct=args.path == "direct",
+        )  # fmt: skip
         context = mp.get_context("spawn")
         parent, child = context.Pipe()
         receiver = context.Process(target=receiver_main, args=(endpoint, str(device), args.rounds, child))
@@ -214,6 +217,7 @@ def rank_main(rank: int, args: argparse.Namespace, store_path: str) -> None:
                     "sync_ms": round(refit.phase("sync_weights").seconds * 1e3, 2),
                     "offload_gbps": round(offload.gbps, 2), "reload_gbps": round(reload.gbps, 2),
                     "refit_ms": round(refit.seconds * 1e3, 2), "resume_ms": round(resume.seconds * 1e3, 2),
+                    "path": args.path, "split": sender.last_split.__dict__ if sender.last_split else None,
                 }), flush=True)  # fmt: skip
         step(args.rounds)  # trains again after the last reload
         if rank == 0:
@@ -249,6 +253,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--path", choices=("direct", "bucket"), default="direct",
+                        help="the sender's path: direct (gathered weights read where they lie) or bucket (direct=False)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="refitkit-cycle-") as tmp:

@@ -26,7 +26,7 @@ def refit_two_ranks(rank: int, world_size: int) -> dict:
     sender = peer = None
     if rank == 0:
         endpoint = f"refit2-{uuid.uuid4().hex[:8]}"
-        sender = BucketedWeightSender(endpoint, bucket_bytes=64 * 1024, transport="shm", timeout_s=30.0)
+        sender = BucketedWeightSender(endpoint, bucket_bytes=64 * 1024, transport="shm", timeout_s=30.0, direct=False)
 
         def receive() -> None:
             def load(batch, is_last):
@@ -93,7 +93,7 @@ def sender_loses_its_receiver(rank: int, world_size: int, timeout_s: float, barr
     adapter = FSDPAdapter(model, optimizer)
     sender = None
     if rank == 0:
-        sender = BucketedWeightSender(f"lost-{uuid.uuid4().hex[:8]}", transport="shm", timeout_s=timeout_s)
+        sender = BucketedWeightSender(f"lost-{uuid.uuid4().hex[:8]}", transport="shm", timeout_s=timeout_s, direct=False)
     cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
     outcome = attempt_refit(cycle, step=1)
     if sender is not None:
@@ -239,7 +239,7 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(8))).to(device)  # 8 x 4 MiB
     adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
     endpoint = f"ipc-kill-{uuid.uuid4().hex[:8]}"
-    sender = BucketedWeightSender(endpoint, bucket_bytes=16 << 20, transport="cuda_ipc", timeout_s=timeout_s) if rank == 0 else None
+    sender = BucketedWeightSender(endpoint, bucket_bytes=16 << 20, transport="cuda_ipc", timeout_s=timeout_s, direct=False) if rank == 0 else None
     cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -52,7 +52,7 @@ def test_a_second_send_waits_for_the_running_one(receiver_server, second_receive
     finished: dict[str, float] = {}
     errors: list[BaseException] = []
 
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=30) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=30, direct=False) as sender:
 
         def run(name: str, weights) -> None:
             try:
@@ -82,7 +82,7 @@ def test_a_second_send_waits_for_the_running_one(receiver_server, second_receive
 
 def test_a_second_send_gives_up_after_timeout_s_naming_the_knob(receiver_server, endpoint):
     gate, started = threading.Event(), threading.Event()
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=1.5) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=1.5, direct=False) as sender:
         receiver_server.start_session(endpoint, timeout_s=10)
         one = threading.Thread(target=sender.send, args=(gated(tensors(4), gate, started),))
         one.start()
@@ -100,7 +100,7 @@ def test_a_second_send_gives_up_after_timeout_s_naming_the_knob(receiver_server,
 
 def test_send_from_inside_its_own_iterator_is_refused_at_once(receiver_server, endpoint):
     inner: list[BaseException] = []
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=10) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=10, direct=False) as sender:
 
         def stream():
             yield "a", torch.ones(4)
@@ -124,7 +124,7 @@ def test_gather_of_two_asends_runs_them_one_after_the_other(receiver_server, sec
     async def both(sender: BucketedWeightSender):
         return await asyncio.gather(sender.asend(first), sender.asend(second))
 
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=30) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=30, direct=False) as sender:
         receiver_server.start_session(endpoint, timeout_s=30)
         second_receiver.start_session(endpoint, timeout_s=30)
         stats = asyncio.run(both(sender))
@@ -153,7 +153,7 @@ _RACE = textwrap.dedent(
         weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(100)]
         for round in range(2):  # threads, then asyncio.gather
             endpoint = f"race{os.getpid()}r{round}"
-            with BucketedWeightSender(endpoint, bucket_bytes=8192, timeout_s=30) as sender:
+            with BucketedWeightSender(endpoint, bucket_bytes=8192, timeout_s=30, direct=False) as sender:
                 peers = [ctx.Process(target=receive, args=(endpoint,)) for _ in range(2)]
                 [peer.start() for peer in peers]
                 if round % 2:
@@ -196,7 +196,7 @@ def test_cancelled_asend_aborts_the_receiver_and_frees_everything(receiver_serve
             await asyncio.wait_for(sender.asend(stalled()), 1.0)
         return time.monotonic() - began
 
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=20) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=20, direct=False) as sender:
         receiver_server.start_session(endpoint, timeout_s=20)
         seconds = asyncio.run(main(sender))
         assert seconds < 5.0
@@ -218,7 +218,7 @@ def test_cancelling_an_asend_that_waits_for_a_hello_frees_the_sender(receiver_se
             await task
         return time.monotonic() - began
 
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=30) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=30, direct=False) as sender:
         seconds = asyncio.run(main(sender))
         assert seconds < 1.0  # within a wait slice, not timeout_s=30
         receiver_server.start_session(endpoint, timeout_s=10)
@@ -233,7 +233,7 @@ def test_a_failed_rebind_neither_leaks_the_bucket_nor_hides_the_error(receiver_s
         yield from tensors(3)
         raise KeyError("gather failed on rank 3")
 
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=10) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=10, direct=False) as sender:
         receiver_server.start_session(endpoint, timeout_s=10)
 
         def refuse(*args, **kwargs):
@@ -253,7 +253,7 @@ _CLOSE_DURING_SEND = textwrap.dedent(
     """
     import threading, time, torch
     from refitkit.transfer import BucketedWeightSender
-    sender = BucketedWeightSender("close-during-send-{tag}", bucket_bytes=1 << 20, timeout_s=20.0)
+    sender = BucketedWeightSender("close-during-send-{tag}", bucket_bytes=1 << 20, timeout_s=20.0, direct=False)
     outcome = {{}}
     def run():
         try:
@@ -304,7 +304,7 @@ def test_a_session_that_fails_before_its_setup_keeps_the_next_receivers_hello(en
         raise RuntimeError("the caller's iterator failed")
         yield  # a generator
 
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=6.0) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=6.0, direct=False) as sender:
         threads = [threading.Thread(target=receive, args=(tag,)) for tag in ("first", "second")]
         for thread in threads:
             thread.start()
@@ -337,7 +337,7 @@ def test_cancelled_asend_over_cuda_ipc_frees_the_gpu_bucket(receiver_server, end
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(sender.asend(stalled()), 3.0)
 
-    with BucketedWeightSender(endpoint, bucket_bytes=64 << 20, transport="cuda_ipc", timeout_s=20) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=64 << 20, transport="cuda_ipc", timeout_s=20, direct=False) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20)
         asyncio.run(main(sender))
         torch.cuda.synchronize()

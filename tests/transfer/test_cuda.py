@@ -66,7 +66,7 @@ def test_sigkilled_receiver_does_not_strand_the_bucket(receiver_server, endpoint
     roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=CUDA_IPC, timeout_s=60)
     reserved_before, free_before = torch.cuda.memory_reserved(), device_free_bytes()  # before the victim exists
     with receiver_killed_at(endpoint, 2, device="cuda", timeout_s=5.0):
-        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=5.0) as sender:
+        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=5.0, direct=False) as sender:
             began = time.monotonic()
             with pytest.raises(TransferTimeout):
                 sender.send(weights)
@@ -84,7 +84,7 @@ def test_the_bucket_is_made_while_the_hello_travels_and_freed_when_no_receiver_c
     weights = weights_3gib()[:2]
 
     def lonely_send(timeout_s: float, during: list[int]) -> None:
-        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=timeout_s) as sender:
+        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=timeout_s, direct=False) as sender:
             sampler = threading.Timer(timeout_s / 2, lambda: during.append(device_free_bytes()))
             sampler.start()
             try:

@@ -62,8 +62,9 @@ def device_memory_given_back(result: dict, baseline_free: int | None, case) -> N
 
 
 def send_expecting(endpoint, error, match, *, weights=None, transport="shm"):
-    """Run send() and check it fails with ``error`` within timeout + 1 s, holding no bucket memory."""
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, transport=transport, timeout_s=TIMEOUT_S) as sender:
+    """Run send() through the bucket (``direct=False``: these faults are the bucket path's; test_direct.py has the
+    direct path's) and check it fails with ``error`` within timeout + 1 s, holding no bucket memory."""
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, transport=transport, timeout_s=TIMEOUT_S, direct=False) as sender:
         began = time.monotonic()
         with pytest.raises(error, match=match) as raised:
             sender.send(weights if weights is not None else stream())

@@ -109,7 +109,7 @@ def test_receiver_without_the_senders_shm_gets_frames(receiver_server, endpoint,
 def test_frame_fallback_reports_receiver_failure(receiver_server, endpoint, monkeypatch):
     monkeypatch.setattr(doorbell, "available", lambda: False)
     receiver_server.start_session(endpoint, timeout_s=10, mode="raise", arg=3)
-    with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=10) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=10, direct=False) as sender:
         with pytest.raises(TransferError, match="loader exploded at bucket 3"):
             sender.send(mixed_stream())
     assert not receiver_server.result()["ok"]
@@ -227,7 +227,7 @@ def test_hello_during_a_session_is_served_next(endpoint):
     ctx = mp.get_context("spawn")
     peers = []
     weights = [(f"w{i}", torch.full((2048,), float(i))) for i in range(400)]  # ~200 buckets: a long session
-    with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=20) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=20, direct=False) as sender:
         for _ in range(2):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=one_shot_receiver_main, args=(endpoint, "cpu", 20, "collect", None, child))
@@ -265,7 +265,7 @@ def test_queued_hello_of_a_receiver_that_gave_up_is_skipped(endpoint):
             assert b_gave_up.wait(10)
 
     weights = [("w", torch.ones(8))]
-    with BucketedWeightSender(endpoint, bucket_bytes=1 << 20, transport="shm", timeout_s=10) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=1 << 20, transport="shm", timeout_s=10, direct=False) as sender:
         a = threading.Thread(target=receive, args=("A", 10, slow_loader))
         a.start()
         sender.send(weights)

@@ -86,7 +86,7 @@ def scribble(handle: dict[str, Any], which: int, how: str) -> None:
 def attacked_sender_main(endpoint: str, conn) -> None:
     torch.set_num_threads(1)
     weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(8)]  # one 4000-byte tensor a half
-    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="shm", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="shm", timeout_s=TIMEOUT_S, direct=False) as sender:
         conn.send("bound")
         began = time.monotonic()
         try:
@@ -289,7 +289,7 @@ def test_oversized_frame_is_never_buffered_by_the_sender(receiver_server, endpoi
     context = zmq.Context()
     rogue = context.socket(zmq.DEALER)
     try:
-        with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S) as sender:
+        with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S, direct=False) as sender:
             rogue.setsockopt(zmq.LINGER, 0)
             rogue.connect(f"ipc://{sender.path}")
             rogue.send(b"\0" * (MAX_FRAME_BYTES + 1))  # the sender's socket drops the connection instead
@@ -309,7 +309,7 @@ def test_flood_of_hellos_from_one_peer_is_a_protocol_error(receiver_server, endp
     context = zmq.Context()
     rogue = context.socket(zmq.DEALER)
     try:
-        with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S) as sender:
+        with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S, direct=False) as sender:
             rogue.setsockopt(zmq.LINGER, 0)
             rogue.connect(f"ipc://{sender.path}")
             for _ in range(2000):
@@ -334,7 +334,7 @@ def test_flood_of_hellos_from_many_peers_stays_bounded(receiver_server, endpoint
     context = zmq.Context()
     rogues = []
     try:
-        with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S) as sender:
+        with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S, direct=False) as sender:
             receiver_server.start_session(endpoint, timeout_s=TIMEOUT_S)
 
             def weights():
@@ -383,7 +383,7 @@ def interrupted_receiver_main(endpoint: str, how: str, conn) -> None:
 
 @pytest.mark.parametrize("how", ["on_bucket", "iter_weights"])
 def test_interrupt_in_the_loader_reaches_the_sender_at_once(endpoint, how):
-    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=30) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=30, direct=False) as sender:
         process, conn = spawn(interrupted_receiver_main, endpoint, how)
         assert conn.poll(60) and conn.recv() == "ready"
         began = time.monotonic()
@@ -408,7 +408,7 @@ def test_wait_on_is_for_cuda_streams_of_a_running_session(receiver_server, endpo
     receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=TIMEOUT_S)
     with pytest.raises(InvalidInput, match="running session"):
         receiver.wait_on()
-    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, timeout_s=TIMEOUT_S, direct=False) as sender:
         sent: list[BaseException] = []
 
         def send() -> None:
@@ -459,7 +459,7 @@ def side_stream_loader_main(endpoint: str, conn) -> None:
 def test_loader_copying_on_a_side_stream_reads_its_own_bucket(endpoint):
     weights = [(f"w{i}", torch.full((1000,), float(i), device="cuda")) for i in range(12)]  # one a half
     expected = {name: digest(tensor) for name, tensor in weights}
-    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="cuda_ipc", timeout_s=30) as sender:
+    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="cuda_ipc", timeout_s=30, direct=False) as sender:
         process, conn = spawn(side_stream_loader_main, endpoint)
         assert conn.poll(120) and conn.recv() == "ready"
         sender.send((name, tensor) for name, tensor in weights)  # a generator: one tensor a bucket, halves reused
