@@ -239,7 +239,8 @@ def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str
         row = {"push": index, "path": path, "sync_ms": wall_ms, **worker_split(link.last_push.workers[0])}
         row["sender_ms"] = {phase: round(seconds * 1e3, 2) for phase, seconds in link.sender.last_timings_s.items()}
         row["split"] = link.sender.last_split.__dict__ if link.sender.last_split else None
-        row["reset_prefix_cache_ms"] = round(link.call_seconds.get("reset_prefix_cache", 0.0) * 1e3, 2)
+        reset_s = link.last_push.reset_s  # the reset queued behind the push: from the stream's end until it came back
+        row["reset_prefix_cache_ms"] = None if reset_s is None else round(reset_s * 1e3, 2)
         if index == pushes - 1:
             held = llm.collective_rpc("refit_fingerprints")[0]
             row["params_equal"] = held == stacked_digests(model, tensor_fingerprint)

@@ -94,16 +94,15 @@ class VllmLink:
         hand is refused (``EngineAsleep``) before any byte lands."""
         self.wake_for_sync()
         version, self.next_version = self.next_version, self.next_version + 1
+        reset = self.memory is EngineMemory.SERVING  # cached KV of the old weights is stale (queued behind the push)
         if self.broadcast:
             pushed = push_weights_broadcast(
                 self.llm, self.sender, weights, secret=self.secret, version=version,  # type: ignore[arg-type]
-                first_rank=self.first_rank, timeout_s=self.timeout_s,
+                first_rank=self.first_rank, timeout_s=self.timeout_s, reset_prefix_cache=reset,
             )  # fmt: skip
         else:
-            pushed = push_weights(self.llm, self.sender, weights, version=version, timeout_s=self.timeout_s)
+            pushed = push_weights(self.llm, self.sender, weights, version=version, timeout_s=self.timeout_s, reset_prefix_cache=reset)
         self.last_push = pushed
-        if self.memory is EngineMemory.SERVING:
-            self._bounded("reset_prefix_cache", self.llm.reset_prefix_cache)  # cached KV of the old weights is stale
         return pushed.sender
 
     # -- the engine's memory around a refit cycle -------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import EngineAsleep, InvalidInput, TransferError, TransferTimeout
+from refitkit.errors import EngineAsleep, EngineError, EngineTimeout, InvalidInput, RefitError, TransferError, TransferTimeout
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
@@ -335,15 +335,17 @@ class RefitWorkerExtension:
 
 @dataclass(frozen=True)
 class VllmPushStats:
-    """One push as seen by the trainer (``sender``) and by each vLLM worker (``workers``, plain dicts)."""
+    """One push as seen by the trainer (``sender``) and by each vLLM worker (``workers``, plain dicts); ``reset_s``:
+    from the end of the sender's stream until the prefix-cache reset asked for came back (None: none asked for)."""
 
     sender: TransferStats
     workers: list[dict[str, Any]]
+    reset_s: float | None = None
 
 
 def push_weights(
     llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
-    timeout_s: float | None = None,
+    timeout_s: float | None = None, reset_prefix_cache: bool = False,
 ) -> VllmPushStats:  # fmt: skip
     """Send ``weights`` through a ``BucketedWeightSender`` into a vLLM ``LLM`` running ``RefitWorkerExtension``.
 
@@ -355,44 +357,51 @@ def push_weights(
     generator's when it is reached (the engine then reports its weights incomplete until a push
     completes). A push that did not deliver every weight the engine loads raises ``InvalidInput``
     naming the missing ones (the weights it did deliver were loaded: the engine reports incomplete).
+
+    ``reset_prefix_cache``: also drop the engine's cached prefixes (computed with the old weights), asked for as
+    soon as the sender's stream ended, so vLLM's engine core, which runs calls in the order they came, runs it
+    right after the workers' receive: one round trip fewer than ``llm.reset_prefix_cache()`` after the push.
     """
     number = None if version is None else checked_version(version)
     timeout_s = _checked_timeout(sender, timeout_s)
     weights = _checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir
+    reset = _checked_reset(llm, reset_prefix_cache)
     if _route(llm) == "extension":
-        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), lambda: sender.send(weights), timeout_s)
+        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), lambda: sender.send(weights), timeout_s, then=reset)
     else:
         info = {"endpoint": endpoint, "timeout_s": timeout_s, "version": number}
-        pushed = _drive_weight_transfer(llm, info, lambda: sender.send(weights), timeout_s)
+        pushed = _drive_weight_transfer(llm, info, lambda: sender.send(weights), timeout_s, then=reset)
     _raise_if_partial(pushed)
     return pushed
 
 
 def push_weights_broadcast(
     llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, secret: str | bytes, version: int,
-    first_rank: int = 1, timeout_s: float | None = None,
+    first_rank: int = 1, timeout_s: float | None = None, reset_prefix_cache: bool = False,
 ) -> VllmPushStats:  # fmt: skip
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into a vLLM ``LLM`` as weight ``version``.
 
     The LLM's workers join as ranks ``first_rank``.. (other receivers of the sender take the other
     ranks; the sender admits exactly its ``receivers``). ``secret`` is the job's secret (the
-    sender's), ``timeout_s`` as in ``push_weights``; failures and partial pushes raise as there.
+    sender's), ``timeout_s`` and ``reset_prefix_cache`` as in ``push_weights``; failures and partial
+    pushes raise as there.
     """
     number = checked_version(version)
     timeout_s = _checked_timeout(sender, timeout_s)
     weights = _checked_weights(weights, need_cuda=False)
+    reset = _checked_reset(llm, reset_prefix_cache)
     if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
         raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
     rendezvous = f"tcp://{sender.host}:{sender.port}"
     send = lambda: sender.send(weights, version=number)  # noqa: E731
     if _route(llm) == "extension":
         args = (rendezvous, secret, timeout_s, first_rank, sender.backend)
-        pushed = _drive(llm, "refit_receive_broadcast", args, send, timeout_s)
+        pushed = _drive(llm, "refit_receive_broadcast", args, send, timeout_s, then=reset)
     else:
         info = {"rendezvous": rendezvous, "secret": secret if isinstance(secret, str) else secret.decode(),
                 "timeout_s": timeout_s, "first_rank": first_rank, "backend": sender.backend}  # fmt: skip
-        pushed = _drive_weight_transfer(llm, info, send, timeout_s)
+        pushed = _drive_weight_transfer(llm, info, send, timeout_s, then=reset)
     _raise_if_partial(pushed)
     return pushed
 
@@ -537,22 +546,59 @@ def _route(llm: Any) -> str:
     )
 
 
-def _drive_weight_transfer(llm: Any, info: dict[str, Any], send: Callable[[], TransferStats], timeout_s: float) -> VllmPushStats:
-    """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send()`` runs, finish."""
+def _drive_weight_transfer(
+    llm: Any, info: dict[str, Any], send: Callable[[], TransferStats], timeout_s: float, *, then: Callable[[], Any] | None = None
+) -> VllmPushStats:  # fmt: skip
+    """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send()`` runs, finish;
+    ``then`` (the prefix-cache reset) after finish, bounded like the rpcs."""
     bounded = timeout_s + RPC_SLACK_S
     llm.collective_rpc("start_weight_update", timeout=bounded)
     pushed = _drive(llm, "update_weights", {"update_info": info}, send, timeout_s)  # a failure ends vLLM's session
     llm.collective_rpc("finish_weight_update", timeout=bounded)
-    return VllmPushStats(sender=pushed.sender, workers=[])  # a partial sync raised in update_weights
+    reset_s = None
+    if then is not None:
+        began = time.perf_counter()
+        _bounded_call(then, bounded, "reset_prefix_cache after the weight update")
+        reset_s = time.perf_counter() - began
+    return VllmPushStats(sender=pushed.sender, workers=[], reset_s=reset_s)  # a partial sync raised in update_weights
+
+
+def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], Any] | None:
+    if not isinstance(reset_prefix_cache, bool):
+        raise InvalidInput(f"reset_prefix_cache={reset_prefix_cache!r}; need True or False")
+    return llm.reset_prefix_cache if reset_prefix_cache else None
+
+
+def _bounded_call(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``call()`` in a helper thread, at most ``timeout_s``; its failure an ``EngineError`` naming ``what``."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-call")
+    try:
+        return _result_of(pool.submit(call), timeout_s, what)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _result_of(future: concurrent.futures.Future, timeout_s: float, what: str) -> Any:
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise EngineTimeout(f"vLLM's {what} did not return within {timeout_s:.0f} s (the push's timeout_s + {RPC_SLACK_S:.0f} s)") from None
+    except RefitError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"vLLM's {what} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _drive(
-    llm: Any, method: str, args: tuple[Any, ...] | dict[str, Any], send: Callable[[], TransferStats], timeout_s: float
+    llm: Any, method: str, args: tuple[Any, ...] | dict[str, Any], send: Callable[[], TransferStats], timeout_s: float,
+    *, then: Callable[[], Any] | None = None,
 ) -> VllmPushStats:  # fmt: skip
     """Run the workers' ``method`` (positional ``args``, or keyword ones) in a helper thread while ``send()`` runs here;
-    both bounded. A refusal because the engine's weights are asleep is raised as ``EngineAsleep``."""
+    both bounded. A refusal because the engine's weights are asleep is raised as ``EngineAsleep``. ``then`` (an engine
+    call: the prefix-cache reset) is asked for once ``send()`` returned: the engine core took the rpc before the
+    sender's session could start, so it queues ``then`` behind it, and the two replies come back together."""
     rpc_timeout_s = timeout_s + RPC_SLACK_S
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-rpc")
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 if then is not None else 1, thread_name_prefix="refitkit-vllm-rpc")
     arguments = {"kwargs": args} if isinstance(args, dict) else {"args": args}
     try:
         rpc = pool.submit(llm.collective_rpc, method, timeout=rpc_timeout_s, **arguments)
@@ -569,13 +615,20 @@ def _drive(
         except BaseException:
             _error_of(rpc, wait_s=RPC_SLACK_S)  # bad input: the worker got an abort; return once it is idle
             raise
+        began = time.perf_counter()
+        queued = pool.submit(then) if then is not None else None
         done, _ = concurrent.futures.wait([rpc], timeout=rpc_timeout_s)
         if not done:
             raise TransferTimeout(
                 f"vLLM's {method} did not return within {rpc_timeout_s:.0f} s after the sender finished "
                 f"(timeout_s={timeout_s} + {RPC_SLACK_S:.0f} s slack)"
             )
-        return VllmPushStats(sender=sent, workers=list(rpc.result()))
+        workers = list(rpc.result())
+        reset_s = None
+        if queued is not None:
+            _result_of(queued, rpc_timeout_s, f"reset_prefix_cache after {method}")
+            reset_s = time.perf_counter() - began
+        return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s)
     finally:
         pool.shutdown(wait=False)  # a stuck rpc ends on its own timeout; do not wait past ours
 
