@@ -145,26 +145,9 @@ class VllmLink:
             self._bounded("refit_weights_discarded", lambda: self.llm.collective_rpc("refit_weights_discarded"))
 
     def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call()`` in a helper thread, at most ``engine_timeout_s``; a vLLM error becomes an ``EngineError`` naming it."""
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-memory")
-        try:
-            began = time.perf_counter()
-            future = pool.submit(call)
-            try:
-                result = future.result(timeout=self.engine_timeout_s)
-                self.call_seconds[what] = time.perf_counter() - began
-                return result
-            except concurrent.futures.TimeoutError:
-                raise EngineTimeout(
-                    f"vLLM's {what} did not return within engine_timeout_s={self.engine_timeout_s:g} "
-                    f"(engine memory: {self.memory.value}); raise engine_timeout_s if the engine is only slow"
-                ) from None
-            except RefitError:
-                raise
-            except Exception as exc:
-                raise EngineError(f"vLLM's {what} failed (engine memory: {self.memory.value}): {type(exc).__name__}: {exc}") from exc
-        finally:
-            pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound
+        return bounded_engine_call(
+            "vLLM", what, call, timeout_s=self.engine_timeout_s, memory=self.memory, call_seconds=self.call_seconds
+        )  # fmt: skip
 
 
 class BroadcastLink:
@@ -180,3 +163,30 @@ class BroadcastLink:
         """Broadcast ``weights`` as version ``next_version``; returns once every receiver loaded them."""
         version, self.next_version = self.next_version, self.next_version + 1
         return self.sender.send(weights, version=version)
+
+
+def bounded_engine_call(
+    engine: str, what: str, call: Callable[[], Any], *, timeout_s: float, memory: EngineMemory,
+    call_seconds: dict[str, float],
+) -> Any:  # fmt: skip
+    """``call()`` in a helper thread, at most ``timeout_s`` (``engine_timeout_s``); its duration goes into
+    ``call_seconds[what]``; an engine's error becomes an ``EngineError`` naming it and the engine's ``memory``."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-engine-memory")
+    try:
+        began = time.perf_counter()
+        future = pool.submit(call)
+        try:
+            result = future.result(timeout=timeout_s)
+            call_seconds[what] = time.perf_counter() - began
+            return result
+        except concurrent.futures.TimeoutError:
+            raise EngineTimeout(
+                f"{engine}'s {what} did not return within engine_timeout_s={timeout_s:g} "
+                f"(engine memory: {memory.value}); raise engine_timeout_s if the engine is only slow"
+            ) from None
+        except RefitError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"{engine}'s {what} failed (engine memory: {memory.value}): {type(exc).__name__}: {exc}") from exc
+    finally:
+        pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound
