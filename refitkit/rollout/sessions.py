@@ -1,9 +1,9 @@
-"""One refitkit session received in place into a live engine's model: what every engine's receiving side shares.
+"""One refitkit session received in place into a live engine's model: what every engine's side of a push shares.
 
 An engine rank (a vLLM worker, an SGLang scheduler) opens a receiver per sync, lands each bucket's
 views straight into its parameters through ``DirectLoads`` (one copy on arrival), then records what
 the sync covered in its ``EngineWeights``. What differs per engine (its model, its loader, its
-post-processing, whether its weights are released) is handed in by the caller.
+post-processing, whether its weights are released) is handed in by the caller. The driving side shares the checks of a push's arguments.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from refitkit.errors import EngineError, TransferError
+from refitkit.errors import EngineError, InvalidInput, TransferError
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
 from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of
 from refitkit.transfer import TransferStats
+from refitkit.transfer.packing import check_items
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +93,22 @@ def sync_report(
         "direct_tensors": landed.direct_tensors, "direct_bytes": landed.direct_bytes,
         "loader_tensors": landed.loader_tensors, "loader_bytes": landed.loader_bytes,
     }  # fmt: skip
+
+
+def checked_timeout(sender: Any, timeout_s: float | None) -> float:
+    """A push's bound: ``timeout_s``, or the sender's own; a positive number of seconds."""
+    timeout_s = sender.timeout_s if timeout_s is None else float(timeout_s)
+    if not timeout_s > 0:
+        raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
+    return timeout_s
+
+
+def checked_weights(weights: Any, *, need_cuda: bool) -> Any:
+    """A list or tuple checked whole (refused before the engine waits: it sees no byte of it), else an iterator."""
+    try:
+        weights = weights if isinstance(weights, (list, tuple)) else iter(weights)
+    except TypeError:
+        raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
+    if isinstance(weights, (list, tuple)):
+        check_items(weights, need_cuda=need_cuda)
+    return weights

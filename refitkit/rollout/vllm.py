@@ -37,11 +37,12 @@ from refitkit.errors import EngineAsleep, InvalidInput, TransferError, TransferT
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
-from refitkit.rollout.sessions import SyncProgress, land_in_place, record_landing, refuse_session, sync_report
+from refitkit.rollout.sessions import (
+    SyncProgress, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session, sync_report,
+)  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, weight_version_of
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
 from refitkit.transfer.common import checked_version
-from refitkit.transfer.packing import check_items
 
 log = logging.getLogger(__name__)
 
@@ -329,8 +330,8 @@ def push_weights(
     naming the missing ones (the weights it did deliver were loaded: the engine reports incomplete).
     """
     number = None if version is None else checked_version(version)
-    timeout_s = _checked_timeout(sender, timeout_s)
-    weights = _checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
+    timeout_s = checked_timeout(sender, timeout_s)
+    weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir
     if _route(llm) == "extension":
         pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), lambda: sender.send(weights), timeout_s)
@@ -352,8 +353,8 @@ def push_weights_broadcast(
     sender's), ``timeout_s`` as in ``push_weights``; failures and partial pushes raise as there.
     """
     number = checked_version(version)
-    timeout_s = _checked_timeout(sender, timeout_s)
-    weights = _checked_weights(weights, need_cuda=False)
+    timeout_s = checked_timeout(sender, timeout_s)
+    weights = checked_weights(weights, need_cuda=False)
     if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
         raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
     rendezvous = f"tcp://{sender.host}:{sender.port}"
@@ -447,24 +448,6 @@ class _Tracked:
             self.progress.touched = True
             self.progress.names.add(name)
             yield name, owned
-
-
-def _checked_timeout(sender: Any, timeout_s: float | None) -> float:
-    timeout_s = sender.timeout_s if timeout_s is None else float(timeout_s)
-    if not timeout_s > 0:
-        raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
-    return timeout_s
-
-
-def _checked_weights(weights: Any, *, need_cuda: bool) -> Any:
-    """A list or tuple checked whole (refused before any worker waits: the engine sees no byte of it), else an iterator."""
-    try:
-        weights = weights if isinstance(weights, (list, tuple)) else iter(weights)
-    except TypeError:
-        raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
-    if isinstance(weights, (list, tuple)):
-        check_items(weights, need_cuda=need_cuda)
-    return weights
 
 
 def register_with_vllm() -> None:
