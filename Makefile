@@ -57,12 +57,17 @@ $(foreach engine,$(ENGINE_ENVS),$(eval $(call ENGINE_TEST_RULE,$(engine))))
 GPU_PYTHON ?= python3
 GPU_SUITES := tests/offload tests/transfer tests/refit tests/watchdog tests/rollout tests/engines/fsdp \
 	tests/engines/megatron tests/engines/torchtitan tests/engines/automodel
+# SGLang's kit installs into its own site (its pins differ from vLLM's): bash .gpu-kit/sglang/install.sh sglang .gpu-kit/sglang $(SGLANG_SITE)
+SGLANG_SITE ?= /tmp/ssite
 test-gpu:
 	@status=0; for suite in $(GPU_SUITES); do \
 	  echo "== $$suite (-m cuda)"; $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m cuda $$suite; rc=$$?; \
 	  [ $$rc = 0 ] || [ $$rc = 5 ] || status=1; done; \
 	echo "== tests/engines/vllm (whole suite)"; \
 	VLLM_WORKER_MULTIPROC_METHOD=spawn $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) tests/engines/vllm || status=1; \
+	echo "== tests/engines/sglang (-m cuda, sglang site $(SGLANG_SITE))"; \
+	PYTHONPATH=$(SGLANG_SITE):$(CURDIR) $(GPU_PYTHON) -m pytest $(PYTEST_FLAGS) -m cuda tests/engines/sglang; \
+	rc=$$?; [ $$rc = 0 ] || [ $$rc = 5 ] || status=1; \
 	exit $$status
 
 bench: $(VENV)/.installed

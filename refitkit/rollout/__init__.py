@@ -4,14 +4,18 @@
   ``worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension"``), ``push_weights`` (same
   host: ZMQ + CUDA IPC / shm) and ``push_weights_broadcast`` (other GPUs or nodes), and the weight
   version each worker serves (``weight_versions``, ``clean_weight_version``).
+- ``refitkit.rollout.sglang``: the same for an ``sglang.Engine`` (refitkit's ``sglang.srt.plugins`` entry
+  point hooks its schedulers): ``push_weights``, ``push_weights_broadcast``, ``engine_state``. Not run yet.
 - ``refitkit.rollout.links``: the engine side of a ``RefitCycle`` as one object with ``send(weights)``:
-  ``VllmLink`` (a vLLM ``LLM`` fed over IPC or broadcast) and ``BroadcastLink`` (bare broadcast receivers).
+  ``VllmLink`` (a vLLM ``LLM`` fed over IPC or broadcast), ``SglangLink`` (an ``sglang.Engine``, likewise)
+  and ``BroadcastLink`` (bare broadcast receivers).
 - ``refitkit.rollout.versions``: weight versions and sync coverage.
 
-Nothing here imports vLLM until a vLLM internal is needed (inside the engine's workers).
+Nothing here imports vLLM or SGLang until one of their internals is needed (inside the engine's processes).
 """
 
-from refitkit.rollout.links import BroadcastLink, EngineMemory, VllmLink
+from refitkit.rollout.links import BroadcastLink, EngineMemory, SglangLink, VllmLink
+from refitkit.rollout.sglang import SglangPushStats
 from refitkit.rollout.versions import EngineWeights, SyncCoverage
 from refitkit.rollout.vllm import (
     EXTENSION_QUALNAME, RefitWorkerExtension, VllmPushStats, clean_weight_version, push_weights, push_weights_broadcast,
@@ -20,7 +24,8 @@ from refitkit.rollout.vllm import (
 from refitkit.transfer import WeightVersion
 
 __all__ = [
-    "EXTENSION_QUALNAME", "BroadcastLink", "EngineMemory", "EngineWeights", "RefitWorkerExtension", "SyncCoverage", "VllmLink",
+    "EXTENSION_QUALNAME", "BroadcastLink", "EngineMemory", "EngineWeights", "RefitWorkerExtension", "SglangLink", "SglangPushStats",
+    "SyncCoverage", "VllmLink",
     "VllmPushStats", "WeightVersion", "clean_weight_version", "push_weights", "push_weights_broadcast",
     "tensor_fingerprint", "tensor_sha256", "weight_versions",
 ]

@@ -2,8 +2,8 @@
 
 ``RefitCycle(adapter, link)`` calls ``link.send(adapter.named_weights())`` on the sending rank,
 exactly as it calls a bare sender's ``send``. A bare ``BucketedWeightSender`` suits receivers that
-wait on their own (a ``BucketedWeightReceiver`` loop); a vLLM engine must be told to receive, and a
-broadcast needs a version per sync: the links below do both.
+wait on their own (a ``BucketedWeightReceiver`` loop); a vLLM or SGLang engine must be told to receive,
+and a broadcast needs a version per sync: the links below do both.
 
 Versions: each ``send`` uses ``next_version`` (``first_version`` at the start, e.g. the step the
 trainer resumes from) and then counts up by one, also after a failed sync, so a version never names
@@ -20,7 +20,11 @@ from typing import Any
 
 from refitkit._knobs import checked_seconds
 from refitkit.errors import EngineError, EngineTimeout, InvalidInput, KVCacheWontFit, RefitError
+from refitkit.rollout import _sglang_internals as sglang_internals
 from refitkit.rollout import _vllm_internals as internals
+from refitkit.rollout.sglang import SglangPushStats, engine_state, weights_discarded
+from refitkit.rollout.sglang import push_weights as sglang_push_weights
+from refitkit.rollout.sglang import push_weights_broadcast as sglang_push_weights_broadcast
 from refitkit.rollout.vllm import VllmPushStats, push_weights, push_weights_broadcast
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender, TransferStats
 from refitkit.transfer.common import checked_version
@@ -30,7 +34,7 @@ class EngineMemory(Enum):
     """Where a linked engine's memory is, as the link drove it."""
 
     SERVING = "serving"  # weights and KV cache resident
-    ASLEEP = "asleep"  # LLM.sleep(level): weights and KV cache released
+    ASLEEP = "asleep"  # weights and KV cache released (vLLM's LLM.sleep, SGLang's release_memory_occupation)
     WEIGHTS_AWAKE = "weights awake"  # weights back for a sync, KV cache still released
 
 
@@ -144,26 +148,143 @@ class VllmLink:
             self._bounded("refit_weights_discarded", lambda: self.llm.collective_rpc("refit_weights_discarded"))
 
     def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call()`` in a helper thread, at most ``engine_timeout_s``; a vLLM error becomes an ``EngineError`` naming it."""
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-memory")
-        try:
-            began = time.perf_counter()
-            future = pool.submit(call)
-            try:
-                result = future.result(timeout=self.engine_timeout_s)
-                self.call_seconds[what] = time.perf_counter() - began
-                return result
-            except concurrent.futures.TimeoutError:
-                raise EngineTimeout(
-                    f"vLLM's {what} did not return within engine_timeout_s={self.engine_timeout_s:g} "
-                    f"(engine memory: {self.memory.value}); raise engine_timeout_s if the engine is only slow"
-                ) from None
-            except RefitError:
-                raise
-            except Exception as exc:
-                raise EngineError(f"vLLM's {what} failed (engine memory: {self.memory.value}): {type(exc).__name__}: {exc}") from exc
-        finally:
-            pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound
+        return bounded_engine_call(
+            "vLLM", what, call, timeout_s=self.engine_timeout_s, memory=self.memory, call_seconds=self.call_seconds
+        )  # fmt: skip
+
+
+class SglangLink:
+    """An ``sglang.Engine`` (TP=1, refitkit's plugin installed) fed by a ``BucketedWeightSender`` (same host) or a
+    ``BroadcastWeightSender`` (then ``secret`` is the job's secret), and, with ``release_memory``, its memory.
+
+    Not run yet (no GPU where it was written): see ``docs/sglang.md``. With ``release_memory=True`` (the engine made
+    with ``enable_memory_saver=True``) the link drives the engine's memory around a ``RefitCycle``, like ``VllmLink``:
+    ``wake_for_sync`` resumes the weights before they stream, ``wake_for_rollout`` (after the cross-rank barrier)
+    resumes the KV cache and CUDA graphs, refused with ``KVCacheWontFit`` when the device lacks the KV cache's bytes
+    plus ``kv_headroom_bytes`` (which covers the CUDA graphs: SGLang does not report their size), and
+    ``sleep_for_training`` releases everything, refused with ``EngineError`` while a request is in flight (SGLang's
+    release asserts idleness and would kill the engine). Without ``enable_weights_cpu_backup`` the released weights
+    are discarded: the engine reports them incomplete until a full sync lands. Every call is bounded by
+    ``engine_timeout_s`` (``EngineTimeout``); no generation may be started while the memory is released.
+    """
+
+    def __init__(
+        self, engine: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None = None,
+        first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None, release_memory: bool = False,
+        engine_timeout_s: float = 120.0, kv_headroom_bytes: int = 256 << 20,
+    ) -> None:  # fmt: skip
+        if not sglang_internals.is_engine(engine):
+            raise InvalidInput(
+                f"SglangLink: engine must be an sglang.Engine (with update_weights_from_ipc and the memory calls), got a "
+                f"{type(engine).__name__}"
+            )
+        self.broadcast = isinstance(sender, BroadcastWeightSender)
+        if not self.broadcast and not isinstance(sender, BucketedWeightSender):
+            raise InvalidInput(
+                f"SglangLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a {type(sender).__name__}"
+            )
+        if self.broadcast and secret is None:
+            raise InvalidInput("SglangLink: a BroadcastWeightSender needs secret= (the job's secret, as given to the sender)")
+        if not isinstance(release_memory, bool):
+            raise InvalidInput(f"SglangLink: release_memory={release_memory!r}; need a bool")
+        if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
+            raise InvalidInput(f"SglangLink: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
+        settings = sglang_internals.engine_settings(engine)
+        if settings["tp_size"] != 1 or settings["dp_size"] != 1:
+            raise InvalidInput(
+                f"SglangLink: tp_size={settings['tp_size']}, dp_size={settings['dp_size']}; the link drives one scheduler "
+                "(tp_size=1, dp_size=1): SGLang answers from TP rank 0 only"
+            )
+        if release_memory and not settings["memory_saver"]:
+            raise InvalidInput(
+                "SglangLink: release_memory needs an engine made with enable_memory_saver=True (without it SGLang's "
+                "release frees nothing); or pass release_memory=False"
+            )
+        self.engine, self.sender, self.secret, self.first_rank, self.timeout_s = engine, sender, secret, first_rank, timeout_s
+        self.release_memory, self.weights_kept = release_memory, settings["weights_cpu_backup"]
+        self.engine_timeout_s, self.kv_headroom_bytes = checked_seconds(engine_timeout_s, "engine_timeout_s"), kv_headroom_bytes
+        self.next_version = checked_version(first_version)
+        self.memory = EngineMemory.SERVING
+        self.last_push: SglangPushStats | None = None
+        self.call_seconds: dict[str, float] = {}  # each engine call's latest duration, e.g. "resume_memory_occupation(['weights'])"
+
+    @property
+    def drives_memory(self) -> bool:
+        """Whether ``RefitCycle`` should call the link's memory steps (``release_memory``)."""
+        return self.release_memory
+
+    def send(self, weights: Any) -> TransferStats:
+        """Push ``weights`` into the engine as version ``next_version``; the sender's stats (the scheduler's in ``last_push``).
+
+        Released weights are resumed first when the link released them; a push into weights released by hand is
+        refused (``EngineAsleep``) before any byte lands. SGLang flushes its prefix cache after the sync while the
+        KV cache is resident (releasing it flushed it already)."""
+        self.wake_for_sync()
+        version, self.next_version = self.next_version, self.next_version + 1
+        flush = self.memory is EngineMemory.SERVING
+        if self.broadcast:
+            pushed = sglang_push_weights_broadcast(
+                self.engine, self.sender, weights, secret=self.secret, version=version,  # type: ignore[arg-type]
+                first_rank=self.first_rank, timeout_s=self.timeout_s, flush_cache=flush,
+            )  # fmt: skip
+        else:
+            pushed = sglang_push_weights(self.engine, self.sender, weights, version=version, timeout_s=self.timeout_s, flush_cache=flush)
+        self.last_push = pushed
+        return pushed.sender
+
+    # -- the engine's memory around a refit cycle -------------------------------------------------
+
+    def wake_for_sync(self) -> None:
+        """Weights back on the device for a sync (a no-op unless the link released them)."""
+        if self.memory is EngineMemory.ASLEEP:
+            self._bounded("resume_memory_occupation(['weights'])", lambda: sglang_internals.resume_memory(self.engine, ["weights"]))
+            self.memory = EngineMemory.WEIGHTS_AWAKE
+
+    def wake_for_rollout(self) -> None:
+        """The KV cache and CUDA graphs back once every trainer rank freed its memory; ``KVCacheWontFit`` (naming the
+        bytes needed and free) instead of an out-of-memory inside SGLang, the engine left as it was."""
+        if self.memory is EngineMemory.ASLEEP:
+            self.wake_for_sync()
+        if self.memory is not EngineMemory.WEIGHTS_AWAKE:
+            return
+        state = self._bounded("state query", lambda: engine_state(self.engine, timeout_s=self.engine_timeout_s))
+        needed, free = int(state["kv_cache_bytes"]), int(state["free_bytes"])
+        if needed + self.kv_headroom_bytes > free:
+            raise KVCacheWontFit(
+                f"resuming SGLang's KV cache needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes={self.kv_headroom_bytes / 2**20:.0f} "
+                f"MiB for CUDA graphs and slack) but its device has {free / 2**20:.0f} MiB free: the trainer still holds "
+                "memory (offload and flush_device first, or lower mem_fraction_static); the engine's weights stay "
+                "resident, its KV cache released",
+                needed_bytes=needed, free_bytes=free,
+            )  # fmt: skip
+        tags = ["kv_cache", "cuda_graph"]  # both released by sleep_for_training; the KV cache was flushed then
+        self._bounded(f"resume_memory_occupation({tags})", lambda: sglang_internals.resume_memory(self.engine, tags))
+        self.memory = EngineMemory.SERVING
+
+    def sleep_for_training(self) -> None:
+        """Release the engine's memory before the trainer's state comes back (``release_memory``; a no-op without it)."""
+        if not self.release_memory or self.memory is EngineMemory.ASLEEP:
+            return
+        if self.memory is EngineMemory.WEIGHTS_AWAKE:  # a cycle that failed before the rollout: KV cache still released
+            tags = ["weights"]
+        else:
+            state = self._bounded("state query", lambda: engine_state(self.engine, timeout_s=self.engine_timeout_s))
+            if not state["idle"] or state["released"]:
+                raise EngineError(
+                    f"SglangLink: cannot release SGLang's memory now (idle={state['idle']}, already released: "
+                    f"{state['released']}): SGLang's release asserts an idle engine and a second release of a tag kills "
+                    "it; finish or abort the rollout's requests, and leave release/resume to the link"
+                )
+            tags = ["weights", "kv_cache", "cuda_graph"]
+        self._bounded(f"release_memory_occupation({tags})", lambda: sglang_internals.release_memory(self.engine, tags))
+        self.memory = EngineMemory.ASLEEP
+        if not self.weights_kept:  # no host backup: the weights are garbage until the next full sync
+            self._bounded("weights_discarded", lambda: weights_discarded(self.engine, timeout_s=self.engine_timeout_s))
+
+    def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
+        return bounded_engine_call(
+            "SGLang", what, call, timeout_s=self.engine_timeout_s, memory=self.memory, call_seconds=self.call_seconds
+        )  # fmt: skip
 
 
 class BroadcastLink:
@@ -179,3 +300,30 @@ class BroadcastLink:
         """Broadcast ``weights`` as version ``next_version``; returns once every receiver loaded them."""
         version, self.next_version = self.next_version, self.next_version + 1
         return self.sender.send(weights, version=version)
+
+
+def bounded_engine_call(
+    engine: str, what: str, call: Callable[[], Any], *, timeout_s: float, memory: EngineMemory,
+    call_seconds: dict[str, float],
+) -> Any:  # fmt: skip
+    """``call()`` in a helper thread, at most ``timeout_s`` (``engine_timeout_s``); its duration goes into
+    ``call_seconds[what]``; an engine's error becomes an ``EngineError`` naming it and the engine's ``memory``."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-engine-memory")
+    try:
+        began = time.perf_counter()
+        future = pool.submit(call)
+        try:
+            result = future.result(timeout=timeout_s)
+            call_seconds[what] = time.perf_counter() - began
+            return result
+        except concurrent.futures.TimeoutError:
+            raise EngineTimeout(
+                f"{engine}'s {what} did not return within engine_timeout_s={timeout_s:g} "
+                f"(engine memory: {memory.value}); raise engine_timeout_s if the engine is only slow"
+            ) from None
+        except RefitError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"{engine}'s {what} failed (engine memory: {memory.value}): {type(exc).__name__}: {exc}") from exc
+    finally:
+        pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound

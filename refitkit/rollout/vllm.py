@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,11 +36,13 @@ import torch
 from refitkit.errors import EngineAsleep, EngineError, EngineTimeout, InvalidInput, RefitError, TransferError, TransferTimeout
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
-from refitkit.rollout.load_plan import DirectLoads, LandedStats
-from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of, weight_version_of
+from refitkit.rollout.load_plan import DirectLoads
+from refitkit.rollout.sessions import (
+    SyncProgress, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session, sync_report,
+)  # fmt: skip
+from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, weight_version_of
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
 from refitkit.transfer.common import checked_version
-from refitkit.transfer.packing import check_items
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class WorkerReceiver:
         receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
         began = time.perf_counter()
         self._refuse_if_asleep(receiver)
-        progress = _Progress()
+        progress = SyncProgress()
         try:
             if self.load_path == "in_place":
                 stats = self._in_place(receiver.receive, progress)
@@ -106,8 +108,7 @@ class WorkerReceiver:
             self.weights.failed(number, touched=progress.touched)  # what loaded stays: a mix of old and new
             raise
         coverage = self._landed(number, progress.names)
-        return {**_stats_dict(stats), **_coverage_dict(number, coverage), **_timing_dict(progress, began),
-                "load_path": self.load_path}  # fmt: skip
+        return {**sync_report(stats, number, coverage, progress, began), "load_path": self.load_path}
 
     def receive_broadcast(
         self, rendezvous: str, secret: str | bytes, timeout_s: float, first_rank: int, backend: str
@@ -120,7 +121,7 @@ class WorkerReceiver:
         )  # fmt: skip
         began = time.perf_counter()
         self._refuse_if_asleep(receiver)
-        progress = _Progress()
+        progress = SyncProgress()
         try:
             if self.load_path == "in_place":
                 stats = self._in_place(receiver.receive, progress)
@@ -136,8 +137,7 @@ class WorkerReceiver:
         if number is None:  # the receiver records the session's version when it lands
             raise TransferError(f"broadcast session from {rendezvous} ended without a version (a bug in refitkit)")
         coverage = self._landed(number, progress.names)
-        return {**_stats_dict(stats), **_coverage_dict(number, coverage), **_timing_dict(progress, began),
-                "rank": rank, "load_path": self.load_path}  # fmt: skip
+        return {**sync_report(stats, number, coverage, progress, began), "rank": rank, "load_path": self.load_path}
 
     def discarded(self) -> None:
         """The engine slept at level 2: its weights are garbage until a full sync lands (reported incomplete)."""
@@ -145,20 +145,9 @@ class WorkerReceiver:
 
     # -- loading -----------------------------------------------------------------------------------
 
-    def _in_place(self, receive: Callable[[Callable[..., Any]], TransferStats], progress: _Progress) -> TransferStats:
+    def _in_place(self, receive: Callable[[Callable[..., Any]], TransferStats], progress: SyncProgress) -> TransferStats:
         """Each bucket straight into the params through ``model.load_weights`` (its views are valid during the call)."""
-
-        direct = self._direct_loads()
-        direct.begin()
-
-        def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
-            began = time.perf_counter()
-            progress.names.update(name for name, _ in weights)
-            progress.touched = progress.touched or bool(weights)
-            progress.landed += direct.land(weights)
-            progress.loader_s += time.perf_counter() - began
-
-        stats = receive(on_bucket)
+        stats = land_in_place(receive, self._direct_loads(), progress)
         if progress.landed.loader_tensors or self._post_needed() is not None:
             began = time.perf_counter()
             internals.process_after_sync(self.model, self.vllm_config, self.device)
@@ -178,7 +167,7 @@ class WorkerReceiver:
                 log.info("vLLM worker %d post-processes after every sync: %s", self.rank, self._post_reason)
         return self._post_reason
 
-    def _layerwise_from(self, receiver: BucketedWeightReceiver, endpoint: str, progress: _Progress) -> TransferStats:
+    def _layerwise_from(self, receiver: BucketedWeightReceiver, endpoint: str, progress: SyncProgress) -> TransferStats:
         weights = receiver.iter_weights()
         tracked = _Tracked(weights, clone=True, progress=progress)
         try:
@@ -193,7 +182,7 @@ class WorkerReceiver:
             raise TransferError(f"vLLM's layerwise reload returned before the last tensor from {endpoint!r}")
         return receiver.last_stats
 
-    def _layerwise_broadcast(self, receiver: BroadcastWeightReceiver, progress: _Progress) -> TransferStats:
+    def _layerwise_broadcast(self, receiver: BroadcastWeightReceiver, progress: SyncProgress) -> TransferStats:
         bridge = ReceiveBridge(receiver.receive, timeout_s=receiver.timeout_s)
         tracked = _Tracked(bridge, clone=False, progress=progress)  # the bridge hands out its own copies
         try:
@@ -214,31 +203,15 @@ class WorkerReceiver:
         asleep = internals.sleep_state()["asleep"]
         if not asleep.get("weights"):
             return
-        message = (
+        refuse_session(receiver, EngineAsleep(
             f"vLLM worker {self.rank}'s weights are asleep ({asleep['weights']} bytes released by LLM.sleep): a push "
             "now would crash vLLM. Wake them first: llm.wake_up(tags=['weights']), or let VllmLink drive sleep and wake"
-        )
-
-        def refuse(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
-            raise EngineAsleep(message)
-
-        try:
-            receiver.receive(refuse)
-        except EngineAsleep:
-            pass
-        except TransferError as exc:  # the session failed with our refusal: the sender heard it
-            if "EngineAsleep" not in str(exc):
-                raise
-        raise EngineAsleep(message)
+        ))  # fmt: skip
 
     def _landed(self, version: int, names: set[str]) -> SyncCoverage:
         if self._expected is _UNREAD:
             self._expected = internals.checkpoint_weight_names(self.vllm_config)
-        coverage = coverage_of(names, self._expected)
-        self.weights.landed(version, coverage)
-        if not coverage.complete:
-            log.warning("weight sync of version %d covered only %s: weights incomplete", version, coverage.describe())
-        return coverage
+        return record_landing(self.weights, version, names, self._expected)
 
 
 class RefitWorkerExtension:
@@ -363,8 +336,8 @@ def push_weights(
     right after the workers' receive: one round trip fewer than ``llm.reset_prefix_cache()`` after the push.
     """
     number = None if version is None else checked_version(version)
-    timeout_s = _checked_timeout(sender, timeout_s)
-    weights = _checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
+    timeout_s = checked_timeout(sender, timeout_s)
+    weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir
     reset = _checked_reset(llm, reset_prefix_cache)
     if _route(llm) == "extension":
@@ -388,8 +361,8 @@ def push_weights_broadcast(
     pushes raise as there.
     """
     number = checked_version(version)
-    timeout_s = _checked_timeout(sender, timeout_s)
-    weights = _checked_weights(weights, need_cuda=False)
+    timeout_s = checked_timeout(sender, timeout_s)
+    weights = checked_weights(weights, need_cuda=False)
     reset = _checked_reset(llm, reset_prefix_cache)
     if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
         raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
@@ -470,22 +443,11 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Progress:
-    """What a sync has handed to the engine's loader so far: the names, and whether any tensor at all."""
-
-    names: set[str] = field(default_factory=set)
-    touched: bool = False
-    landed: LandedStats = field(default_factory=LandedStats)  # direct copies vs the model's loader (in place)
-    loader_s: float = 0.0  # landing the buckets (issuing the copies; they run on the device behind)
-    post_s: float = 0.0  # vLLM's post-processing, once per in-place sync
-
-
 class _Tracked:
     """The stream handed to vLLM's layerwise reload, named into ``progress`` (and copied when the source's tensors
     are bucket views: the reload keeps a layer's tensors past the point where the bucket is reused or unmapped)."""
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, clone: bool, progress: _Progress) -> None:
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, clone: bool, progress: SyncProgress) -> None:
         self.weights, self.clone, self.progress = weights, clone, progress
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -495,24 +457,6 @@ class _Tracked:
             self.progress.touched = True
             self.progress.names.add(name)
             yield name, owned
-
-
-def _checked_timeout(sender: Any, timeout_s: float | None) -> float:
-    timeout_s = sender.timeout_s if timeout_s is None else float(timeout_s)
-    if not timeout_s > 0:
-        raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
-    return timeout_s
-
-
-def _checked_weights(weights: Any, *, need_cuda: bool) -> Any:
-    """A list or tuple checked whole (refused before any worker waits: the engine sees no byte of it), else an iterator."""
-    try:
-        weights = weights if isinstance(weights, (list, tuple)) else iter(weights)
-    except TypeError:
-        raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
-    if isinstance(weights, (list, tuple)):
-        check_items(weights, need_cuda=need_cuda)
-    return weights
 
 
 def register_with_vllm() -> None:
@@ -649,27 +593,3 @@ def _error_of(future: concurrent.futures.Future, *, wait_s: float) -> str | None
     done, _ = concurrent.futures.wait([future], timeout=wait_s)
     exc = future.exception() if done else None
     return None if exc is None else f"{type(exc).__name__}: {exc}"
-
-
-def _stats_dict(stats: TransferStats) -> dict[str, Any]:
-    return {
-        "bytes": stats.bytes, "tensors": stats.tensors, "buckets": stats.buckets,
-        "seconds": stats.seconds, "ack_wait_s": stats.ack_wait_s,
-    }  # fmt: skip
-
-
-def _timing_dict(progress: _Progress, began: float) -> dict[str, float]:
-    """The worker's seconds: the whole sync (``load_s``), in the loaders and in post-processing (in place; 0 layerwise)."""
-    landed = progress.landed
-    return {
-        "load_s": time.perf_counter() - began, "loader_s": progress.loader_s, "post_s": progress.post_s,
-        "direct_tensors": landed.direct_tensors, "direct_bytes": landed.direct_bytes,
-        "loader_tensors": landed.loader_tensors, "loader_bytes": landed.loader_bytes,
-    }  # fmt: skip
-
-
-def _coverage_dict(version: int, coverage: SyncCoverage) -> dict[str, Any]:
-    return {
-        "version": version, "complete": coverage.complete, "expected": coverage.expected,
-        "missing": list(coverage.missing),
-    }  # fmt: skip

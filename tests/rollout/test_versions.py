@@ -73,7 +73,7 @@ def test_the_old_import_path_is_gone():
 )
 def test_a_malformed_checkpoint_index_or_header_is_a_value_error_naming_the_file(tmp_path, files, message):
     """The worker leaves coverage unknown on ValueError/OSError; anything else would fail every sync."""
-    from refitkit.rollout._vllm_internals import _safetensors_names
+    from refitkit.rollout.checkpoint_names import _safetensors_names
 
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)

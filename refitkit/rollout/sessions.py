@@ -1,0 +1,114 @@
+"""One refitkit session received in place into a live engine's model: what every engine's side of a push shares.
+
+An engine rank (a vLLM worker, an SGLang scheduler) opens a receiver per sync, lands each bucket's
+views straight into its parameters through ``DirectLoads`` (one copy on arrival), then records what
+the sync covered in its ``EngineWeights``. What differs per engine (its model, its loader, its
+post-processing, whether its weights are released) is handed in by the caller. The driving side shares the checks of a push's arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import torch
+
+from refitkit.errors import EngineError, InvalidInput, TransferError
+from refitkit.rollout.load_plan import DirectLoads, LandedStats
+from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of
+from refitkit.transfer import TransferStats
+from refitkit.transfer.packing import check_items
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncProgress:
+    """What a sync has handed to the engine's loader so far: the names, and whether any tensor at all."""
+
+    names: set[str] = field(default_factory=set)
+    touched: bool = False
+    landed: LandedStats = field(default_factory=LandedStats)  # direct copies vs the model's loader (in place)
+    loader_s: float = 0.0  # landing the buckets (issuing the copies; they run on the device behind)
+    post_s: float = 0.0  # the engine's post-processing, once per in-place sync
+
+
+def land_in_place(
+    receive: Callable[[Callable[..., Any]], TransferStats], direct: DirectLoads, progress: SyncProgress
+) -> TransferStats:  # fmt: skip
+    """Run ``receive(on_bucket)`` with each bucket landed through ``direct`` (its views are valid during the call)."""
+    direct.begin()
+
+    def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+        began = time.perf_counter()
+        progress.names.update(name for name, _ in weights)
+        progress.touched = progress.touched or bool(weights)
+        progress.landed += direct.land(weights)
+        progress.loader_s += time.perf_counter() - began
+
+    return receive(on_bucket)
+
+
+def refuse_session(receiver: Any, error: EngineError) -> NoReturn:
+    """Open ``receiver``'s session and fail it with ``error`` before any byte lands (the sender hears why at once,
+    as a ``TransferError`` naming the error's type), then raise ``error`` here."""
+
+    def refuse(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+        raise error
+
+    try:
+        receiver.receive(refuse)
+    except EngineError:
+        pass
+    except TransferError as exc:  # the session failed with our refusal: the sender heard it
+        if type(error).__name__ not in str(exc):
+            raise
+    raise error
+
+
+def record_landing(weights: EngineWeights, version: int, names: set[str], expected: frozenset[str] | None) -> SyncCoverage:
+    """A sync's stream arrived whole: record its coverage against the names the engine loads (None: unknown)."""
+    coverage = coverage_of(names, expected)
+    weights.landed(version, coverage)
+    if not coverage.complete:
+        log.warning("weight sync of version %d covered only %s: weights incomplete", version, coverage.describe())
+    return coverage
+
+
+def sync_report(
+    stats: TransferStats, version: int, coverage: SyncCoverage, progress: SyncProgress, began: float
+) -> dict[str, Any]:  # fmt: skip
+    """One sync as plain values: the transfer's stats, the version and its coverage, and the rank's seconds
+    (``load_s`` the whole sync, ``loader_s`` in the loaders, ``post_s`` in post-processing) and landing counts."""
+    landed = progress.landed
+    return {
+        "bytes": stats.bytes, "tensors": stats.tensors, "buckets": stats.buckets,
+        "seconds": stats.seconds, "ack_wait_s": stats.ack_wait_s,
+        "version": version, "complete": coverage.complete, "expected": coverage.expected,
+        "missing": list(coverage.missing),
+        "load_s": time.perf_counter() - began, "loader_s": progress.loader_s, "post_s": progress.post_s,
+        "direct_tensors": landed.direct_tensors, "direct_bytes": landed.direct_bytes,
+        "loader_tensors": landed.loader_tensors, "loader_bytes": landed.loader_bytes,
+    }  # fmt: skip
+
+
+def checked_timeout(sender: Any, timeout_s: float | None) -> float:
+    """A push's bound: ``timeout_s``, or the sender's own; a positive number of seconds."""
+    timeout_s = sender.timeout_s if timeout_s is None else float(timeout_s)
+    if not timeout_s > 0:
+        raise InvalidInput(f"timeout_s={timeout_s!r}; need a positive number of seconds")
+    return timeout_s
+
+
+def checked_weights(weights: Any, *, need_cuda: bool) -> Any:
+    """A list or tuple checked whole (refused before the engine waits: it sees no byte of it), else an iterator."""
+    try:
+        weights = weights if isinstance(weights, (list, tuple)) else iter(weights)
+    except TypeError:
+        raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
+    if isinstance(weights, (list, tuple)):
+        check_items(weights, need_cuda=need_cuda)
+    return weights

@@ -1,0 +1,438 @@
+"""SGLang side of a weight sync: refitkit sessions received inside SGLang's schedulers, driven from its ``Engine``.
+
+Not run yet: written against SGLang 0.5.17's source with no GPU at hand (see ``docs/sglang.md``).
+
+refitkit's ``sglang.srt.plugins`` entry point (``register_with_sglang``) runs in every SGLang process and
+hooks the scheduler's ``update_weights_from_ipc`` (``_sglang_internals`` says where and why). The trainer
+then calls ``push_weights(engine, sender, weights)`` (a ``BucketedWeightSender``: ZMQ + CUDA IPC or shm,
+same host) or ``push_weights_broadcast(...)`` (a ``BroadcastWeightSender``): a helper thread calls
+``Engine.update_weights_from_ipc(zmq_handles={"refitkit": <JSON request>})`` while this thread sends, both
+bounded. Only strings cross SGLang's control path (SGLang pickles its own control messages; refitkit's wire
+carries none); the weights travel through the transport, each bucket landed in place through the model's
+``load_weights`` (``DirectLoads``: one copy on arrival). SGLang's writer lock keeps generation out while a
+sync runs; its cache flush follows a sync; its answer, ``(success, message)``, carries refitkit's JSON reply.
+
+Weight versions and coverage as for vLLM (``refitkit.rollout.versions``). The same request path answers the
+queries ``collective_rpc`` cannot (it discards return values): ``engine_state`` (versions, released memory,
+free bytes, parameter fingerprints). Results come from TP rank 0 only: ``SglangLink`` drives TP=1 engines.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refitkit.errors import EngineAsleep, EngineError, InvalidInput, RefitError, TransferError, TransferTimeout
+from refitkit.rollout import _sglang_internals as internals
+from refitkit.rollout.checkpoint_names import checkpoint_weight_names
+from refitkit.rollout.load_plan import DirectLoads
+from refitkit.rollout.sessions import (
+    SyncProgress, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session, sync_report,
+)  # fmt: skip
+from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, weight_version_of
+from refitkit.rollout.vllm import tensor_fingerprint
+from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
+from refitkit.transfer.common import checked_version
+
+log = logging.getLogger(__name__)
+
+PLUGIN_NAME = "refitkit"  # the entry point's name in sglang.srt.plugins (SGLANG_PLUGINS may whitelist it)
+RPC_SLACK_S = 30.0  # on top of the receiver's timeout: the scheduler may still be loading when the sender finishes
+PROTOCOL = 1  # the "refitkit" field of every request and reply
+_UNREAD = object()
+
+
+# -- the request and reply codec (JSON strings in SGLang's zmq_handles and message) ------------------------
+
+REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "receive": {"endpoint": (str,), "timeout_s": (int, float), "version": (int, type(None))},
+    "receive_broadcast": {
+        "rendezvous": (str,), "secret": (str,), "timeout_s": (int, float), "first_rank": (int,), "backend": (str,),
+    },
+    "state": {"fingerprints": (list, type(None))},  # parameter names, [] for all of them, None for none
+    "discarded": {},
+}  # fmt: skip
+
+
+def encode_request(op: str, **fields: Any) -> str:
+    """One request as JSON, checked as the scheduler will check it."""
+    text = json.dumps({"refitkit": PROTOCOL, "op": op, **fields})
+    decode_request(text)
+    return text
+
+
+def decode_request(text: str) -> dict[str, Any]:
+    """A request's fields (with ``op``); ``InvalidInput`` naming what is wrong with anything else."""
+    try:
+        request = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"refitkit request is not JSON: {exc}") from None
+    if not isinstance(request, dict) or request.get("refitkit") != PROTOCOL:
+        raise InvalidInput(f"refitkit request without protocol {PROTOCOL}: {str(text)[:200]!r}")
+    op = request.get("op")
+    if op not in REQUEST_FIELDS:
+        raise InvalidInput(f"refitkit request op {op!r}; known: {sorted(REQUEST_FIELDS)}")
+    fields = REQUEST_FIELDS[op]
+    extra = set(request) - set(fields) - {"refitkit", "op"}
+    if extra:
+        raise InvalidInput(f"refitkit {op} request has unknown fields {sorted(extra)}")
+    for name, types in fields.items():
+        value = request.get(name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise InvalidInput(f"refitkit {op} request: {name}={value!r}; need {' or '.join(t.__name__ for t in types)}")
+    names = request.get("fingerprints")
+    if isinstance(names, list) and not all(isinstance(name, str) for name in names):
+        raise InvalidInput("refitkit state request: fingerprints must be a list of parameter names")
+    return request
+
+
+def encode_reply(*, result: dict[str, Any] | None = None, error: BaseException | None = None) -> str:
+    """The scheduler's answer: ``result`` (plain values), or the error's type and message."""
+    if error is None:
+        return json.dumps({"refitkit": PROTOCOL, "ok": True, "result": result or {}})
+    return json.dumps({"refitkit": PROTOCOL, "ok": False, "error": type(error).__name__, "message": str(error)})
+
+
+def decode_reply(success: bool, message: str, *, what: str) -> dict[str, Any]:
+    """The result in SGLang's ``(success, message)`` for request ``what``; the scheduler's refusal or failure is
+    raised as a refitkit error, and a message that is not refitkit's means the plugin is not running there."""
+    try:
+        reply = json.loads(message)
+    except (TypeError, ValueError):
+        reply = None
+    if not isinstance(reply, dict) or reply.get("refitkit") != PROTOCOL:
+        raise InvalidInput(
+            f"SGLang answered refitkit's {what} without refitkit's plugin (success={success}, message={str(message)[:300]!r}): "
+            f"install refitkit in the engine's environment (its sglang.srt.plugins entry point {PLUGIN_NAME!r}), and "
+            f"if SGLANG_PLUGINS is set, list {PLUGIN_NAME!r} in it"
+        )
+    if reply.get("ok") and success:
+        return dict(reply.get("result") or {})
+    error, text = str(reply.get("error", "EngineError")), str(reply.get("message", message))
+    raised = {"EngineAsleep": EngineAsleep, "InvalidInput": InvalidInput}.get(error, EngineError)
+    raise raised(f"SGLang's scheduler refused or failed refitkit's {what}: {error}: {text}")
+
+
+# -- inside each scheduler process ---------------------------------------------------------------------
+
+
+class SchedulerReceiver:
+    """One SGLang scheduler's side of refitkit syncs: receives a session in place into its model and keeps its
+    weight versions (one per model: a disk reload that replaces the model starts a fresh record)."""
+
+    def __init__(self, *, model: torch.nn.Module, device: torch.device, rank: int,
+                 checkpoint: tuple[str, str | None, bool]) -> None:  # fmt: skip
+        self.model, self.device, self.rank, self.checkpoint = model, device, rank, checkpoint
+        self.weights = EngineWeights()
+        self.direct = DirectLoads(model, model.load_weights)
+        self._expected: Any = _UNREAD
+
+    def receive(self, endpoint: str, timeout_s: float, version: int | None, *, weights_released: bool) -> dict[str, Any]:
+        """One session from the ``BucketedWeightSender`` on ``endpoint`` (``{rank}`` is this TP rank) as ``version``."""
+        number = self.weights.next_version() if version is None else checked_version(version)
+        receiver = BucketedWeightReceiver(endpoint.replace("{rank}", str(self.rank)), self.device, timeout_s=timeout_s)
+        if weights_released:
+            refuse_session(receiver, self._asleep())
+        return self._land(receiver.receive, lambda: number)
+
+    def receive_broadcast(
+        self, rendezvous: str, secret: str, timeout_s: float, first_rank: int, backend: str, *, weights_released: bool
+    ) -> dict[str, Any]:  # fmt: skip
+        """Join the ``BroadcastWeightSender`` at ``rendezvous`` as rank ``first_rank`` + this TP rank for one session."""
+        receiver = BroadcastWeightReceiver(
+            rendezvous, secret=secret, rank=first_rank + self.rank, device=self.device, backend=backend, timeout_s=timeout_s
+        )  # fmt: skip
+        if weights_released:
+            refuse_session(receiver, self._asleep())
+
+        def number() -> int:  # the broadcast's version is the sender's, known once (part of) the session arrived
+            version = receiver.weights_version
+            found = version.incomplete if version.incomplete is not None else version.version
+            return self.weights.next_version() if found is None else found
+
+        return self._land(receiver.receive, number)
+
+    def discarded(self) -> None:
+        """The weights were released without a host backup: garbage until a full sync lands (reported incomplete)."""
+        self.weights.failed(self.weights.next_version(), touched=True)
+
+    def _land(self, receive: Callable[[Callable[..., Any]], TransferStats], number: Callable[[], int]) -> dict[str, Any]:
+        began = time.perf_counter()
+        progress = SyncProgress()
+        try:
+            stats = land_in_place(receive, self.direct, progress)
+            # SGLang's next forward runs on its forward stream after the scheduler's (scheduler.py:3565): our copies
+            # were issued on the scheduler's current stream, so they are ordered before it without a sync.
+        except BaseException:
+            self.weights.failed(number(), touched=progress.touched)  # what loaded stays: a mix of old and new
+            raise
+        version = number()
+        coverage = record_landing(self.weights, version, progress.names, self._expected_names())
+        return sync_report(stats, version, coverage, progress, began)
+
+    def _expected_names(self) -> frozenset[str] | None:
+        if self._expected is _UNREAD:
+            path, revision, tied = self.checkpoint
+            self._expected = checkpoint_weight_names(path, revision=revision, tied_embeddings=tied)
+        return self._expected
+
+    def _asleep(self) -> EngineAsleep:
+        return EngineAsleep(
+            f"SGLang scheduler (TP rank {self.rank})'s weights are released (release_memory_occupation): a copy into "
+            "them would fault. Resume them first: engine.resume_memory_occupation(tags=['weights']), or let "
+            "SglangLink(release_memory=True) drive release and resume"
+        )
+
+
+_receivers: weakref.WeakKeyDictionary[torch.nn.Module, SchedulerReceiver] = weakref.WeakKeyDictionary()
+
+
+def scheduler_receiver(updater: Any) -> SchedulerReceiver:
+    """The receiver of this scheduler's current model (SGLang's updater is a slots dataclass: nothing added to it)."""
+    model = internals.scheduler_model(updater)
+    receiver = _receivers.get(model)
+    if receiver is None:
+        rank, _ = internals.tp_rank_and_size(updater)
+        receiver = SchedulerReceiver(
+            model=model, device=internals.scheduler_device(updater), rank=rank, checkpoint=internals.checkpoint_of(updater)
+        )  # fmt: skip
+        _receivers[model] = receiver
+    return receiver
+
+
+def handle_update(original: Callable[[Any, Any], Any], updater: Any, recv_req: Any) -> Any:
+    """The AROUND hook on the scheduler's ``update_weights_from_ipc``: refitkit's requests here, others to SGLang.
+
+    Nothing may escape: an exception in a scheduler handler kills the whole engine (scheduler.py:4949). Every
+    TP rank leaves through the barrier SGLang's own handler ends with."""
+    text = internals.request_text(recv_req)
+    if text is None:
+        return original(updater, recv_req)
+    try:
+        result = _serve(updater, recv_req, decode_request(text))
+        success, reply = True, encode_reply(result=result)
+    except Exception as exc:
+        log.error("refitkit request failed in the SGLang scheduler: %s: %s", type(exc).__name__, exc)
+        success, reply = False, encode_reply(error=exc)
+    internals.tp_barrier(updater)
+    return internals.update_output(success, reply)
+
+
+def _serve(updater: Any, recv_req: Any, request: dict[str, Any]) -> dict[str, Any]:
+    op = request["op"]
+    receiver = scheduler_receiver(updater)
+    released = internals.WEIGHTS in internals.released_tags(updater)
+    if op in ("receive", "receive_broadcast") and internals.has_draft_model(updater):
+        raise InvalidInput("refitkit does not update a speculative-decoding draft model: start SGLang without one")
+    if op == "receive":
+        result = receiver.receive(request["endpoint"], float(request["timeout_s"]), request["version"], weights_released=released)
+    elif op == "receive_broadcast":
+        result = receiver.receive_broadcast(
+            request["rendezvous"], request["secret"], float(request["timeout_s"]), request["first_rank"], request["backend"],
+            weights_released=released,
+        )  # fmt: skip
+    elif op == "discarded":
+        receiver.discarded()
+        return {"weights": receiver.weights.as_dict()}
+    else:
+        return _state(updater, receiver, request["fingerprints"], weights_released=released)
+    internals.flush_after_update(updater, recv_req)  # the prefix cache holds KV of the old weights (if asked to flush)
+    return result
+
+
+def _state(updater: Any, receiver: SchedulerReceiver, names: list[str] | None, *, weights_released: bool) -> dict[str, Any]:
+    """This scheduler's weight versions, released memory, device memory and (with ``names``) parameter fingerprints."""
+    free_bytes, total_bytes = torch.cuda.mem_get_info(receiver.device)
+    rank, tp_size = internals.tp_rank_and_size(updater)
+    state = {
+        "weights": receiver.weights.as_dict(), "released": internals.released_tags(updater), "idle": internals.is_idle(updater),
+        "free_bytes": int(free_bytes), "total_bytes": int(total_bytes), "kv_cache_bytes": internals.kv_cache_bytes(updater),
+        "rank": rank, "tp_size": tp_size, "pid": os.getpid(), "device": str(receiver.device),
+    }  # fmt: skip
+    if names is not None:
+        if weights_released:
+            raise EngineAsleep("fingerprints of released weights would read unmapped memory: resume the weights first")
+        params = dict(receiver.model.named_parameters())
+        missing = [name for name in names if name not in params]
+        if missing:
+            raise InvalidInput(f"no parameter(s) {missing[:MISSING_SHOWN]} in the SGLang model (it has {len(params)}, e.g. {sorted(params)[:4]})")
+        state["fingerprints"] = {name: tensor_fingerprint(params[name]) for name in (names or sorted(params))}
+    return state
+
+
+def register_with_sglang() -> None:
+    """The ``sglang.srt.plugins`` entry point, run by SGLang in each of its processes: hooks the scheduler's
+    ``update_weights_from_ipc`` so that refitkit's requests reach ``SchedulerReceiver``."""
+    internals.register_update_hook(handle_update)
+
+
+# -- in the trainer's process (the one that made the sglang.Engine) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class SglangPushStats:
+    """One push as seen by the trainer (``sender``) and by SGLang's TP rank 0 scheduler (``scheduler``, plain values)."""
+
+    sender: TransferStats
+    scheduler: dict[str, Any]
+
+
+def push_weights(
+    engine: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
+    timeout_s: float | None = None, flush_cache: bool = True,
+) -> SglangPushStats:  # fmt: skip
+    """Send ``weights`` through a ``BucketedWeightSender`` into an ``sglang.Engine`` running refitkit's plugin.
+
+    ``version`` (default: one above any the engine saw) tags the sync; ``timeout_s`` (default: the sender's) bounds
+    the scheduler's receiver, and SGLang's call gets ``RPC_SLACK_S`` more. ``flush_cache`` (SGLang's own flush of the
+    prefix cache after a whole sync). A push into released weights is refused (``EngineAsleep``) before any byte
+    lands; a failure raises the sender's ``TransferError`` with the scheduler's reason; a push that did not deliver
+    every weight raises ``InvalidInput`` naming the missing ones (the engine then reports its weights incomplete).
+    """
+    number = None if version is None else checked_version(version)
+    timeout_s = checked_timeout(sender, timeout_s)
+    weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
+    request = encode_request("receive", endpoint=f"ipc://{sender.path}", timeout_s=timeout_s, version=number)
+    pushed = _drive(engine, request, lambda: sender.send(weights), timeout_s, flush_cache=flush_cache)
+    _raise_if_partial(pushed)
+    return pushed
+
+
+def push_weights_broadcast(
+    engine: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, secret: str | bytes, version: int,
+    first_rank: int = 1, timeout_s: float | None = None, flush_cache: bool = True,
+) -> SglangPushStats:  # fmt: skip
+    """Broadcast ``weights`` through a ``BroadcastWeightSender`` into an ``sglang.Engine`` as weight ``version``; the
+    schedulers join as ranks ``first_rank``... The secret crosses SGLang's control path (pickled there, not logged)."""
+    number = checked_version(version)
+    timeout_s = checked_timeout(sender, timeout_s)
+    weights = checked_weights(weights, need_cuda=False)
+    if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
+        raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
+    request = encode_request(
+        "receive_broadcast", rendezvous=f"tcp://{sender.host}:{sender.port}", timeout_s=timeout_s, first_rank=first_rank,
+        secret=secret if isinstance(secret, str) else secret.decode(), backend=sender.backend,
+    )  # fmt: skip
+    pushed = _drive(engine, request, lambda: sender.send(weights, version=number), timeout_s, flush_cache=flush_cache)
+    _raise_if_partial(pushed)
+    return pushed
+
+
+def receive_from(engine: Any, endpoint: str, *, version: int | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Have the engine receive one session from a ``BucketedWeightSender`` that runs elsewhere (another process)
+    on ``endpoint`` (``ipc:///path``); the scheduler's result, bounded by ``timeout_s`` + ``RPC_SLACK_S``."""
+    if not isinstance(endpoint, str):
+        raise InvalidInput(f"endpoint must be a str (ipc:///path), got {type(endpoint).__name__}")
+    number = None if version is None else checked_version(version)
+    request = encode_request("receive", endpoint=endpoint, timeout_s=float(timeout_s), version=number)
+    return call_engine(engine, request, what="receive", timeout_s=float(timeout_s) + RPC_SLACK_S)
+
+
+def engine_state(engine: Any, *, fingerprints: list[str] | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
+    """TP rank 0's state: ``weights`` (versions and coverage), ``released`` tags, ``idle``, ``free_bytes``,
+    ``kv_cache_bytes``...; with ``fingerprints`` (names, or [] for every parameter) their ``tensor_fingerprint``."""
+    request = encode_request("state", fingerprints=fingerprints)
+    return call_engine(engine, request, what="state query", timeout_s=timeout_s, flush_cache=False)
+
+
+def weights_discarded(engine: Any, *, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Record that the engine's weights were released without a host backup: incomplete until a full sync."""
+    return call_engine(engine, encode_request("discarded"), what="discard record", timeout_s=timeout_s, flush_cache=False)
+
+
+def weight_version(engine: Any) -> WeightVersion:
+    """The ``WeightVersion`` TP rank 0 serves (``clean`` False while a failed or partial sync's weights are in place)."""
+    return weight_version_of(engine_state(engine)["weights"])
+
+
+def clean_weight_version(engine: Any) -> int | None:
+    """The version the engine serves, whole; None before the first sync; ``TransferError`` while it is incomplete."""
+    state = engine_state(engine)["weights"]
+    if not state["clean"]:
+        missing = state["missing"]
+        why = f"; it did not deliver {len(missing)} weights, e.g. {missing[:3]}" if missing else " (it failed part-way)"
+        raise TransferError(
+            f"SGLang's weights are incomplete: sync of version {state['incomplete']} did not land whole{why}; its last "
+            f"whole sync was version {state['version']}. Push every weight again"
+        )
+    return state["version"]
+
+
+def call_engine(engine: Any, request: str, *, what: str, timeout_s: float, flush_cache: bool = True) -> dict[str, Any]:
+    """One refitkit request through ``Engine.update_weights_from_ipc`` in a helper thread, at most ``timeout_s``."""
+    if not internals.is_engine(engine):
+        raise InvalidInput(f"need an sglang.Engine (with update_weights_from_ipc), got a {type(engine).__name__}")
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-sglang")
+    try:
+        call = pool.submit(internals.call_update, engine, request, flush_cache=flush_cache)
+        done, _ = concurrent.futures.wait([call], timeout=timeout_s)
+        if not done:
+            raise TransferTimeout(f"SGLang's update_weights_from_ipc ({what}) did not return within {timeout_s:g} s")
+        return decode_reply(*call.result(), what=what)
+    finally:
+        pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound
+
+
+def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout_s: float, *, flush_cache: bool) -> SglangPushStats:
+    """SGLang's ``update_weights_from_ipc`` (the scheduler receives) in a helper thread while ``send()`` runs here."""
+    if not internals.is_engine(engine):
+        raise InvalidInput(f"need an sglang.Engine (with update_weights_from_ipc), got a {type(engine).__name__}")
+    bound_s = timeout_s + RPC_SLACK_S
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-sglang")
+    try:
+        call = pool.submit(internals.call_update, engine, request, flush_cache=flush_cache)
+        try:
+            sent = send()
+        except TransferError as exc:  # the scheduler released and reported (or never connected): its reason
+            reason = _failure_of(call, wait_s=RPC_SLACK_S)
+            if reason is None:
+                raise
+            if isinstance(reason, EngineAsleep):
+                raise EngineAsleep(f"the push was refused: {reason}") from exc
+            raise type(exc)(f"{exc}; {reason}", remote_message=exc.remote_message) from exc
+        except BaseException:
+            _failure_of(call, wait_s=RPC_SLACK_S)  # bad input: the scheduler got an abort; return once it is idle
+            raise
+        done, _ = concurrent.futures.wait([call], timeout=bound_s)
+        if not done:
+            raise TransferTimeout(
+                f"SGLang's update_weights_from_ipc did not return within {bound_s:.0f} s after the sender finished "
+                f"(timeout_s={timeout_s} + {RPC_SLACK_S:.0f} s slack)"
+            )
+        return SglangPushStats(sender=sent, scheduler=decode_reply(*call.result(), what="receive"))
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _failure_of(call: concurrent.futures.Future, *, wait_s: float) -> RefitError | None:
+    """The scheduler's refusal or failure once the call ended (bounded by ``wait_s``); None if it succeeded or runs on."""
+    done, _ = concurrent.futures.wait([call], timeout=wait_s)
+    if not done:
+        return None
+    if call.exception() is not None:
+        return EngineError(f"SGLang's update_weights_from_ipc raised {type(call.exception()).__name__}: {call.exception()}")
+    try:
+        decode_reply(*call.result(), what="receive")
+    except RefitError as exc:
+        return exc
+    return None
+
+
+def _raise_if_partial(pushed: SglangPushStats) -> None:
+    result = pushed.scheduler
+    if not result["complete"]:
+        missing = result["missing"]
+        raise InvalidInput(
+            f"the push delivered {result['expected'] - len(missing)} of the {result['expected']} weights SGLang loads; "
+            f"missing {missing[:MISSING_SHOWN]}{' ...' if len(missing) > MISSING_SHOWN else ''}. The weights it did deliver "
+            f"were loaded, so the engine now reports version {result['version']} as incomplete: push every weight"
+        )
