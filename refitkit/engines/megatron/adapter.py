@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from refitkit.engines.base import DeviceState, EngineAdapter, NamedTensors
+from refitkit.engines.base import DeviceState, EngineAdapter, FreshWeights, NamedTensors
 from refitkit.engines.megatron import _internals
 from refitkit.engines.megatron.main_params import main_pairs, main_params_match, rebuild_model_params, rebuildable_tensors
 from refitkit.engines.megatron import hf_layouts
@@ -175,7 +175,10 @@ class MegatronAdapter(EngineAdapter):
         Tensor-parallel shards are gathered (a collective: every rank of the model must iterate
         to the end, in step). A rank yields its own pipeline stage's layers (numbered for the whole
         model) and its own experts; see ``refitkit.engines.megatron.weights`` for who streams what.
+        Each tensor is a new gather, the model's own param (no tensor parallelism) or a view of one
+        of those (the Hugging Face splits), never a buffer refilled later: the stream says so
+        (``FreshWeights``), so a direct sender may keep each while the engine reads it in place.
         """
         if self._states["model"] is not DeviceState.ON_DEVICE:
             raise InvalidInput("MegatronAdapter.named_weights(): the model is offloaded; reload(model=True) first")
-        return iter_full_weights(self.chunks, hf_family=self.hf_family)
+        return FreshWeights(iter_full_weights(self.chunks, hf_family=self.hf_family))

@@ -41,6 +41,7 @@ def adapter_world(rank: int, world_size: int) -> dict:
     seen: dict = {"arena_shared": rm.arena_of(trainer.chunks[0]) is adapter.arena is rm.arena_of(trainer.optimizer.chained_optimizers[0])}
     seen["before"] = _all_device_bytes(trainer)
     seen["weights"] = {name: w.to("cpu", copy=True) for name, w in adapter.named_weights()}
+    seen["says_fresh"] = getattr(adapter.named_weights(), "refitkit_fresh_tensors", False)  # gathers, params, their views
     seen["gpt_names"] = [n for n, _ in trainer.chunks[0].module.module.named_parameters()]
 
     seen["initial_state"] = adapter.state
@@ -115,6 +116,7 @@ def test_adapter_offload_reload_keeps_training_bit_identical(world_size):
         assert all(result["weights_identical"].values())
         # full, unsharded weights named as in GPTModel, one entry per param
         assert list(seen["weights"]) == seen["gpt_names"]
+        assert seen["says_fresh"] is True  # a direct sender may keep each while the engine reads it in place
     if world_size == 2:
         # each rank updated only its optimizer shard; the all-gathered weights must agree in full
         w0, w1 = results[0]["seen"]["weights"], results[1]["seen"]["weights"]
