@@ -12,16 +12,16 @@ two different sets of weights.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 from refitkit._knobs import checked_seconds
-from refitkit.errors import EngineError, EngineTimeout, InvalidInput, KVCacheWontFit, RefitError
+from refitkit.errors import EngineError, InvalidInput, KVCacheWontFit
 from refitkit.rollout import _sglang_internals as sglang_internals
 from refitkit.rollout import _vllm_internals as internals
+from refitkit.rollout.sessions import bounded_call
 from refitkit.rollout.sglang import SglangPushStats, engine_state, weights_discarded
 from refitkit.rollout.sglang import push_weights as sglang_push_weights
 from refitkit.rollout.sglang import push_weights_broadcast as sglang_push_weights_broadcast
@@ -308,22 +308,10 @@ def bounded_engine_call(
 ) -> Any:  # fmt: skip
     """``call()`` in a helper thread, at most ``timeout_s`` (``engine_timeout_s``); its duration goes into
     ``call_seconds[what]``; an engine's error becomes an ``EngineError`` naming it and the engine's ``memory``."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-engine-memory")
-    try:
-        began = time.perf_counter()
-        future = pool.submit(call)
-        try:
-            result = future.result(timeout=timeout_s)
-            call_seconds[what] = time.perf_counter() - began
-            return result
-        except concurrent.futures.TimeoutError:
-            raise EngineTimeout(
-                f"{engine}'s {what} did not return within engine_timeout_s={timeout_s:g} "
-                f"(engine memory: {memory.value}); raise engine_timeout_s if the engine is only slow"
-            ) from None
-        except RefitError:
-            raise
-        except Exception as exc:
-            raise EngineError(f"{engine}'s {what} failed (engine memory: {memory.value}): {type(exc).__name__}: {exc}") from exc
-    finally:
-        pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound
+    began = time.perf_counter()
+    result = bounded_call(
+        call, timeout_s=timeout_s, what=f"{engine}'s {what}", context=f" (engine memory: {memory.value})",
+        within=f"engine_timeout_s={timeout_s:g} (raise it if the engine is only slow)",
+    )  # fmt: skip
+    call_seconds[what] = time.perf_counter() - began
+    return result

@@ -3,11 +3,13 @@
 An engine rank (a vLLM worker, an SGLang scheduler) opens a receiver per sync, lands each bucket's
 views straight into its parameters through ``DirectLoads`` (one copy on arrival), then records what
 the sync covered in its ``EngineWeights``. What differs per engine (its model, its loader, its
-post-processing, whether its weights are released) is handed in by the caller. The driving side shares the checks of a push's arguments.
+post-processing, whether its weights are released) is handed in by the caller. The driving side shares the checks of a push's arguments
+and the bounded wait for an engine's call.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -16,7 +18,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from refitkit.errors import EngineError, InvalidInput, TransferError
+from refitkit.errors import EngineError, EngineTimeout, InvalidInput, RefitError, TransferError
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
 from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of
 from refitkit.transfer import TransferStats
@@ -112,3 +114,27 @@ def checked_weights(weights: Any, *, need_cuda: bool) -> Any:
     if isinstance(weights, (list, tuple)):
         check_items(weights, need_cuda=need_cuda)
     return weights
+
+
+def bounded_result(future: concurrent.futures.Future, *, timeout_s: float, what: str, within: str, context: str = "") -> Any:
+    """``future``'s result (an engine's call), waited for at most ``timeout_s``: ``EngineTimeout`` naming ``what`` and
+    the bound (``within``) if it did not come; the engine's exception becomes an ``EngineError`` naming ``what``
+    (refitkit's own errors pass as they are). ``context`` is added to either message."""
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise EngineTimeout(f"{what} did not return within {within}{context}") from None
+    except RefitError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"{what} failed{context}: {type(exc).__name__}: {exc}") from exc
+
+
+def bounded_call(call: Callable[[], Any], *, timeout_s: float, what: str, within: str, context: str = "") -> Any:
+    """``call()`` in a helper thread, its result as ``bounded_result`` gives it; a call still stuck when the bound
+    passed ends on its own (nothing waits for it)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-engine-call")
+    try:
+        return bounded_result(pool.submit(call), timeout_s=timeout_s, what=what, within=within, context=context)
+    finally:
+        pool.shutdown(wait=False)

@@ -36,7 +36,8 @@ from refitkit.rollout import _sglang_internals as internals
 from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session, sync_report,
+    SyncProgress, bounded_call, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session,
+    sync_report,
 )  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, weight_version_of
 from refitkit.rollout.vllm import tensor_fingerprint
@@ -368,18 +369,15 @@ def clean_weight_version(engine: Any) -> int | None:
 
 
 def call_engine(engine: Any, request: str, *, what: str, timeout_s: float, flush_cache: bool = True) -> dict[str, Any]:
-    """One refitkit request through ``Engine.update_weights_from_ipc`` in a helper thread, at most ``timeout_s``."""
+    """One refitkit request through ``Engine.update_weights_from_ipc`` in a helper thread, at most ``timeout_s``
+    (``EngineTimeout``; SGLang's own exception an ``EngineError``)."""
     if not internals.is_engine(engine):
         raise InvalidInput(f"need an sglang.Engine (with update_weights_from_ipc), got a {type(engine).__name__}")
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-sglang")
-    try:
-        call = pool.submit(internals.call_update, engine, request, flush_cache=flush_cache)
-        done, _ = concurrent.futures.wait([call], timeout=timeout_s)
-        if not done:
-            raise TransferTimeout(f"SGLang's update_weights_from_ipc ({what}) did not return within {timeout_s:g} s")
-        return decode_reply(*call.result(), what=what)
-    finally:
-        pool.shutdown(wait=False)  # a stuck call ends on its own; do not wait past our bound
+    success, message = bounded_call(
+        lambda: internals.call_update(engine, request, flush_cache=flush_cache), timeout_s=timeout_s,
+        what=f"SGLang's update_weights_from_ipc ({what})", within=f"{timeout_s:g} s",
+    )  # fmt: skip
+    return decode_reply(success, message, what=what)
 
 
 def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout_s: float, *, flush_cache: bool) -> SglangPushStats:

@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import EngineAsleep, EngineError, EngineTimeout, InvalidInput, RefitError, TransferError, TransferTimeout
+from refitkit.errors import EngineAsleep, InvalidInput, TransferError, TransferTimeout
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session, sync_report,
+    SyncProgress, bounded_call, bounded_result, checked_timeout, checked_weights, land_in_place, record_landing,
+    refuse_session, sync_report,
 )  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, weight_version_of
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 EXTENSION_QUALNAME = "refitkit.rollout.vllm.RefitWorkerExtension"
 WEIGHT_TRANSFER_BACKEND = "refitkit"  # LLM(..., weight_transfer_config={"backend": "refitkit"})
 RPC_SLACK_S = 30.0  # on top of the receiver's timeout: the worker may still be loading when the sender finishes
+_WITHIN = "{:.0f} s (the push's timeout_s + RPC_SLACK_S)"
 _UNREAD = object()  # the checkpoint's names not read yet
 
 
@@ -502,7 +504,7 @@ def _drive_weight_transfer(
     reset_s = None
     if then is not None:
         began = time.perf_counter()
-        _bounded_call(then, bounded, "reset_prefix_cache after the weight update")
+        bounded_call(then, timeout_s=bounded, what="vLLM's reset_prefix_cache after the weight update", within=_WITHIN.format(bounded))
         reset_s = time.perf_counter() - began
     return VllmPushStats(sender=pushed.sender, workers=[], reset_s=reset_s)  # a partial sync raised in update_weights
 
@@ -511,26 +513,6 @@ def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], Any] | Non
     if not isinstance(reset_prefix_cache, bool):
         raise InvalidInput(f"reset_prefix_cache={reset_prefix_cache!r}; need True or False")
     return llm.reset_prefix_cache if reset_prefix_cache else None
-
-
-def _bounded_call(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """``call()`` in a helper thread, at most ``timeout_s``; its failure an ``EngineError`` naming ``what``."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-vllm-call")
-    try:
-        return _result_of(pool.submit(call), timeout_s, what)
-    finally:
-        pool.shutdown(wait=False)
-
-
-def _result_of(future: concurrent.futures.Future, timeout_s: float, what: str) -> Any:
-    try:
-        return future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise EngineTimeout(f"vLLM's {what} did not return within {timeout_s:.0f} s (the push's timeout_s + {RPC_SLACK_S:.0f} s)") from None
-    except RefitError:
-        raise
-    except Exception as exc:
-        raise EngineError(f"vLLM's {what} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _drive(
@@ -570,7 +552,7 @@ def _drive(
         workers = list(rpc.result())
         reset_s = None
         if queued is not None:
-            _result_of(queued, rpc_timeout_s, f"reset_prefix_cache after {method}")
+            bounded_result(queued, timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
             reset_s = time.perf_counter() - began
         return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s)
     finally:
