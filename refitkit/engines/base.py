@@ -215,17 +215,17 @@ class DeferredOptimizer:
 # -- Overlapped offload: ``begin_offload`` starts the optimizer-state copies on a side stream, -----
 
 
-class HeldWeights:
-    """An adapter's weight stream whose tensors are the model's own, yielded as they are: they stay unchanged while a
-    sender pulls the rest, so it may batch their small copies and, with ``direct=True``, let the engine read them
-    where they lie (``refitkit_holds_tensors``). Lazy like the generator it wraps: its checks run at the first item."""
+class _MarkedWeights:
+    """An adapter's weight stream with its word on how a sender may treat the tensors (the class attributes). Lazy
+    like the generator it wraps: its checks run at the first item."""
 
-    refitkit_holds_tensors = True
+    refitkit_holds_tensors = False
+    refitkit_fresh_tensors = False
 
     def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         self._weights = weights
 
-    def __iter__(self) -> "HeldWeights":
+    def __iter__(self) -> "_MarkedWeights":
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
@@ -237,13 +237,20 @@ class HeldWeights:
             close()
 
 
-class FreshWeights(HeldWeights):
+class HeldWeights(_MarkedWeights):
+    """An adapter's weight stream whose tensors are the model's own, yielded as they are: they stay unchanged while a
+    sender pulls the rest, so it may batch their small copies and, with ``direct=True``, let the engine read them
+    where they lie (``refitkit_holds_tensors``)."""
+
+    refitkit_holds_tensors = True
+
+
+class FreshWeights(_MarkedWeights):
     """An adapter's weight stream whose tensors are made for the caller (gathered, e.g. an FSDP2 ``full_tensor()``)
     or are the model's own as they are: nothing else writes one after it was yielded, so a sender that keeps it may
     let the engine read it where it lies until it lets go (``refitkit_fresh_tensors``). Unlike ``HeldWeights`` the
     tensors die once dropped, so a sender keeps each only while it is needed (small copies are not deferred)."""
 
-    refitkit_holds_tensors = False
     refitkit_fresh_tensors = True
 
 

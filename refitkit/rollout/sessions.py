@@ -105,6 +105,13 @@ def checked_timeout(sender: Any, timeout_s: float | None) -> float:
     return timeout_s
 
 
+def checked_first_rank(first_rank: Any) -> int:
+    """A broadcast push's first engine rank: an int >= 1 (rank 0 is the sender)."""
+    if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
+        raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
+    return first_rank
+
+
 def checked_weights(weights: Any, *, need_cuda: bool) -> Any:
     """A list or tuple checked whole (refused before the engine waits: it sees no byte of it), else an iterator."""
     try:

@@ -36,7 +36,7 @@ from refitkit.rollout import _sglang_internals as internals
 from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, bounded_call, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session,
+    SyncProgress, bounded_call, checked_first_rank, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session,
     sync_report,
 )  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, weight_version_of
@@ -317,8 +317,7 @@ def push_weights_broadcast(
     number = checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=False)
-    if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
-        raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
+    first_rank = checked_first_rank(first_rank)
     request = encode_request(
         "receive_broadcast", rendezvous=f"tcp://{sender.host}:{sender.port}", timeout_s=timeout_s, first_rank=first_rank,
         secret=secret if isinstance(secret, str) else secret.decode(), backend=sender.backend,

@@ -38,7 +38,7 @@ from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, bounded_call, bounded_result, checked_timeout, checked_weights, land_in_place, record_landing,
+    SyncProgress, bounded_call, checked_first_rank, bounded_result, checked_timeout, checked_weights, land_in_place, record_landing,
     refuse_session, sync_report,
 )  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, weight_version_of
@@ -366,8 +366,7 @@ def push_weights_broadcast(
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=False)
     reset = _checked_reset(llm, reset_prefix_cache)
-    if isinstance(first_rank, bool) or not isinstance(first_rank, int) or first_rank < 1:
-        raise InvalidInput(f"first_rank={first_rank!r}; need an int >= 1 (rank 0 is the sender)")
+    first_rank = checked_first_rank(first_rank)
     rendezvous = f"tcp://{sender.host}:{sender.port}"
     send = lambda: sender.send(weights, version=number)  # noqa: E731
     if _route(llm) == "extension":
