@@ -57,7 +57,27 @@ def assert_device_memory_back(baseline_free: int, after: str, *, settle_s: float
     while missing >= PAGE_BYTES and time.monotonic() < deadline:
         time.sleep(0.05)  # polling the driver's teardown of a dead process, not waiting on our own code
         missing = baseline_free - device_free_bytes()
-    assert missing < PAGE_BYTES, f"{after}: {missing / MIB:.1f} MiB of device memory not given back (baseline of this test)"
+    assert missing < PAGE_BYTES, (
+        f"{after}: {missing / MIB:.1f} MiB of device memory not given back (baseline of this test); "
+        f"{device_holders()}"
+    )
+
+
+def device_holders() -> str:
+    """Who holds device memory, for a failure message: this process's torch allocator, and each process the driver
+    lists (NVML, where it is installed)."""
+    held = f"pid {os.getpid()} torch reserved {torch.cuda.memory_reserved() / MIB:.1f} MiB"
+    try:
+        import pynvml
+    except ImportError:
+        return held
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        users = ", ".join(f"pid {p.pid} {(p.usedGpuMemory or 0) / MIB:.1f} MiB" for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    finally:
+        pynvml.nvmlShutdown()
+    return f"{held}; the driver's list: {users or 'none'}"
 
 
 def own_segment_files() -> list[str]:

@@ -37,7 +37,7 @@ def make_engine(path: str, **kwargs: Any) -> Any:
 
     settings = dict(
         model_path=path, dtype="bfloat16", mem_fraction_static=0.15, random_seed=0, log_level="error",
-        context_length=256, skip_tokenizer_init=False,
+        context_length=256, skip_tokenizer_init=True, attention_backend="triton",
     )  # fmt: skip
     return sglang.Engine(**{**settings, **kwargs})
 

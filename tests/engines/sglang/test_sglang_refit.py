@@ -1,20 +1,22 @@
-"""On a GPU with SGLang 0.5.17: RefitCycle drives an sglang.Engine through SglangLink. Not run yet (written without a GPU)."""
+"""On a GPU with SGLang 0.5.17: RefitCycle drives an sglang.Engine through SglangLink, over CUDA IPC and the broadcast."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import socket
 import time
 
 import pytest
 import torch
 
 from refitkit.engines.fsdp import FSDPAdapter
-from refitkit.errors import EngineAsleep, EngineError, KVCacheWontFit, TransferError
+from refitkit.errors import EngineAsleep, EngineError, InvalidInput, KVCacheWontFit, TransferError
 from refitkit.refit import RefitCycle
 from refitkit.rollout import SglangLink
 from refitkit.rollout.links import EngineMemory
 from refitkit.rollout.sglang import clean_weight_version, engine_state, push_weights, receive_from, weight_version
-from refitkit.transfer import BucketedWeightSender, WeightVersion
+from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender, WeightVersion
 from tests.engines.sglang.ipc_sender_process import send_then_die
 from tests.engines.sglang.sglang_engine import (
     LOGPROB_TOLERANCE, PROMPT, TIMEOUT_S, assert_engine_holds, expected_fingerprints, greedy_tokens, make_engine,
@@ -23,6 +25,7 @@ from tests.engines.sglang.sglang_engine import (
 from tests.engines.vllm.tiny_llama import random_llama
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
+SECRET = "sglang-broadcast-secret-0123456789"
 
 
 def trainer_model(seed: int) -> torch.nn.Module:
@@ -40,12 +43,19 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_the_cycle_refits_several_steps_bit_exact_with_memory_released_and_resumed(tiny):
     model = trainer_model(seed=20)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with BucketedWeightSender("sglang-cycle", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
         link = SglangLink(tiny, sender, release_memory=True, first_version=10, engine_timeout_s=60.0)
-        with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
+        phase_free: dict[str, int] = {}  # the device's free bytes after each phase (this process sees the whole device)
+        with RefitCycle(FSDPAdapter(model, optimizer), link, on_phase=lambda phase: phase_free.__setitem__(phase, free_bytes())) as cycle:
             serving_free = free_bytes()
             link.sleep_for_training()  # the engine served; the trainer's state is on the device: its first step
             state = engine_state(tiny)
@@ -61,6 +71,10 @@ def test_the_cycle_refits_several_steps_bit_exact_with_memory_released_and_resum
 
                 names = [phase.name for phase in report.phases]
                 assert names == ["engine_wake_weights", "sync_weights", "offload", "flush_device", "barrier", "engine_wake_kv_cache"]
+                kv_bytes = engine_state(tiny)["kv_cache_bytes"]
+                assert phase_free["barrier"] - phase_free["engine_wake_kv_cache"] > kv_bytes // 2  # the KV cache came back
+                print(json.dumps({"step": step, "kv_cache_mib": kv_bytes >> 20, "free_mib": {k: v >> 20 for k, v in phase_free.items()},
+                                  "phase_ms": {phase.name: round(phase.seconds * 1e3, 1) for phase in report.phases}}))
                 assert engine_state(tiny)["released"] == [] and link.memory is EngineMemory.SERVING
                 assert clean_weight_version(tiny) == 10 + step
                 assert link.last_push.scheduler["complete"] and link.last_push.scheduler["tensors"] == tensors
@@ -178,3 +192,33 @@ def test_a_qwen3_0_6b_shaped_checkpoint_refits_bit_exact_for_several_steps(tmp_p
             link.wake_for_rollout()
     finally:
         engine.shutdown()
+
+
+def test_the_cycle_refits_over_the_broadcast_bit_exact(tiny):
+    model = trainer_model(seed=70)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 20, timeout_s=TIMEOUT_S) as sender:
+        link = SglangLink(tiny, sender, secret=SECRET, release_memory=True, first_version=70, engine_timeout_s=60.0)
+        with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
+            link.sleep_for_training()
+            for step in range(2):
+                train_step(model, optimizer)
+                expected_greedy, held = reference_greedy(model), expected_fingerprints(model)
+                cycle.refit(step)
+                assert clean_weight_version(tiny) == 70 + step and link.last_push.scheduler["complete"]
+                assert_engine_holds(tiny, held)
+                assert greedy_tokens(tiny) == expected_greedy
+                cycle.resume(step)
+        link.wake_for_rollout()
+    assert link.memory is EngineMemory.SERVING and engine_state(tiny)["released"] == []
+
+
+def test_a_link_refuses_what_cannot_work(tiny):
+    with pytest.raises(InvalidInput, match="SglangLink: engine must be an sglang.Engine"):
+        SglangLink(object(), None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="SglangLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a str"):
+        SglangLink(tiny, "policy-0")  # type: ignore[arg-type]
+    with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S) as sender:
+        with pytest.raises(InvalidInput, match="a BroadcastWeightSender needs secret="):
+            SglangLink(tiny, sender)
