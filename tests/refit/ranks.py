@@ -230,6 +230,7 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     GPU bucket must be freed, nothing offloaded, and the next refit to a fresh receiver must work."""
     import subprocess
     import sys
+    import time
 
     import torch.distributed as dist
 
@@ -241,11 +242,6 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     endpoint = f"ipc-kill-{uuid.uuid4().hex[:8]}"
     sender = BucketedWeightSender(endpoint, bucket_bytes=16 << 20, transport="cuda_ipc", timeout_s=timeout_s, direct=False) if rank == 0 else None
     cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    dist.barrier()  # both ranks' models exist: the device's free memory is this test's baseline
-    baseline = device_free_bytes()
-    dist.barrier()
 
     def receiver(mode: str, arg: object) -> subprocess.Popen:
         # a plain subprocess: rank processes are daemonic and may not have multiprocessing children
@@ -258,6 +254,26 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
         if process.stdout is None or process.stdout.readline().strip() != "starting":
             raise AssertionError("receiver process did not start")
         return process
+
+    # One whole sync before the baseline. The kernels a sync launches (the bucket's batched copy among them) are
+    # loaded on first use into device memory the driver keeps for the process's life (lazy module loading): without
+    # this the sender's first sync, killed or not, leaves that 2 MiB behind and the check below cannot tell it from
+    # a leaked page.
+    before_warm_up = device_free_bytes()
+    warm = receiver("collect", None) if rank == 0 else None
+    cycle.refit(step=0)
+    cycle.resume(step=0)
+    if warm is not None:
+        warm.communicate(timeout=30)
+        assert warm.returncode == 0, f"the warm-up receiver exited with {warm.returncode}"
+    deadline = time.monotonic() + 10.0
+    while before_warm_up - device_free_bytes() > (64 << 20) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the driver's teardown of the exited receiver's context, not our own code
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    dist.barrier()  # both ranks warm, the receiver gone: the device's free memory is this test's baseline
+    baseline = device_free_bytes()
+    dist.barrier()
 
     killed = receiver("kill", 2) if rank == 0 else None
     outcome = attempt_refit(cycle, step=1)
