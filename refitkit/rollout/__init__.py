@@ -5,7 +5,7 @@
   host: ZMQ + CUDA IPC / shm) and ``push_weights_broadcast`` (other GPUs or nodes), and the weight
   version each worker serves (``weight_versions``, ``clean_weight_version``).
 - ``refitkit.rollout.sglang``: the same for an ``sglang.Engine`` (refitkit's ``sglang.srt.plugins`` entry
-  point hooks its schedulers): ``push_weights``, ``push_weights_broadcast``, ``engine_state``. Not run yet.
+  point hooks its schedulers): ``push_weights``, ``push_weights_broadcast``, ``engine_state`` (GPU-tested with SGLang 0.5.17).
 - ``refitkit.rollout.links``: the engine side of a ``RefitCycle`` as one object with ``send(weights)``:
   ``VllmLink`` (a vLLM ``LLM`` fed over IPC or broadcast), ``SglangLink`` (an ``sglang.Engine``, likewise)
   and ``BroadcastLink`` (bare broadcast receivers).

@@ -1,6 +1,6 @@
 """Everything of SGLang's that refitkit touches, in one place. Checked against SGLang 0.5.17 (the wheel of
-``../shared/gpu-wheels``, read from its source; torch_memory_saver 0.0.10). Nothing here has run yet: there was
-no GPU, and SGLang has no CPU build. Paths below are relative to ``sglang/srt/`` in that wheel.
+``../shared/gpu-wheels``, read from its source; torch_memory_saver 0.0.10). Run on one H200 with that
+wheel (``tests/engines/sglang``, 2026-12-03); SGLang has no CPU build. Paths below are relative to ``sglang/srt/`` in that wheel.
 
 The route (see ``docs/dev/sglang-internals.md``):
 

@@ -157,7 +157,7 @@ class SglangLink:
     """An ``sglang.Engine`` (TP=1, refitkit's plugin installed) fed by a ``BucketedWeightSender`` (same host) or a
     ``BroadcastWeightSender`` (then ``secret`` is the job's secret), and, with ``release_memory``, its memory.
 
-    Not run yet (no GPU where it was written): see ``docs/sglang.md``. With ``release_memory=True`` (the engine made
+    GPU-tested with SGLang 0.5.17 (``docs/sglang.md``). With ``release_memory=True`` (the engine made
     with ``enable_memory_saver=True``) the link drives the engine's memory around a ``RefitCycle``, like ``VllmLink``:
     ``wake_for_sync`` resumes the weights before they stream, ``wake_for_rollout`` (after the cross-rank barrier)
     resumes the KV cache and CUDA graphs, refused with ``KVCacheWontFit`` when the device lacks the KV cache's bytes

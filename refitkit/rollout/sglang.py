@@ -1,6 +1,6 @@
 """SGLang side of a weight sync: refitkit sessions received inside SGLang's schedulers, driven from its ``Engine``.
 
-Not run yet: written against SGLang 0.5.17's source with no GPU at hand (see ``docs/sglang.md``).
+Tested on one H200 with SGLang 0.5.17 (``tests/engines/sglang``; see ``docs/sglang.md``).
 
 refitkit's ``sglang.srt.plugins`` entry point (``register_with_sglang``) runs in every SGLang process and
 hooks the scheduler's ``update_weights_from_ipc`` (``_sglang_internals`` says where and why). The trainer
