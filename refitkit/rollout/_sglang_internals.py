@@ -126,6 +126,14 @@ def tp_barrier(updater: Any) -> None:
     torch.distributed.barrier(group=updater.tp_cpu_group)
 
 
+def tp_replies(updater: Any, reply: str, gather: Callable[[Any, str], list[str]]) -> list[str]:
+    """Every TP rank's ``reply`` in rank order (``gather`` over the TP CPU group; only TP rank 0's output reaches the
+    tokenizer, ``scheduler.py:1862``); ``[reply]`` under TP=1."""
+    if tp_rank_and_size(updater)[1] == 1:
+        return [reply]
+    return gather(updater.tp_cpu_group, reply)
+
+
 # -- in the trainer's process (the Engine's) -----------------------------------------------------------
 
 

@@ -154,8 +154,9 @@ class VllmLink:
 
 
 class SglangLink:
-    """An ``sglang.Engine`` (TP=1, refitkit's plugin installed) fed by a ``BucketedWeightSender`` (same host) or a
-    ``BroadcastWeightSender`` (then ``secret`` is the job's secret), and, with ``release_memory``, its memory.
+    """An ``sglang.Engine`` (refitkit's plugin installed, one data-parallel replica) fed by a ``BucketedWeightSender``
+    (same host, TP=1) or a ``BroadcastWeightSender`` (any TP size: ``receivers`` = ``tp_size``, every scheduler joins;
+    then ``secret`` is the job's secret), and, with ``release_memory``, its memory.
 
     GPU-tested with SGLang 0.5.17 (``docs/sglang.md``). With ``release_memory=True`` (the engine made
     with ``enable_memory_saver=True``) the link drives the engine's memory around a ``RefitCycle``, like ``VllmLink``:
@@ -190,10 +191,20 @@ class SglangLink:
         if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
             raise InvalidInput(f"SglangLink: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
         settings = sglang_internals.engine_settings(engine)
-        if settings["tp_size"] != 1 or settings["dp_size"] != 1:
+        if settings["dp_size"] != 1:
             raise InvalidInput(
-                f"SglangLink: tp_size={settings['tp_size']}, dp_size={settings['dp_size']}; the link drives one scheduler "
-                "(tp_size=1, dp_size=1): SGLang answers from TP rank 0 only"
+                f"SglangLink: dp_size={settings['dp_size']}; the link drives one data-parallel replica (SGLang's weight "
+                "update from IPC serves dp_size=1): one link per replica"
+            )
+        if settings["tp_size"] != 1 and not self.broadcast:
+            raise InvalidInput(
+                f"SglangLink: tp_size={settings['tp_size']} with a BucketedWeightSender, which feeds one scheduler; give "
+                f"a BroadcastWeightSender(receivers={settings['tp_size']}): every TP rank joins the broadcast"
+            )
+        if self.broadcast and sender.receivers != settings["tp_size"]:  # type: ignore[union-attr]
+            raise InvalidInput(
+                f"SglangLink: the BroadcastWeightSender expects receivers={sender.receivers} but the engine runs "  # type: ignore[union-attr]
+                f"tp_size={settings['tp_size']} schedulers, each of which joins: make it with receivers={settings['tp_size']}"
             )
         if release_memory and not settings["memory_saver"]:
             raise InvalidInput(
@@ -248,15 +259,17 @@ class SglangLink:
         if self.memory is not EngineMemory.WEIGHTS_AWAKE:
             return
         state = self._bounded("state query", lambda: engine_state(self.engine, timeout_s=self.engine_timeout_s))
-        needed, free = int(state["kv_cache_bytes"]), int(state["free_bytes"])
-        if needed + self.kv_headroom_bytes > free:
-            raise KVCacheWontFit(
-                f"resuming SGLang's KV cache needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes={self.kv_headroom_bytes / 2**20:.0f} "
-                f"MiB for CUDA graphs and slack) but its device has {free / 2**20:.0f} MiB free: the trainer still holds "
-                "memory (offload and flush_device first, or lower mem_fraction_static); the engine's weights stay "
-                "resident, its KV cache released",
-                needed_bytes=needed, free_bytes=free,
-            )  # fmt: skip
+        for rank, found in enumerate(state.get("tp_ranks", [state])):  # each TP rank's KV cache on its own device
+            needed, free = int(found["kv_cache_bytes"]), int(found["free_bytes"])
+            if needed + self.kv_headroom_bytes > free:
+                raise KVCacheWontFit(
+                    f"resuming SGLang's KV cache needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes="
+                    f"{self.kv_headroom_bytes / 2**20:.0f} MiB for CUDA graphs and slack) but the device of TP rank {rank} "
+                    f"({found['device']}) has {free / 2**20:.0f} MiB free: the trainer still holds memory (offload and "
+                    "flush_device first, or lower mem_fraction_static); the engine's weights stay resident, its KV cache "
+                    "released",
+                    needed_bytes=needed, free_bytes=free,
+                )  # fmt: skip
         tags = ["kv_cache", "cuda_graph"]  # both released by sleep_for_training; the KV cache was flushed then
         self._bounded(f"resume_memory_occupation({tags})", lambda: sglang_internals.resume_memory(self.engine, tags))
         self.memory = EngineMemory.SERVING

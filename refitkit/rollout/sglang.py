@@ -14,7 +14,10 @@ sync runs; its cache flush follows a sync; its answer, ``(success, message)``, c
 
 Weight versions and coverage as for vLLM (``refitkit.rollout.versions``). The same request path answers the
 queries ``collective_rpc`` cannot (it discards return values): ``engine_state`` (versions, released memory,
-free bytes, parameter fingerprints). Results come from TP rank 0 only: ``SglangLink`` drives TP=1 engines.
+free bytes, parameter fingerprints). Under tensor parallelism every scheduler joins the broadcast and loads its
+shard; each TP rank's reply reaches TP rank 0 over SGLang's TP CPU group (JSON bytes in tensors, ``gather_replies``),
+whose answer carries them all (``tp_ranks``): a failure on any rank fails the call, naming the rank. Over CUDA IPC one
+sender feeds one scheduler (TP=1).
 """
 
 from __future__ import annotations
@@ -219,13 +222,46 @@ def handle_update(original: Callable[[Any, Any], Any], updater: Any, recv_req: A
     if text is None:
         return original(updater, recv_req)
     try:
-        result = _serve(updater, recv_req, decode_request(text))
-        success, reply = True, encode_reply(result=result)
+        reply = encode_reply(result=_serve(updater, recv_req, decode_request(text)))
     except Exception as exc:
         log.error("refitkit request failed in the SGLang scheduler: %s: %s", type(exc).__name__, exc)
-        success, reply = False, encode_reply(error=exc)
+        reply = encode_reply(error=exc)
+    try:  # under TP every rank's outcome reaches the trainer through TP rank 0's answer
+        success, reply = merge_replies(internals.tp_replies(updater, reply, gather_replies))
+    except Exception as exc:
+        log.error("refitkit could not gather the TP ranks' replies: %s: %s", type(exc).__name__, exc)
+        success, reply = False, encode_reply(error=EngineError(f"gathering the TP ranks' replies failed: {type(exc).__name__}: {exc}"))
     internals.tp_barrier(updater)
     return internals.update_output(success, reply)
+
+
+def gather_replies(group: Any, reply: str) -> list[str]:
+    """Every rank's ``reply`` in rank order, over the CPU (gloo) process ``group``: UTF-8 bytes in uint8 tensors (sizes
+    first), no pickle. Every rank of the group calls it."""
+    data = torch.frombuffer(bytearray(reply.encode()), dtype=torch.uint8) if reply else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(gathered, padded, group=group)
+    return [bytes(t[: int(s.item())].tolist()).decode() for t, s in zip(gathered, sizes)]
+
+
+def merge_replies(replies: list[str]) -> tuple[bool, str]:
+    """One answer for the trainer from every TP rank's reply (rank order): rank 0's result with each rank's under
+    ``tp_ranks`` when all succeeded, else the failures, each named by its rank (the first one's error type)."""
+    decoded = [json.loads(reply) for reply in replies]
+    if len(decoded) == 1:
+        return bool(decoded[0]["ok"]), replies[0]
+    failed = [(rank, reply) for rank, reply in enumerate(decoded) if not reply["ok"]]
+    if failed:
+        message = "; ".join(f"TP rank {rank}: {reply['error']}: {reply['message']}" for rank, reply in failed)
+        return False, json.dumps({"refitkit": PROTOCOL, "ok": False, "error": failed[0][1]["error"], "message": message})
+    result = dict(decoded[0]["result"], tp_ranks=[reply["result"] for reply in decoded])
+    return True, encode_reply(result=result)
 
 
 def _serve(updater: Any, recv_req: Any, request: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +334,14 @@ def push_weights(
     prefix cache after a whole sync). A push into released weights is refused (``EngineAsleep``) before any byte
     lands; a failure raises the sender's ``TransferError`` with the scheduler's reason; a push that did not deliver
     every weight raises ``InvalidInput`` naming the missing ones (the engine then reports its weights incomplete).
+    One sender feeds one scheduler: an engine with ``tp_size`` > 1 takes ``push_weights_broadcast``.
     """
+    tp_size = _checked_engine(engine)["tp_size"]
+    if tp_size != 1:
+        raise InvalidInput(
+            f"push_weights: this SGLang engine runs tp_size={tp_size} schedulers and a BucketedWeightSender feeds one; "
+            f"use push_weights_broadcast with a BroadcastWeightSender(receivers={tp_size})"
+        )
     number = None if version is None else checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
@@ -313,7 +356,16 @@ def push_weights_broadcast(
     first_rank: int = 1, timeout_s: float | None = None, flush_cache: bool = True,
 ) -> SglangPushStats:  # fmt: skip
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into an ``sglang.Engine`` as weight ``version``; the
-    schedulers join as ranks ``first_rank``... The secret crosses SGLang's control path (pickled there, not logged)."""
+    schedulers join as ranks ``first_rank``... (one per TP rank: the sender's ``receivers`` must be the engine's
+    ``tp_size``), each loading what its shard takes. The secret crosses SGLang's control path (pickled there, not
+    logged)."""
+    tp_size = _checked_engine(engine)["tp_size"]
+    receivers = getattr(sender, "receivers", None)
+    if receivers != tp_size:
+        raise InvalidInput(
+            f"push_weights_broadcast: the sender expects receivers={receivers} but this SGLang engine runs "
+            f"tp_size={tp_size} schedulers, each of which joins the broadcast: make the sender with receivers={tp_size}"
+        )
     number = checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=False)
@@ -355,23 +407,25 @@ def weight_version(engine: Any) -> WeightVersion:
 
 
 def clean_weight_version(engine: Any) -> int | None:
-    """The version the engine serves, whole; None before the first sync; ``TransferError`` while it is incomplete."""
-    state = engine_state(engine)["weights"]
-    if not state["clean"]:
-        missing = state["missing"]
-        why = f"; it did not deliver {len(missing)} weights, e.g. {missing[:3]}" if missing else " (it failed part-way)"
-        raise TransferError(
-            f"SGLang's weights are incomplete: sync of version {state['incomplete']} did not land whole{why}; its last "
-            f"whole sync was version {state['version']}. Push every weight again"
-        )
-    return state["version"]
+    """The version the engine serves, whole (on every TP rank); None before the first sync; ``TransferError`` while
+    it is incomplete."""
+    found = engine_state(engine)
+    for rank, state in enumerate(ranks["weights"] for ranks in found.get("tp_ranks", [found])):
+        if not state["clean"]:
+            missing = state["missing"]
+            why = f"; it did not deliver {len(missing)} weights, e.g. {missing[:3]}" if missing else " (it failed part-way)"
+            where = f" (TP rank {rank})" if "tp_ranks" in found else ""
+            raise TransferError(
+                f"SGLang's weights are incomplete{where}: sync of version {state['incomplete']} did not land whole{why}; "
+                f"its last whole sync was version {state['version']}. Push every weight again"
+            )
+    return found["weights"]["version"]
 
 
 def call_engine(engine: Any, request: str, *, what: str, timeout_s: float, flush_cache: bool = True) -> dict[str, Any]:
     """One refitkit request through ``Engine.update_weights_from_ipc`` in a helper thread, at most ``timeout_s``
     (``EngineTimeout``; SGLang's own exception an ``EngineError``)."""
-    if not internals.is_engine(engine):
-        raise InvalidInput(f"need an sglang.Engine (with update_weights_from_ipc), got a {type(engine).__name__}")
+    _checked_engine(engine)
     success, message = bounded_call(
         lambda: internals.call_update(engine, request, flush_cache=flush_cache), timeout_s=timeout_s,
         what=f"SGLang's update_weights_from_ipc ({what})", within=f"{timeout_s:g} s",
@@ -379,10 +433,15 @@ def call_engine(engine: Any, request: str, *, what: str, timeout_s: float, flush
     return decode_reply(success, message, what=what)
 
 
-def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout_s: float, *, flush_cache: bool) -> SglangPushStats:
-    """SGLang's ``update_weights_from_ipc`` (the scheduler receives) in a helper thread while ``send()`` runs here."""
+def _checked_engine(engine: Any) -> dict[str, Any]:
+    """The engine's settings (``internals.engine_settings``), once it is known to be an ``sglang.Engine``."""
     if not internals.is_engine(engine):
         raise InvalidInput(f"need an sglang.Engine (with update_weights_from_ipc), got a {type(engine).__name__}")
+    return internals.engine_settings(engine)
+
+
+def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout_s: float, *, flush_cache: bool) -> SglangPushStats:
+    """SGLang's ``update_weights_from_ipc`` (the scheduler receives) in a helper thread while ``send()`` runs here."""
     bound_s = timeout_s + RPC_SLACK_S
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-sglang")
     try:
@@ -425,11 +484,12 @@ def _failure_of(call: concurrent.futures.Future, *, wait_s: float) -> RefitError
 
 
 def _raise_if_partial(pushed: SglangPushStats) -> None:
-    result = pushed.scheduler
-    if not result["complete"]:
-        missing = result["missing"]
-        raise InvalidInput(
-            f"the push delivered {result['expected'] - len(missing)} of the {result['expected']} weights SGLang loads; "
-            f"missing {missing[:MISSING_SHOWN]}{' ...' if len(missing) > MISSING_SHOWN else ''}. The weights it did deliver "
-            f"were loaded, so the engine now reports version {result['version']} as incomplete: push every weight"
-        )
+    for rank, result in enumerate(pushed.scheduler.get("tp_ranks", [pushed.scheduler])):
+        if not result["complete"]:
+            missing = result["missing"]
+            raise InvalidInput(
+                f"the push delivered {result['expected'] - len(missing)} of the {result['expected']} weights SGLang's "
+                f"TP rank {rank} loads; missing {missing[:MISSING_SHOWN]}{' ...' if len(missing) > MISSING_SHOWN else ''}. "
+                f"The weights it did deliver were loaded, so the engine now reports version {result['version']} as "
+                "incomplete: push every weight"
+            )

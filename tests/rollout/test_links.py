@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -14,17 +12,12 @@ from refitkit.rollout import BroadcastLink
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
 from tests.transfer.broadcast_peers import ReceiverProcess
 from tests.transfer.peers import digest
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
 SECRET = "links-secret-0123456789abcdef"
 TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

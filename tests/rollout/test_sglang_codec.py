@@ -9,9 +9,12 @@ import pytest
 from refitkit.errors import EngineAsleep, EngineError, InvalidInput
 from refitkit.rollout.links import SglangLink
 from refitkit.rollout.sglang import (
-    PROTOCOL, call_engine, decode_reply, decode_request, encode_reply, encode_request, handle_update, push_weights,
+    PROTOCOL, call_engine, decode_reply, decode_request, encode_reply, encode_request, gather_replies, handle_update,
+    merge_replies, push_weights, push_weights_broadcast,
 )  # fmt: skip
-from refitkit.transfer import BucketedWeightSender
+from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
+from tests.helpers.ports import free_port
+from tests.helpers.world import run_world
 
 
 def test_a_receive_request_round_trips_as_plain_json():
@@ -61,6 +64,7 @@ def test_the_hook_hands_other_requests_to_sglang_and_answers_bad_ones_without_ra
 
     barriers = []
     monkeypatch.setattr(internals, "tp_barrier", lambda updater: barriers.append(updater))
+    monkeypatch.setattr(internals, "tp_replies", lambda updater, reply, gather: [reply])  # one TP rank
     monkeypatch.setattr(internals, "update_output", lambda success, message: (success, message))
     original = lambda updater, req: ("sglang's own", req.zmq_handles)  # noqa: E731
     assert handle_update(original, "updater", Request({"GPU-1": "ipc:///ce"})) == ("sglang's own", {"GPU-1": "ipc:///ce"})
@@ -95,7 +99,8 @@ class FakeEngine:
 @pytest.mark.parametrize(
     "server_args,kwargs,message",
     [
-        ({"tp_size": 2}, {}, "tp_size=2, dp_size=1; the link drives one scheduler"),
+        ({"tp_size": 2}, {}, r"tp_size=2 with a BucketedWeightSender, which feeds one scheduler; give a BroadcastWeightSender\(receivers=2\)"),
+        ({"dp_size": 2}, {}, "dp_size=2; the link drives one data-parallel replica"),
         ({}, {"release_memory": True}, "release_memory needs an engine made with enable_memory_saver=True"),
         ({}, {"release_memory": 1}, "release_memory=1; need a bool"),
         ({}, {"kv_headroom_bytes": -1}, "kv_headroom_bytes=-1"),
@@ -116,3 +121,48 @@ def test_a_link_without_memory_release_does_not_drive_memory():
         link.wake_for_sync()
         link.wake_for_rollout()
         assert SglangLink(FakeEngine(enable_memory_saver=True), sender, release_memory=True).drives_memory is True
+
+
+def _gather_from_every_rank(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")  # like SGLang's TP CPU group: not the default group
+    reply = encode_reply(result={"rank": rank, "note": "é" * (rank * 700 + 1)}) if rank != 1 else encode_reply(error=EngineAsleep("released"))
+    return gather_replies(group, reply)
+
+
+def test_every_tp_ranks_reply_reaches_rank_0_in_rank_order_over_gloo():
+    """Replies of different lengths (multi-byte UTF-8) as uint8 tensors over a real gloo group: no pickle."""
+    gathered = run_world(_gather_from_every_rank, 3, timeout_s=120)
+    assert gathered[0] == gathered[1] == gathered[2]
+    replies = [json.loads(text) for text in gathered[0]]
+    assert [reply.get("result", {}).get("rank") for reply in replies] == [0, None, 2]
+    assert replies[2]["result"]["note"] == "é" * 1401 and replies[1]["error"] == "EngineAsleep"
+
+
+def test_tp_replies_merge_into_one_answer_naming_every_failed_rank():
+    ok = [encode_reply(result={"version": 4, "complete": True, "rank": rank}) for rank in range(3)]
+    success, merged = merge_replies(ok)
+    result = decode_reply(success, merged, what="receive")
+    assert result["rank"] == 0 and [ranks["rank"] for ranks in result["tp_ranks"]] == [0, 1, 2]
+
+    failed = [ok[0], encode_reply(error=EngineAsleep("weights released")), encode_reply(error=RuntimeError("boom"))]
+    success, merged = merge_replies(failed)
+    assert success is False
+    with pytest.raises(EngineAsleep, match="TP rank 1: EngineAsleep: weights released; TP rank 2: RuntimeError: boom"):
+        decode_reply(success, merged, what="receive")
+    assert merge_replies(ok[:1]) == (True, ok[0])  # one TP rank: its reply as it is
+
+
+def test_a_tensor_parallel_engine_takes_the_broadcast_with_one_receiver_per_tp_rank():
+    with BucketedWeightSender("sglang-codec", transport="shm", timeout_s=5.0) as sender:
+        with pytest.raises(InvalidInput, match=r"tp_size=2 schedulers and a BucketedWeightSender feeds one; use push_weights_broadcast .*receivers=2"):
+            push_weights(FakeEngine(tp_size=2), sender, [])
+    with BroadcastWeightSender(("127.0.0.1", free_port()), secret="sglang-codec-secret-0123456789", receivers=1, timeout_s=5.0) as sender:
+        with pytest.raises(InvalidInput, match=r"receivers=1 but this SGLang engine runs tp_size=2 schedulers"):
+            push_weights_broadcast(FakeEngine(tp_size=2), sender, [], secret="sglang-codec-secret-0123456789", version=1)
+        with pytest.raises(InvalidInput, match=r"SglangLink: the BroadcastWeightSender expects receivers=1 but the engine runs tp_size=2"):
+            SglangLink(FakeEngine(tp_size=2), sender, secret="sglang-codec-secret-0123456789")
+    with BroadcastWeightSender(("127.0.0.1", free_port()), secret="sglang-codec-secret-0123456789", receivers=2, timeout_s=5.0) as sender:
+        link = SglangLink(FakeEngine(tp_size=2), sender, secret="sglang-codec-secret-0123456789")
+        assert link.broadcast and link.next_version == 0

@@ -10,7 +10,6 @@ receiver answers its next command), and a fresh session then lands whole on both
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 import time
 
@@ -26,6 +25,7 @@ from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from refitkit.transfer.protocol import SUPPORTED_DTYPES, encode
 from tests.transfer.broadcast_peers import ReceiverProcess
 from tests.transfer.peers import digest
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,12 +33,6 @@ TIMEOUT_S = 3.0
 BOUND_S = TIMEOUT_S + 2.0
 SECRET = "job-secret-0123456789abcdef"
 BUCKET = 1 << 16  # halves of 32 KiB
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -9,7 +9,6 @@ and a weight whose dtype does not match its plan falls back to the bucket path w
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -20,18 +19,13 @@ from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from tests.transfer.direct_peers import (
     FFN, HEADS_KV, HEADS_Q, HIDDEN, SHAPES, DirectReceiverProcess, ToyEngine, engine_digests, toy_load_weights, toy_weights,
 )  # fmt: skip
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
 SECRET = "job-secret-0123456789abcdef"
 TIMEOUT_S = 5.0
 BUCKET = 1 << 13  # halves of 4 KiB: gate, up and w (8 KiB each) are split across buckets
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def toy_plan(engine: ToyEngine):

@@ -22,8 +22,8 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc import doorbell, shm
 from refitkit.transfer._ipc.endpoint import socket_path
-from refitkit.transfer.protocol import MAX_FRAME_BYTES, MAX_IN_FLIGHT, WIRE_VERSION, encode
-from tests.transfer.harness import own_segment_files, roundtrip
+from refitkit.transfer.protocol import MAX_FRAME_BYTES, MAX_IN_FLIGHT, WIRE_VERSION
+from tests.transfer.harness import own_segment_files
 from tests.transfer.peers import digest, mapped_segments
 
 pytestmark = pytest.mark.timeout(120)

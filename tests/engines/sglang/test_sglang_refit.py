@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from tests.engines.sglang.sglang_engine import (
     prompt_logprobs, reference_greedy, reference_logprobs,
 )  # fmt: skip
 from tests.engines.vllm.tiny_llama import random_llama
+from tests.helpers.ports import free_port
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
 SECRET = "sglang-broadcast-secret-0123456789"
@@ -41,12 +41,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_the_cycle_refits_several_steps_bit_exact_with_memory_released_and_resumed(tiny):
@@ -222,3 +216,25 @@ def test_a_link_refuses_what_cannot_work(tiny):
     with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S) as sender:
         with pytest.raises(InvalidInput, match="a BroadcastWeightSender needs secret="):
             SglangLink(tiny, sender)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+def test_a_tensor_parallel_engine_refits_over_the_broadcast_every_rank_whole(tmp_path, plugin_path):
+    """TP=2: both schedulers join the broadcast, each loads its shard; every rank's outcome comes back through rank 0."""
+    from tests.engines.vllm.tiny_llama import save_checkpoint
+
+    save_checkpoint(random_llama(seed=0).to(torch.bfloat16), str(tmp_path))
+    engine = make_engine(str(tmp_path), tp_size=2)
+    try:
+        model = trainer_model(seed=80)
+        with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=2, timeout_s=TIMEOUT_S) as sender:
+            link = SglangLink(engine, sender, secret=SECRET, first_version=80)
+            link.send(model.named_parameters())
+        ranks = link.last_push.scheduler["tp_ranks"]
+        assert [rank["version"] for rank in ranks] == [80, 80] and all(rank["complete"] for rank in ranks)
+        assert clean_weight_version(engine) == 80
+        assert [state["rank"] for state in engine_state(engine)["tp_ranks"]] == [0, 1]
+        assert prompt_logprobs(engine) == pytest.approx(reference_logprobs(model), abs=LOGPROB_TOLERANCE)
+        assert greedy_tokens(engine) == reference_greedy(model)
+    finally:
+        engine.shutdown()

@@ -10,6 +10,7 @@ import torch
 from refitkit.transfer import BucketedWeightSender
 from refitkit.rollout.vllm import VllmPushStats, push_weights, stacked_digests, tensor_sha256
 from tests.transfer.harness import own_segment_files
+from tests.helpers.ports import free_port
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 # 64 KiB halves: the 128 KiB matrices are split across buckets and every layer spans several,
@@ -82,15 +83,6 @@ def assert_engine_holds(engine: Any, model: torch.nn.Module) -> None:
 
 
 SECRET = "vllm-broadcast-secret-0123456789"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a sender's rendezvous)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def broadcast_push(engine: Any, weights: Any, *, version: int, bucket_bytes: int = SMALL_BUCKET_BYTES) -> VllmPushStats:
