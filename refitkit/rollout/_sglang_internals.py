@@ -150,7 +150,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     args = engine.server_args
     return {
         "tp_size": int(getattr(args, "tp_size", 1)), "dp_size": int(getattr(args, "dp_size", 1)),
-        "memory_saver": bool(getattr(args, "enable_memory_saver", False)),
+        "pp_size": int(getattr(args, "pp_size", 1)), "memory_saver": bool(getattr(args, "enable_memory_saver", False)),
         "weights_cpu_backup": bool(getattr(args, "enable_weights_cpu_backup", False)),
     }  # fmt: skip
 

@@ -21,8 +21,8 @@ from refitkit._knobs import checked_seconds
 from refitkit.errors import EngineError, InvalidInput, KVCacheWontFit
 from refitkit.rollout import _sglang_internals as sglang_internals
 from refitkit.rollout import _vllm_internals as internals
-from refitkit.rollout.sessions import bounded_call
-from refitkit.rollout.sglang import SglangPushStats, engine_state, weights_discarded
+from refitkit.rollout.sessions import bounded_call, checked_first_rank
+from refitkit.rollout.sglang import SglangPushStats, checked_broadcast_ranks, engine_state, weights_discarded
 from refitkit.rollout.sglang import push_weights as sglang_push_weights
 from refitkit.rollout.sglang import push_weights_broadcast as sglang_push_weights_broadcast
 from refitkit.rollout.vllm import VllmPushStats, push_weights, push_weights_broadcast
@@ -155,8 +155,9 @@ class VllmLink:
 
 class SglangLink:
     """An ``sglang.Engine`` (refitkit's plugin installed, one data-parallel replica) fed by a ``BucketedWeightSender``
-    (same host, TP=1) or a ``BroadcastWeightSender`` (any TP size: ``receivers`` = ``tp_size``, every scheduler joins;
-    then ``secret`` is the job's secret), and, with ``release_memory``, its memory.
+    (same host, TP=1) or a ``BroadcastWeightSender`` (any TP size: every scheduler joins, as ranks ``first_rank`` ..
+    ``first_rank + tp_size - 1`` of the sender's ``receivers``; then ``secret`` is the job's secret), and, with
+    ``release_memory``, its memory.
 
     GPU-tested with SGLang 0.5.17 (``docs/sglang.md``). With ``release_memory=True`` (the engine made
     with ``enable_memory_saver=True``) the link drives the engine's memory around a ``RefitCycle``, like ``VllmLink``:
@@ -191,21 +192,18 @@ class SglangLink:
         if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
             raise InvalidInput(f"SglangLink: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
         settings = sglang_internals.engine_settings(engine)
-        if settings["dp_size"] != 1:
+        if settings["dp_size"] != 1 or settings["pp_size"] != 1:
             raise InvalidInput(
-                f"SglangLink: dp_size={settings['dp_size']}; the link drives one data-parallel replica (SGLang's weight "
-                "update from IPC serves dp_size=1): one link per replica"
+                f"SglangLink: dp_size={settings['dp_size']}, pp_size={settings['pp_size']}; the link drives one data-parallel "
+                "replica of one pipeline stage (SGLang's weight update from IPC serves dp_size=1): one link per replica"
             )
         if settings["tp_size"] != 1 and not self.broadcast:
             raise InvalidInput(
                 f"SglangLink: tp_size={settings['tp_size']} with a BucketedWeightSender, which feeds one scheduler; give "
                 f"a BroadcastWeightSender(receivers={settings['tp_size']}): every TP rank joins the broadcast"
             )
-        if self.broadcast and sender.receivers != settings["tp_size"]:  # type: ignore[union-attr]
-            raise InvalidInput(
-                f"SglangLink: the BroadcastWeightSender expects receivers={sender.receivers} but the engine runs "  # type: ignore[union-attr]
-                f"tp_size={settings['tp_size']} schedulers, each of which joins: make it with receivers={settings['tp_size']}"
-            )
+        if self.broadcast:
+            checked_broadcast_ranks(settings["tp_size"], checked_first_rank(first_rank), sender.receivers, "SglangLink")  # type: ignore[union-attr]
         if release_memory and not settings["memory_saver"]:
             raise InvalidInput(
                 "SglangLink: release_memory needs an engine made with enable_memory_saver=True (without it SGLang's "

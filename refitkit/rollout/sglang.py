@@ -231,7 +231,11 @@ def handle_update(original: Callable[[Any, Any], Any], updater: Any, recv_req: A
     except Exception as exc:
         log.error("refitkit could not gather the TP ranks' replies: %s: %s", type(exc).__name__, exc)
         success, reply = False, encode_reply(error=EngineError(f"gathering the TP ranks' replies failed: {type(exc).__name__}: {exc}"))
-    internals.tp_barrier(updater)
+    try:
+        internals.tp_barrier(updater)
+    except Exception as exc:  # a broken TP group: say so in the answer rather than kill the scheduler
+        log.error("refitkit: SGLang's TP barrier failed after a request: %s: %s", type(exc).__name__, exc)
+        success, reply = False, encode_reply(error=EngineError(f"SGLang's TP barrier failed: {type(exc).__name__}: {exc}"))
     return internals.update_output(success, reply)
 
 
@@ -247,7 +251,7 @@ def gather_replies(group: Any, reply: str) -> list[str]:
     padded[: data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in sizes]
     torch.distributed.all_gather(gathered, padded, group=group)
-    return [bytes(t[: int(s.item())].tolist()).decode() for t, s in zip(gathered, sizes)]
+    return [t[: int(s.item())].numpy().tobytes().decode() for t, s in zip(gathered, sizes)]
 
 
 def merge_replies(replies: list[str]) -> tuple[bool, str]:
@@ -359,17 +363,11 @@ def push_weights_broadcast(
     schedulers join as ranks ``first_rank``... (one per TP rank: the sender's ``receivers`` must be the engine's
     ``tp_size``), each loading what its shard takes. The secret crosses SGLang's control path (pickled there, not
     logged)."""
-    tp_size = _checked_engine(engine)["tp_size"]
-    receivers = getattr(sender, "receivers", None)
-    if receivers != tp_size:
-        raise InvalidInput(
-            f"push_weights_broadcast: the sender expects receivers={receivers} but this SGLang engine runs "
-            f"tp_size={tp_size} schedulers, each of which joins the broadcast: make the sender with receivers={tp_size}"
-        )
+    first_rank = checked_first_rank(first_rank)
+    checked_broadcast_ranks(_checked_engine(engine)["tp_size"], first_rank, getattr(sender, "receivers", None), "push_weights_broadcast")
     number = checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=False)
-    first_rank = checked_first_rank(first_rank)
     request = encode_request(
         "receive_broadcast", rendezvous=f"tcp://{sender.host}:{sender.port}", timeout_s=timeout_s, first_rank=first_rank,
         secret=secret if isinstance(secret, str) else secret.decode(), backend=sender.backend,
@@ -384,6 +382,12 @@ def receive_from(engine: Any, endpoint: str, *, version: int | None = None, time
     on ``endpoint`` (``ipc:///path``); the scheduler's result, bounded by ``timeout_s`` + ``RPC_SLACK_S``."""
     if not isinstance(endpoint, str):
         raise InvalidInput(f"endpoint must be a str (ipc:///path), got {type(endpoint).__name__}")
+    tp_size = _checked_engine(engine)["tp_size"]
+    if tp_size != 1 and "{rank}" not in endpoint:
+        raise InvalidInput(
+            f"receive_from: this SGLang engine runs tp_size={tp_size} schedulers and one sender feeds one: put '{{rank}}' "
+            f"in the endpoint (each TP rank then connects to its own sender), got {endpoint!r}"
+        )
     number = None if version is None else checked_version(version)
     request = encode_request("receive", endpoint=endpoint, timeout_s=float(timeout_s), version=number)
     return call_engine(engine, request, what="receive", timeout_s=float(timeout_s) + RPC_SLACK_S)
@@ -419,6 +423,9 @@ def clean_weight_version(engine: Any) -> int | None:
                 f"SGLang's weights are incomplete{where}: sync of version {state['incomplete']} did not land whole{why}; "
                 f"its last whole sync was version {state['version']}. Push every weight again"
             )
+    versions = sorted({ranks["weights"]["version"] for ranks in found.get("tp_ranks", [found])}, key=str)
+    if len(versions) > 1:
+        raise TransferError(f"SGLang's TP ranks serve different weight versions {versions}: push every weight again")
     return found["weights"]["version"]
 
 
@@ -433,11 +440,30 @@ def call_engine(engine: Any, request: str, *, what: str, timeout_s: float, flush
     return decode_reply(success, message, what=what)
 
 
+def checked_broadcast_ranks(tp_size: int, first_rank: int, receivers: Any, what: str) -> None:
+    """The engine's schedulers join the broadcast as ranks ``first_rank`` .. ``first_rank + tp_size - 1``: every one of
+    them must be a receiver the sender waits for (other receivers may take the other ranks)."""
+    if not isinstance(receivers, int) or first_rank + tp_size - 1 > receivers:
+        raise InvalidInput(
+            f"{what}: this SGLang engine's {tp_size} scheduler(s) join the broadcast as rank(s) {first_rank}.."
+            f"{first_rank + tp_size - 1} but the sender expects receivers={receivers} (ranks 1..{receivers}): make the "
+            f"sender with receivers >= {first_rank + tp_size - 1}"
+        )
+
+
 def _checked_engine(engine: Any) -> dict[str, Any]:
-    """The engine's settings (``internals.engine_settings``), once it is known to be an ``sglang.Engine``."""
+    """The engine's settings (``internals.engine_settings``) once it is known to be an ``sglang.Engine`` that refitkit
+    can feed: one data-parallel replica (SGLang's IPC weight update serves dp_size=1) and one pipeline stage (every
+    stage would take the request, and their TP ranks would collide on the broadcast's ranks)."""
     if not internals.is_engine(engine):
         raise InvalidInput(f"need an sglang.Engine (with update_weights_from_ipc), got a {type(engine).__name__}")
-    return internals.engine_settings(engine)
+    settings = internals.engine_settings(engine)
+    if settings["dp_size"] != 1 or settings["pp_size"] != 1:
+        raise InvalidInput(
+            f"SGLang engine with dp_size={settings['dp_size']}, pp_size={settings['pp_size']}: refitkit feeds one "
+            "data-parallel replica of one pipeline stage (dp_size=1, pp_size=1; tensor parallelism over the broadcast)"
+        )
+    return settings
 
 
 def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout_s: float, *, flush_cache: bool) -> SglangPushStats:

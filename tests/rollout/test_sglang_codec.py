@@ -10,7 +10,7 @@ from refitkit.errors import EngineAsleep, EngineError, InvalidInput
 from refitkit.rollout.links import SglangLink
 from refitkit.rollout.sglang import (
     PROTOCOL, call_engine, decode_reply, decode_request, encode_reply, encode_request, gather_replies, handle_update,
-    merge_replies, push_weights, push_weights_broadcast,
+    merge_replies, push_weights, push_weights_broadcast, receive_from,
 )  # fmt: skip
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
 from tests.helpers.ports import free_port
@@ -100,7 +100,8 @@ class FakeEngine:
     "server_args,kwargs,message",
     [
         ({"tp_size": 2}, {}, r"tp_size=2 with a BucketedWeightSender, which feeds one scheduler; give a BroadcastWeightSender\(receivers=2\)"),
-        ({"dp_size": 2}, {}, "dp_size=2; the link drives one data-parallel replica"),
+        ({"dp_size": 2}, {}, "dp_size=2, pp_size=1; the link drives one data-parallel replica of one pipeline stage"),
+        ({"pp_size": 2}, {}, "dp_size=1, pp_size=2; the link drives one data-parallel replica of one pipeline stage"),
         ({}, {"release_memory": True}, "release_memory needs an engine made with enable_memory_saver=True"),
         ({}, {"release_memory": 1}, "release_memory=1; need a bool"),
         ({}, {"kv_headroom_bytes": -1}, "kv_headroom_bytes=-1"),
@@ -155,14 +156,49 @@ def test_tp_replies_merge_into_one_answer_naming_every_failed_rank():
 
 
 def test_a_tensor_parallel_engine_takes_the_broadcast_with_one_receiver_per_tp_rank():
+    secret = "sglang-codec-secret-0123456789"
     with BucketedWeightSender("sglang-codec", transport="shm", timeout_s=5.0) as sender:
         with pytest.raises(InvalidInput, match=r"tp_size=2 schedulers and a BucketedWeightSender feeds one; use push_weights_broadcast .*receivers=2"):
             push_weights(FakeEngine(tp_size=2), sender, [])
-    with BroadcastWeightSender(("127.0.0.1", free_port()), secret="sglang-codec-secret-0123456789", receivers=1, timeout_s=5.0) as sender:
-        with pytest.raises(InvalidInput, match=r"receivers=1 but this SGLang engine runs tp_size=2 schedulers"):
-            push_weights_broadcast(FakeEngine(tp_size=2), sender, [], secret="sglang-codec-secret-0123456789", version=1)
-        with pytest.raises(InvalidInput, match=r"SglangLink: the BroadcastWeightSender expects receivers=1 but the engine runs tp_size=2"):
-            SglangLink(FakeEngine(tp_size=2), sender, secret="sglang-codec-secret-0123456789")
-    with BroadcastWeightSender(("127.0.0.1", free_port()), secret="sglang-codec-secret-0123456789", receivers=2, timeout_s=5.0) as sender:
-        link = SglangLink(FakeEngine(tp_size=2), sender, secret="sglang-codec-secret-0123456789")
+    with pytest.raises(InvalidInput, match=r"receive_from: this SGLang engine runs tp_size=2 schedulers .* put '\{rank\}' in the endpoint"):
+        receive_from(FakeEngine(tp_size=2), "ipc:///tmp/one-sender")
+    with pytest.raises(InvalidInput, match=r"dp_size=1, pp_size=2: refitkit feeds one data-parallel replica of one pipeline stage"):
+        receive_from(FakeEngine(pp_size=2), "ipc:///tmp/one-sender")
+    with BroadcastWeightSender(("127.0.0.1", free_port()), secret=secret, receivers=2, timeout_s=5.0) as sender:
+        message = r"2 scheduler\(s\) join the broadcast as rank\(s\) 2..3 but the sender expects receivers=2 \(ranks 1..2\)"
+        with pytest.raises(InvalidInput, match="push_weights_broadcast: this SGLang engine's " + message):
+            push_weights_broadcast(FakeEngine(tp_size=2), sender, [], secret=secret, version=1, first_rank=2)
+        with pytest.raises(InvalidInput, match="SglangLink: this SGLang engine's " + message):
+            SglangLink(FakeEngine(tp_size=2), sender, secret=secret, first_rank=2)
+        link = SglangLink(FakeEngine(tp_size=2), sender, secret=secret)  # ranks 1 and 2
         assert link.broadcast and link.next_version == 0
+    with BroadcastWeightSender(("127.0.0.1", free_port()), secret=secret, receivers=3, timeout_s=5.0) as sender:
+        assert SglangLink(FakeEngine(), sender, secret=secret, first_rank=3).first_rank == 3  # ranks 1-2: other receivers
+
+
+def _hook_on_a_tp_group(rank: int, world_size: int) -> tuple[bool, str]:
+    """``handle_update`` on every rank of a real gloo TP group; only SGLang's own objects are stand-ins (the updater's
+    attributes the hook reads, and the output type)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from refitkit.rollout import _sglang_internals as internals
+
+    internals.update_output = lambda success, message: (success, message)  # SGLang's output class: not on CPU
+    updater = SimpleNamespace(
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(ps=SimpleNamespace(tp_rank=rank, tp_size=world_size))),
+        tp_cpu_group=dist.new_group(backend="gloo"),
+    )
+    texts = ['{"refitkit": 1, "op": "nope"}', "not json", '{"refitkit": 1, "op": "discarded", "code": "x"}']
+    request = SimpleNamespace(zmq_handles={"refitkit": texts[rank]})
+    return handle_update(lambda updater, req: None, updater, request)
+
+
+def test_the_hook_answers_for_every_tp_rank_through_rank_0():
+    outcomes = run_world(_hook_on_a_tp_group, 3, timeout_s=120)
+    assert len({message for _, message in outcomes}) == 1  # every rank merged the same answer
+    success, message = outcomes[0]
+    assert success is False
+    with pytest.raises(InvalidInput, match=r"TP rank 0: InvalidInput: refitkit request op 'nope'.*; TP rank 1: InvalidInput: refitkit request is not JSON.*; TP rank 2: InvalidInput: .*unknown fields \['code'\]"):
+        decode_reply(success, message, what="receive")

@@ -219,10 +219,12 @@ def test_a_link_refuses_what_cannot_work(tiny):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
-def test_a_tensor_parallel_engine_refits_over_the_broadcast_every_rank_whole(tmp_path, plugin_path):
+def test_a_tensor_parallel_engine_refits_over_the_broadcast_every_rank_whole(tmp_path, plugin_path, monkeypatch):
     """TP=2: both schedulers join the broadcast, each loads its shard; every rank's outcome comes back through rank 0."""
     from tests.engines.vllm.tiny_llama import save_checkpoint
 
+    # SGLang refuses a TP engine whose GPUs' free memory differs by over 10%: the suite's other engine sits on GPU 0
+    monkeypatch.setenv("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "0")
     save_checkpoint(random_llama(seed=0).to(torch.bfloat16), str(tmp_path))
     engine = make_engine(str(tmp_path), tp_size=2)
     try:
