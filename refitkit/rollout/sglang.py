@@ -103,7 +103,11 @@ def encode_reply(*, result: dict[str, Any] | None = None, error: BaseException |
     """The scheduler's answer: ``result`` (plain values), or the error's type and message."""
     if error is None:
         return json.dumps({"refitkit": PROTOCOL, "ok": True, "result": result or {}})
-    return json.dumps({"refitkit": PROTOCOL, "ok": False, "error": type(error).__name__, "message": str(error)})
+    return _error_reply(type(error).__name__, str(error))
+
+
+def _error_reply(error: str, message: str) -> str:
+    return json.dumps({"refitkit": PROTOCOL, "ok": False, "error": error, "message": message})
 
 
 def decode_reply(success: bool, message: str, *, what: str) -> dict[str, Any]:
@@ -263,7 +267,7 @@ def merge_replies(replies: list[str]) -> tuple[bool, str]:
     failed = [(rank, reply) for rank, reply in enumerate(decoded) if not reply["ok"]]
     if failed:
         message = "; ".join(f"TP rank {rank}: {reply['error']}: {reply['message']}" for rank, reply in failed)
-        return False, json.dumps({"refitkit": PROTOCOL, "ok": False, "error": failed[0][1]["error"], "message": message})
+        return False, _error_reply(failed[0][1]["error"], message)
     result = dict(decoded[0]["result"], tp_ranks=[reply["result"] for reply in decoded])
     return True, encode_reply(result=result)
 
