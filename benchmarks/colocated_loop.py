@@ -50,6 +50,52 @@ def nvml_free_bytes() -> int:
         pynvml.nvmlShutdown()
 
 
+def d2h_timeline(trace_path: str) -> dict:
+    """The trainer's device-to-host copies in a refit's profiler trace, against the refit's phases.
+
+    Per phase window: the bytes its D2H copies moved (a copy that straddles a boundary is split by time) and
+    their rate; over the whole refit: when the first copy started and the last ended, the union of copy time,
+    and every idle gap of the copy stream over 0.2 ms with the phase it fell in. Says where a refit loses
+    time against the flat D2H (the copies stalled, or work ran after them)."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    phases = sorted(
+        (event["ts"], event["ts"] + event["dur"], event["name"].removeprefix("refitkit."))
+        for event in events
+        if event.get("cat") == "user_annotation" and event.get("name", "").startswith("refitkit.") and "dur" in event
+    )  # fmt: skip
+    copies = sorted(
+        (event["ts"], event["ts"] + event["dur"], int(event.get("args", {}).get("bytes", 0)))
+        for event in events
+        if event.get("cat") == "gpu_memcpy" and "DtoH" in event.get("name", "") and "dur" in event
+    )  # fmt: skip
+    if not phases or not copies:
+        return {"copies": len(copies), "phases": len(phases)}
+    origin, end = min(start for start, _, _ in phases), max(stop for _, stop, _ in phases)
+
+    def phase_at(time_us: float) -> str:
+        inside = [name for start, stop, name in phases if start <= time_us < stop and name != "offload_start"]
+        return inside[-1] if inside else "between phases"
+
+    windows = {}
+    for start, stop, name in phases:
+        moved = sum(nbytes * max(0.0, min(stop, b) - max(start, a)) / max(b - a, 1e-3) for a, b, nbytes in copies)
+        windows[name] = {"ms": round((stop - start) / 1e3, 2), "d2h_gb": round(moved / 1e9, 3),
+                         "d2h_gbps": round(moved / 1e3 / max(stop - start, 1e-3), 1)}  # fmt: skip
+    busy_us, gaps, cursor = 0.0, [], copies[0][0]
+    for start, stop, _ in copies:
+        if start > cursor + 200:
+            gaps.append({"at_ms": round((cursor - origin) / 1e3, 2), "ms": round((start - cursor) / 1e3, 2), "phase": phase_at(cursor)})
+        busy_us += max(0.0, stop - max(start, cursor))
+        cursor = max(cursor, stop)
+    total = sum(nbytes for _, _, nbytes in copies)
+    return {
+        "copies": len(copies), "d2h_gb": round(total / 1e9, 3),
+        "first_copy_at_ms": round((copies[0][0] - origin) / 1e3, 2), "last_copy_end_at_ms": round((cursor - origin) / 1e3, 2),
+        "refit_end_at_ms": round((end - origin) / 1e3, 2), "copy_busy_ms": round(busy_us / 1e3, 2),
+        "busy_gbps": round(total / 1e3 / max(busy_us, 1e-3), 1), "gaps": gaps[:40], "windows": windows,
+    }  # fmt: skip
+
+
 def hf_model(config: DecoderConfig) -> torch.nn.Module:
     """A Hugging Face Qwen3 causal LM with ``config``'s shapes, random bf16 weights, on the GPU."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -88,7 +134,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 def bench_model(
     key: str, *, steps: int, bucket_bytes: int, sleep_level: int, utilization: float, sha256: bool, eager: bool,
     overlap: bool, pushes: int = 0, profile: str | None = None, optimizer_impl: str = "foreach", zero_grads: bool = False,
-    direct: bool = True, push_paths: list[str] | None = None,
+    direct: bool = True, push_paths: list[str] | None = None, trace: str | None = None,
 ) -> dict:  # fmt: skip
     from vllm import LLM
 
@@ -154,7 +200,19 @@ def bench_model(
                 segments_log.append(("before", torch.cuda.memory_stats().get("segment.all.current", 0)))
                 reserved_before_gib = torch.cuda.memory_reserved() / 2**30
                 kv_asleep = llm.collective_rpc("refit_memory")[0]["asleep"].get("kv_cache", 0)
-                report = cycle.refit(step)
+                traced = trace is not None and step == steps - 1
+                if traced:  # the last step's refit under the profiler (CUDA activity): a diagnosis, not the figure
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+                        report = cycle.refit(step)
+                    Path(trace).mkdir(parents=True, exist_ok=True)
+                    trace_path = str(Path(trace) / f"refit-{key}-step{step}.json")
+                    profiler.export_chrome_trace(trace_path)
+                    row["d2h_timeline"] = d2h_timeline(trace_path)
+                else:
+                    report = cycle.refit(step)
+                row["traced"] = traced
                 row.update({f"{phase.name}_ms": phase.seconds * 1e3 for phase in report.phases})
                 first, last = report.phases[0], report.phases[-1]
                 row["refit_ms"] = (last.start_s + last.seconds - first.start_s) * 1e3  # wall time of the whole refit
@@ -273,7 +331,7 @@ def _worker_profile_stop(worker, path: str) -> None:
 
 
 def print_summary(result: dict) -> None:
-    steady = result["rows"][1:] or result["rows"]
+    steady = [row for row in result["rows"][1:] if not row.get("traced")] or result["rows"]
 
     def med(key: str) -> float:
         values = sorted(row[key] for row in steady if key in row)
@@ -328,6 +386,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="the sender's path: direct (the default: the engine reads the trainer's weights where they lie) "
                              "or bucket (direct=False: every weight packed into the bucket first)")
     parser.add_argument("--push-paths", help="the paths of the --pushes, alternating (e.g. bucket,direct; default: --path)")
+    parser.add_argument("--trace", help="profile the last step's refit (CUDA activity) into this directory and print where "
+                                        "the trainer's D2H copies ran against the phases; that step is left out of the medians")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.push_paths and not set(args.push_paths.split(",")) <= {"direct", "bucket"}:
@@ -343,6 +403,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             utilization=args.gpu_memory_utilization, sha256=args.sha256, eager=not args.cuda_graphs,
             overlap=not args.no_overlap, pushes=args.pushes, optimizer_impl=args.optimizer, zero_grads=args.zero_grads,
             direct=args.path == "direct", push_paths=(args.push_paths or args.path).split(","), profile=args.profile,
+            trace=args.trace,
         )  # fmt: skip
         print_summary(result)
         results.append(result)

@@ -47,7 +47,7 @@ class VllmLink:
     the link drives the engine's memory around a ``RefitCycle`` (which calls the three methods below on
     the sending rank): ``wake_for_sync`` before the weights stream (weights back), ``wake_for_rollout``
     after the cross-rank barrier (the KV cache back, refused with ``KVCacheWontFit`` when it cannot fit;
-    then a fresh prefix cache), ``sleep_for_training`` before the trainer's resume. Level 2 discards the
+    the prefix cache is empty, as vLLM's sleep left it), ``sleep_for_training`` before the trainer's resume. Level 2 discards the
     weights (the engine is incomplete until a full sync lands): use 1 for LoRA or partial syncs. Every
     call is bounded by ``engine_timeout_s`` (``EngineTimeout``). Without ``sleep_level`` the link never
     sleeps or wakes the engine (drive it by hand); it still resets the prefix cache after every sync.
@@ -118,8 +118,13 @@ class VllmLink:
             self.memory = EngineMemory.WEIGHTS_AWAKE
 
     def wake_for_rollout(self) -> None:
-        """The KV cache back once every trainer rank freed its memory, then a fresh prefix cache; ``KVCacheWontFit``
-        (naming the bytes needed and free) instead of an out-of-memory inside vLLM, the engine left as it was."""
+        """The KV cache back once every trainer rank freed its memory; ``KVCacheWontFit`` (naming the bytes needed
+        and free) instead of an out-of-memory inside vLLM, the engine left as it was.
+
+        The prefix cache is fresh without a reset of ours: only the link's own ``sleep`` (level 1 or 2) leads
+        here, and vLLM's sleep clears the prefix cache and holds the scheduler until every tag is awake
+        (``EngineCore.sleep`` → ``pause_scheduler(clear_cache=True)`` in 0.25.0, GPU-tested in
+        ``test_vllm_prefix_cache.py``), so nothing was cached under the old weights."""
         if self.memory is EngineMemory.ASLEEP:
             self.wake_for_sync()
         if self.memory is not EngineMemory.WEIGHTS_AWAKE:
@@ -136,7 +141,6 @@ class VllmLink:
                 )  # fmt: skip
         self._bounded("wake_up(tags=['kv_cache'])", lambda: self.llm.wake_up(tags=["kv_cache"]))
         self.memory = EngineMemory.SERVING
-        self._bounded("reset_prefix_cache", self.llm.reset_prefix_cache)
 
     def sleep_for_training(self) -> None:
         """Release the engine's memory before the trainer's state comes back (``sleep_level``; a no-op without it)."""

