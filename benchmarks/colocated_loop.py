@@ -202,9 +202,10 @@ def bench_model(
                 kv_asleep = llm.collective_rpc("refit_memory")[0]["asleep"].get("kv_cache", 0)
                 traced = trace is not None and step == steps - 1
                 if traced:  # the last step's refit under the profiler (CUDA activity): a diagnosis, not the figure
-                    from torch.profiler import ProfilerActivity, profile
+                    from torch.profiler import ProfilerActivity
+                    from torch.profiler import profile as torch_profile  # (``profile`` is this function's argument)
 
-                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+                    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
                         report = cycle.refit(step)
                     Path(trace).mkdir(parents=True, exist_ok=True)
                     trace_path = str(Path(trace) / f"refit-{key}-step{step}.json")

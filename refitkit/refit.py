@@ -10,10 +10,12 @@ fails on one rank never leaves another rank inside a collective:
 - ``offload`` + ``flush_device``, then the barrier, which is the same exchange: a rank whose
   offload failed makes every rank raise instead of waiting out ``barrier_timeout_s``.
 - ``overlap=True`` (the default): the optimizer state (and kept grads) start copying to the host
-  on a side stream before the weights stream; the offload phase copies the params, then frees
-  the optimizer state. Nothing is freed before the params are safe on the host, so a failed
-  sync or a failed params offload cancels those copies (waits for them, frees nothing): the
-  state stays ON_DEVICE, exactly as without overlap.
+  on a side stream before the weights stream; the offload phase copies the params and, once every
+  params copy passed its checks and was issued, frees the optimizer state (its copies done) while
+  the params' copies run. A failed sync, or a params offload that fails its checks, cancels those
+  copies (waits for them, frees nothing): the state stays ON_DEVICE, exactly as without overlap. A
+  failure after that point (a copy that fails on the device) leaves the optimizer state OFFLOADED,
+  its bytes on the host.
 - ``resume``: the reload, then an exchange, so no rank starts the next step's collectives while
   another one could not get its state back.
 
@@ -217,15 +219,12 @@ class RefitCycle:
             raise flight  # nothing moved: every part is still on the device
         rest = {part: part not in flight.parts for part in ("optimizer", "grad")}  # the parts not in flight
         try:
-            moved = self.adapter.offload(model=True, **rest).total.bytes
+            # the flight is finished inside the params' move, its storages freed while the params' copies run
+            moved = self.adapter.offload(model=True, finishing=flight, **rest).total.bytes
         except BaseException as error:
-            self._cancel(flight, error)
+            self._cancel(flight, error)  # (a no-op once the flight was finished)
             raise
-        try:
-            return moved + self.adapter.finish_offload(flight).total.bytes
-        except BaseException as error:
-            self._cancel(flight, error)  # e.g. its copies not all issued in time: none may run after the phase
-            raise
+        return moved + (flight.finished.total.bytes if flight.finished is not None else 0)  # (offload finished it or raised)
 
     def _cancel(self, flight: "OffloadInFlight | BaseException | None", error: BaseException) -> None:
         """A phase failed: wait for the optimizer copies and keep the optimizer state on the device."""

@@ -48,7 +48,7 @@ from refitkit.offload.deferred import BeforeCopy, DeferredReload, StepGate
 from refitkit.offload.device import local_tensor
 from refitkit.offload.early import RoundPlan
 from refitkit.offload.moves import StorageGroup, named_tensors, reload_plan
-from refitkit.offload.overlapped import OffloadCopies, cancel_offload, finish_offload, start_offload
+from refitkit.offload.overlapped import OffloadCopies, cancel_offload, finish_offload, issue_early, start_offload
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +263,7 @@ class OffloadInFlight:
     optimizer_named: NamedTensors
     grad_named: NamedTensors
     copies: OffloadCopies
+    finished: AdapterMove | None = None  # what it moved, once ``offload(finishing=...)`` finished it
 
 
 class OverlappedOffload:
@@ -286,9 +287,17 @@ class OverlappedOffload:
         wanted = self._pending({"optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
         if wanted:
             self._prepare_offload(wanted)
-        optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
-        grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
-        copies = start_offload(optimizer_named + grad_named, self.arena)
+        # the last round's largest copies first: the copy engine runs while this round is listed and checked
+        plan = self._round_plan(part for part in wanted if part != "grad" or keep)
+        early = issue_early(plan, self.arena)
+        try:
+            optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
+            grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
+        except BaseException:
+            if plan is not None:
+                plan.cancel()  # the early copies are waited for: none writes after the error
+            raise
+        copies = start_offload(optimizer_named + grad_named, self.arena, stream=early, plan=plan)
         return OffloadInFlight(wanted, keep, optimizer_named, grad_named, copies)
 
     def finish_offload(self, flight: OffloadInFlight) -> AdapterMove:
@@ -471,13 +480,30 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         return self.arena.reserve(list(_unique_storages(named)), background=True)
 
     def offload(
-        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None
+        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None,
+        finishing: OffloadInFlight | None = None,
     ) -> AdapterMove:
-        """Move the chosen parts to the host arena and free their device storage; idempotent per part."""
+        """Move the chosen parts to the host arena and free their device storage; idempotent per part.
+
+        ``finishing``: a ``begin_offload()`` of other parts, finished (``finish_offload``) inside this move once
+        every check passed and every copy was issued, while those copies run: its storages are freed then, not
+        after this move's last copy. What it moved is in ``finishing.finished``. A failure before that point
+        leaves the flight as it was (cancel it); after it, the flight's parts are OFFLOADED whatever this move does.
+        """
         keep = self.keep_grads if keep_grads is None else keep_grads
         self.wait_deferred()  # bytes still arriving must land before anything leaves again
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
+        if finishing is not None:
+            if not isinstance(finishing, OffloadInFlight):
+                raise InvalidInput(f"{type(self).__name__}.offload(): finishing= must be begin_offload()'s result, got {finishing!r}")
+            twice = sorted(set(wanted) & set(finishing.parts))
+            if twice:
+                raise InvalidInput(
+                    f"{type(self).__name__}.offload(): {twice} already in flight (finishing=); pass them as False"
+                )
         if not wanted:
+            if finishing is not None:
+                finishing.finished = self.finish_offload(finishing)
             return _empty_move()
         self._prepare_offload(wanted)
         plan = self._round_plan(part for part in wanted if part != "grad" or keep)
@@ -498,12 +524,16 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
                 if drop_early:
                     self._drop_grads()
                     dropped.append(True)
+                if finishing is not None:  # its copies were issued first: done before these, freed while these run
+                    finishing.finished = self.finish_offload(finishing)
 
             # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
             total = offload_tensors(
                 model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
                 while_copying=while_copying, plan=plan,
             )  # fmt: skip
+            if finishing is not None and finishing.finished is None:  # nothing of this move's was on the device
+                finishing.finished = self.finish_offload(finishing)
         except BaseException:
             if plan is not None:
                 plan.cancel()  # early copies the offload never took: waited for

@@ -58,16 +58,19 @@ class RoundPlan:
         self._issued: Issued = {}
         self._regrown = False  # whether the early copies were a reload's (storages regrown)
         self.began = 0.0  # when the early copies began (perf_counter): a move's time counts from here
+        self.device: torch.device | None = None  # the remembered storages' device (None when there are none)
 
     def remember(self, moves: list[tuple[object, Slot, int]]) -> None:
         """Keep a finished move's storages (``(group, slot, bytes)``, in the order they were issued)."""
         self._keys = [group.storage._cdata for group, _, _ in moves]  # type: ignore[attr-defined]
         self._slots = [slot for _, slot, _ in moves]
         self._sizes = [nbytes for _, _, nbytes in moves]
+        self.device = moves[0][0].storage.device if moves else None  # type: ignore[attr-defined]
 
     def forget(self) -> None:
         """Issue nothing early next time (a move failed, or moved something else)."""
         self._keys, self._slots, self._sizes = [], [], []
+        self.device = None
 
     def _still_planned(self, arena: HostArena) -> Iterator[tuple[int, torch.UntypedStorage, Slot, int]]:
         """(index in the plan, storage, slot, bytes) of each remembered storage still alive and in its slot."""
@@ -81,8 +84,9 @@ class RoundPlan:
         self._regrown = regrown
         self.began = time.perf_counter()
 
-    def issue_offload(self, arena: HostArena) -> None:
-        """Copy each remembered storage still on the device, with the bytes it had, into its empty slot."""
+    def issue_offload(self, arena: HostArena, *, limit: int = EARLY_COPIES_MAX) -> None:
+        """Copy each remembered storage still on the device, with the bytes it had, into its empty slot
+        (the ``limit`` largest, on the current stream)."""
         self._begin(regrown=False)
         try:
             for _, storage, slot, nbytes in self._still_planned(arena):
@@ -90,7 +94,7 @@ class RoundPlan:
                     continue
                 arena.host_bytes(slot, nbytes).copy_(storage_as_bytes(storage, nbytes), non_blocking=True)
                 self._issued[storage._cdata] = (storage, slot, nbytes)
-                if len(self._issued) >= EARLY_COPIES_MAX:
+                if len(self._issued) >= limit:
                     break
         except Exception:  # a shortcut only: the planned move issues (and reports) whatever failed here
             self._give_up()

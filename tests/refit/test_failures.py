@@ -78,7 +78,8 @@ def test_async_twins_keep_the_event_loop_running(scenarios):
 def test_a_cuda_ipc_receiver_killed_mid_sync_fails_every_rank_and_frees_the_bucket():
     timeout_s, barrier_timeout_s = 5.0, 30.0
     rank0, rank1 = run_world(ranks.cuda_ipc_receiver_killed_mid_sync, 2, timeout_s, barrier_timeout_s, timeout_s=200)
-    assert rank0["error_type"] == "TransferTimeout", rank0
+    # TransferTimeout, or its PeerGone when the sender sees the connection break before its wait runs out
+    assert rank0["error_type"] in ("TransferTimeout", "PeerGone"), rank0
     assert rank1["error_type"] == "RankFailure" and "sync_weights failed on rank(s) 0" in rank1["error"], rank1
     assert rank0["receiver_exit"] == -9 and rank0["bucket_freed"]
     for outcome in (rank0, rank1):

@@ -123,6 +123,41 @@ def test_overlap_on_a_gpu_copies_what_the_step_wrote_and_trains_bit_identical(ke
     assert all(torch.equal(a, b) for a, b in zip(on["state"], off["state"], strict=True))
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_the_last_rounds_largest_copies_start_before_the_round_is_planned_and_a_failed_check_waits_for_them():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from refitkit.offload.overlapped import EARLY_FLIGHT_COPIES
+
+    model, optimizer = _model("cuda", width=4096)
+    adapter = FSDPAdapter(model, optimizer, arena=HostArena(pin_memory=False))
+    early = []
+    for step in range(3):
+        _train(model, optimizer, step)
+        if step == 2:  # a state tensor replaced since the last round: the plan's copy of it is skipped, the new one moves
+            first = next(iter(optimizer.state.values()))
+            first["exp_avg"] = first["exp_avg"].clone()
+        before = [t.clone() for s in optimizer.state.values() for t in s.values()]
+        flight = adapter.begin_offload()
+        early.append(flight.copies.early_copies)
+        adapter.offload(optimizer=False, grad=False, finishing=flight)
+        assert adapter.state_bytes().device_bytes == 0
+        adapter.reload()
+        after = [t for s in optimizer.state.values() for t in s.values()]
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert early[0] == 0 and early[1] == EARLY_FLIGHT_COPIES and 0 < early[2] <= EARLY_FLIGHT_COPIES
+
+    _train(model, optimizer, 3)
+    state = next(iter(optimizer.state.values()))
+    state["exp_avg_sq"] = state["exp_avg_sq"].to_sparse()  # start_offload refuses its layout, after the early copies
+    before = [t.to_dense().cpu() for s in optimizer.state.values() for t in s.values()]
+    with pytest.raises(InvalidInput, match=r"has layout torch.sparse_coo; only strided tensors can be offloaded"):
+        adapter.begin_offload()
+    after = [t.to_dense().cpu() for s in optimizer.state.values() for t in s.values()]
+    assert adapter.part_states.optimizer is DeviceState.ON_DEVICE and adapter.arena.held_bytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
 def _on_device_and_intact(adapter: FSDPAdapter, optimizer: torch.optim.Optimizer, before: list[torch.Tensor]) -> bool:
     states = adapter.part_states
     after = [t for s in optimizer.state.values() for t in s.values()]
@@ -191,6 +226,64 @@ def test_optimizer_copies_that_cannot_start_fail_the_offload_phase_after_the_syn
     finally:
         sender.close()
         cycle.close()
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def test_the_state_in_flight_is_freed_inside_the_params_move_while_the_params_still_hold_their_bytes():
+    model, optimizer = _model()
+    _train(model, optimizer, 0)
+    before = [t.clone() for s in optimizer.state.values() for t in s.values()]
+    params_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state_bytes = _state_bytes(optimizer)
+    adapter = FSDPAdapter(model, optimizer, arena=HostArena(pin_memory=False))
+    params_at_finish: list[int] = []
+    finish = adapter.finish_offload
+
+    def watched_finish(flight):  # the real finish, noting what the params held when it ran
+        params_at_finish.extend(p.untyped_storage().nbytes() for p in model.parameters())
+        return finish(flight)
+
+    adapter.finish_offload = watched_finish  # type: ignore[method-assign]
+    flight = adapter.begin_offload()
+    moved = adapter.offload(model=True, optimizer=False, grad=False, finishing=flight)  # (the flight drops the grads)
+    assert params_at_finish and all(nbytes > 0 for nbytes in params_at_finish)  # before the params were freed
+    assert flight.finished is not None and flight.finished.total.bytes == state_bytes
+    assert moved.total.bytes == sum(p.numel() * p.element_size() for p in params_before.values()) + model.scale.nbytes
+    states = adapter.part_states
+    assert (states.model, states.optimizer, states.grad) == (DeviceState.OFFLOADED,) * 3
+    assert adapter.state_bytes().device_bytes == 0
+    adapter.reload()
+    assert all(torch.equal(a, b) for a, b in zip([t for s in optimizer.state.values() for t in s.values()], before, strict=True))
+    assert all(torch.equal(p, params_before[n]) for n, p in model.named_parameters())
+
+
+def test_finishing_refuses_parts_already_in_flight_and_a_move_with_nothing_left_still_finishes():
+    model, optimizer = _model()
+    _train(model, optimizer, 0)
+    before = [t.clone() for s in optimizer.state.values() for t in s.values()]
+    adapter = FSDPAdapter(model, optimizer, arena=HostArena(pin_memory=False))
+    flight = adapter.begin_offload()
+    with pytest.raises(InvalidInput, match=r"\['grad', 'optimizer'\] already in flight \(finishing=\); pass them as False"):
+        adapter.offload(finishing=flight)
+    with pytest.raises(InvalidInput, match=r"finishing= must be begin_offload\(\)'s result, got 'flight'"):
+        adapter.offload(optimizer=False, finishing="flight")  # type: ignore[arg-type]
+    adapter.cancel_offload(flight)
+    assert _on_device_and_intact(adapter, optimizer, before)  # nothing moved
+
+    adapter.offload(optimizer=False, grad=False)  # the params first, by hand
+    flight = adapter.begin_offload()
+    assert adapter.offload(optimizer=False, grad=False, finishing=flight).total.bytes == 0  # nothing of its own left
+    assert flight.finished is not None and flight.finished.total.bytes == _state_bytes_before(before)
+    assert adapter.part_states.optimizer is DeviceState.OFFLOADED and adapter.state_bytes().device_bytes == 0
+    adapter.reload()
+    assert all(torch.equal(a, b) for a, b in zip([t for s in optimizer.state.values() for t in s.values()], before, strict=True))
+
+
+def _state_bytes_before(before: list[torch.Tensor]) -> int:
+    return sum(t.untyped_storage().nbytes() for t in before)
 
 
 def test_overlap_must_be_a_bool():
