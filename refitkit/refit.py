@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.profiler import record_function
 
-from refitkit.errors import InvalidInput
+from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload import flush_device
 from refitkit.ranks import RankGroup, abounded_barrier, bounded_barrier
 from refitkit.report import PhaseRecord, RefitReport
@@ -224,7 +224,9 @@ class RefitCycle:
         except BaseException as error:
             self._cancel(flight, error)  # (a no-op once the flight was finished)
             raise
-        return moved + (flight.finished.total.bytes if flight.finished is not None else 0)  # (offload finished it or raised)
+        if flight.finished is None:  # offload() finishes it or raises: copies must not outlive the phase
+            raise RefitError("RefitCycle: the params' offload returned without finishing the optimizer's copies")
+        return moved + flight.finished.total.bytes
 
     def _cancel(self, flight: "OffloadInFlight | BaseException | None", error: BaseException) -> None:
         """A phase failed: wait for the optimizer copies and keep the optimizer state on the device."""

@@ -263,6 +263,7 @@ class OffloadInFlight:
     optimizer_named: NamedTensors
     grad_named: NamedTensors
     copies: OffloadCopies
+    owner: "weakref.ref[Any] | None" = None  # the adapter that began it (only it may finish or cancel it)
     finished: AdapterMove | None = None  # what it moved, once ``offload(finishing=...)`` finished it
 
 
@@ -289,8 +290,8 @@ class OverlappedOffload:
             self._prepare_offload(wanted)
         # the last round's largest copies first: the copy engine runs while this round is listed and checked
         plan = self._round_plan(part for part in wanted if part != "grad" or keep)
-        early = issue_early(plan, self.arena)
         try:
+            early = issue_early(plan, self.arena)
             optimizer_named = self._optimizer_tensors() if "optimizer" in wanted else []
             grad_named = self._grads_to_keep() if "grad" in wanted and keep else []
         except BaseException:
@@ -298,10 +299,11 @@ class OverlappedOffload:
                 plan.cancel()  # the early copies are waited for: none writes after the error
             raise
         copies = start_offload(optimizer_named + grad_named, self.arena, stream=early, plan=plan)
-        return OffloadInFlight(wanted, keep, optimizer_named, grad_named, copies)
+        return OffloadInFlight(wanted, keep, optimizer_named, grad_named, copies, owner=weakref.ref(self))
 
     def finish_offload(self, flight: OffloadInFlight) -> AdapterMove:
         """Wait for ``begin_offload``'s copies (one synchronize), free their storages, mark the parts OFFLOADED."""
+        self._checked_flight(flight, "finish_offload")
         total = finish_offload(flight.copies)
         named_by_part = {"optimizer": flight.optimizer_named, "grad": flight.grad_named}
         self._mark_offloaded(flight.parts, flight.keep_grads, named_by_part)
@@ -309,7 +311,19 @@ class OverlappedOffload:
 
     def cancel_offload(self, flight: OffloadInFlight) -> None:
         """Wait for ``begin_offload``'s copies and keep every part on the device, as if it never started."""
+        self._checked_flight(flight, "cancel_offload")
         cancel_offload(flight.copies)
+
+    def _checked_flight(self, flight: Any, what: str, *, open_only: bool = False) -> None:
+        """Refuse what is not this adapter's ``begin_offload()`` (another adapter's would free its storages and mark
+        this one's parts), or, with ``open_only``, one already finished or cancelled."""
+        name = type(self).__name__
+        if not isinstance(flight, OffloadInFlight):
+            raise InvalidInput(f"{name}.{what}: expected begin_offload()'s result, got {flight!r}")
+        if flight.owner is None or flight.owner() is not self:
+            raise InvalidInput(f"{name}.{what}: this offload was begun by another adapter; finish or cancel it there")
+        if open_only and not flight.copies.open:
+            raise InvalidInput(f"{name}.{what}: this offload was already finished or cancelled")
 
 
 class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, EarlyCopies, abc.ABC):
@@ -494,8 +508,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         self.wait_deferred()  # bytes still arriving must land before anything leaves again
         wanted = self._pending({"model": model, "optimizer": optimizer, "grad": grad}, DeviceState.ON_DEVICE)
         if finishing is not None:
-            if not isinstance(finishing, OffloadInFlight):
-                raise InvalidInput(f"{type(self).__name__}.offload(): finishing= must be begin_offload()'s result, got {finishing!r}")
+            self._checked_flight(finishing, "offload(finishing=)", open_only=True)
             twice = sorted(set(wanted) & set(finishing.parts))
             if twice:
                 raise InvalidInput(

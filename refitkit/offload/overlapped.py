@@ -28,7 +28,7 @@ import torch
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload.arena import HostArena
 from refitkit.offload.early import RoundPlan, issued_as_planned
-from refitkit.offload.moves import _free_offloaded, _issue_to_host
+from refitkit.offload.moves import _free_offloaded, _issue_to_host, _settle_copies
 from refitkit.offload._views import Records
 from refitkit.offload.moves import Move, TensorSet, _offloadable_groups, _slotted_moves, _while_copying
 from refitkit.offload.stats import MoveStats
@@ -40,17 +40,19 @@ class OffloadCopies:
 
     arena: HostArena
     moves: list[Move]
-    records: Records  # filed by finish_offload, once the copies are done
+    records: Records  # filed by finish_offload, once the copies are done (on CUDA the worker makes them)
     device: torch.device | None
     stream: "torch.cuda.Stream | None"  # the side stream the copies run on (None on the CPU)
     started: float
     open: bool = True
     issuer: "_Issuer | None" = field(default=None)  # the worker issuing the copies (CUDA), joined before any wait
     early_copies: int = 0  # of the moves, those issued from the last round's plan before this round was planned
+    # storages copied early that this round does not move: kept alive (and their slots taken) until the stream is waited for
+    stale_early: list[torch.UntypedStorage] = field(default_factory=list)
 
 
 ISSUE_TIMEOUT_S = 300.0  # how long finish/cancel wait for the worker to issue the copies (they wait for queue room)
-EARLY_FLIGHT_COPIES = 8  # the last round's largest copies issued before this round is planned (Qwen3-8B: 2.4 GB, 44 ms)
+EARLY_FLIGHT_COPIES = 8  # the last round's largest copies issued before the round is planned (Qwen3-8B AdamW: 5.4 GB, ~97 ms)
 
 
 class _Issuer(threading.Thread):
@@ -103,7 +105,9 @@ def _join_issuer(copies: OffloadCopies, caller: str) -> str | None:
     return copies.issuer.error
 
 
-def issue_early(plan: RoundPlan | None, arena: HostArena, stream: "torch.cuda.Stream | None" = None) -> "torch.cuda.Stream | None":
+def issue_early(
+    plan: RoundPlan | None, arena: HostArena, *, stream: "torch.cuda.Stream | None" = None
+) -> "torch.cuda.Stream | None":
     """The last round's largest copies (``EARLY_FLIGHT_COPIES``) of ``plan`` issued now, on a side stream that first
     waits for the work queued so far (the step that wrote the state); the stream (give it to ``start_offload``
     with the plan), or None where nothing was issued. Each copy is checked against the arena as a ``RoundPlan``
@@ -141,23 +145,34 @@ def start_offload(
             plan.cancel()  # the early copies are waited for: none writes after the error
         raise
     early = plan.take() if plan is not None else {}
-    late = issued_as_planned(early, moves)
-    if plan is not None:
-        started = plan.began if early else started  # the early copies' bytes count, so does their time
-        plan.remember(moves)
-    if device is None or device.type != "cuda":
-        if early and stream is not None:
-            stream.synchronize()  # early copies of storages this round no longer moves: none outlives the call
-        _issue_to_host(late, arena, 0, non_blocking=True)  # (CPU copies are done when issued)
-        return OffloadCopies(arena, moves, _while_copying(moves, None, arena), device, None, started)
-    side = stream if stream is not None and stream.device == device else None
-    if stream is not None and side is None:
-        stream.synchronize()  # early copies on another device than this round's tensors: done before going on
-    side = side if side is not None else torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    issuer = _Issuer(moves, late, arena, side)
-    issuer.start()
-    return OffloadCopies(arena, moves, {}, device, side, started, issuer=issuer, early_copies=len(moves) - len(late))
+    try:
+        late = issued_as_planned(early, moves)
+        if plan is not None:
+            started = plan.began if early else started  # the early copies' bytes count, so does their time
+            plan.remember(moves)
+        if device is None or device.type != "cuda":
+            if early and stream is not None:
+                stream.synchronize()  # early copies of storages this round no longer moves: none outlives the call
+            _issue_to_host(late, arena, 0, non_blocking=True)  # (CPU copies are done when issued)
+            return OffloadCopies(arena, moves, _while_copying(moves, None, arena), device, None, started)
+        side = stream if stream is not None and stream.device == device else None
+        if stream is not None and side is None:
+            stream.synchronize()  # early copies on another device than this round's tensors: done before going on
+        side = side if side is not None else torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        moved = {group.storage._cdata for group, _, _ in moves}
+        stale = [storage for key, (storage, _, _) in early.items() if key not in moved]
+        issuer = _Issuer(moves, late, arena, side)
+        issuer.start()
+    except BaseException:
+        early_device = plan.device if plan is not None else None  # (the early copies', before the plan forgets it)
+        if plan is not None:
+            plan.forget()
+        _settle_copies(device if device is not None else early_device, None)  # no copy outlives the error
+        raise
+    return OffloadCopies(
+        arena, moves, {}, device, side, started, issuer=issuer, early_copies=len(moves) - len(late), stale_early=stale
+    )  # fmt: skip
 
 
 def finish_offload(copies: OffloadCopies) -> MoveStats:
@@ -170,8 +185,9 @@ def finish_offload(copies: OffloadCopies) -> MoveStats:
     copies.open = False
     if error is not None:
         raise RefitError(f"finish_offload: issuing the overlapped offload's copies failed ({error}); nothing was freed")
+    copies.stale_early = []
     if copies.issuer is not None:
-        copies.records = copies.issuer.records
+        copies.records, copies.issuer.records = copies.issuer.records, {}
     copies.arena.views.update(copies.records)
     moved = _free_offloaded(copies.moves)
     return MoveStats(bytes=moved, storages=len(copies.moves), seconds=time.perf_counter() - copies.started)
@@ -185,3 +201,4 @@ def cancel_offload(copies: OffloadCopies) -> None:
     copies.open = False
     if copies.stream is not None:
         copies.stream.synchronize()  # the host bytes must not be written after this returns
+    copies.stale_early = []

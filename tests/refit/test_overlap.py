@@ -124,30 +124,40 @@ def test_overlap_on_a_gpu_copies_what_the_step_wrote_and_trains_bit_identical(ke
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_the_last_rounds_largest_copies_start_before_the_round_is_planned_and_a_failed_check_waits_for_them():
+def test_on_a_gpu_the_last_rounds_largest_copies_go_out_before_the_round_is_planned_and_a_failed_check_moves_nothing():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from refitkit.offload.overlapped import EARLY_FLIGHT_COPIES
 
     model, optimizer = _model("cuda", width=4096)
     adapter = FSDPAdapter(model, optimizer, arena=HostArena(pin_memory=False))
-    early = []
+    early, stale = [], []
     for step in range(3):
         _train(model, optimizer, step)
-        if step == 2:  # a state tensor replaced since the last round: the plan's copy of it is skipped, the new one moves
+        old = None
+        if step == 2:  # a state tensor replaced since the last round, the old one still alive: copied early, not moved
             first = next(iter(optimizer.state.values()))
-            first["exp_avg"] = first["exp_avg"].clone()
+            old, first["exp_avg"] = first["exp_avg"], first["exp_avg"].clone()
         before = [t.clone() for s in optimizer.state.values() for t in s.values()]
         flight = adapter.begin_offload()
         early.append(flight.copies.early_copies)
+        stale.append([storage.nbytes() for storage in flight.copies.stale_early])
+        del old  # its storage lives on until the early copy out of it is waited for
         adapter.offload(optimizer=False, grad=False, finishing=flight)
-        assert adapter.state_bytes().device_bytes == 0
+        assert adapter.state_bytes().device_bytes == 0 and flight.copies.stale_early == []
         adapter.reload()
         after = [t for s in optimizer.state.values() for t in s.values()]
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
-    assert early[0] == 0 and early[1] == EARLY_FLIGHT_COPIES and 0 < early[2] <= EARLY_FLIGHT_COPIES
+    assert early == [0, EARLY_FLIGHT_COPIES, EARLY_FLIGHT_COPIES - 1]  # the new exp_avg was copied after planning
+    assert stale == [[], [], [4096 * 32 * 4]]
 
-    _train(model, optimizer, 3)
+    _train(model, optimizer, 3)  # the view records the worker made are filed (what reload checks each tensor against)
+    flight = adapter.begin_offload()
+    adapter.offload(optimizer=False, grad=False, finishing=flight)
+    state_ids = {id(t) for s in optimizer.state.values() for t in s.values() if t.is_cuda}
+    assert len(state_ids) == 8 and state_ids <= set(adapter.arena.views)
+    adapter.reload()
+    _train(model, optimizer, 4)
     state = next(iter(optimizer.state.values()))
     state["exp_avg_sq"] = state["exp_avg_sq"].to_sparse()  # start_offload refuses its layout, after the early copies
     before = [t.to_dense().cpu() for s in optimizer.state.values() for t in s.values()]
@@ -268,10 +278,21 @@ def test_finishing_refuses_parts_already_in_flight_and_a_move_with_nothing_left_
     flight = adapter.begin_offload()
     with pytest.raises(InvalidInput, match=r"\['grad', 'optimizer'\] already in flight \(finishing=\); pass them as False"):
         adapter.offload(finishing=flight)
-    with pytest.raises(InvalidInput, match=r"finishing= must be begin_offload\(\)'s result, got 'flight'"):
+    with pytest.raises(InvalidInput, match=r"offload\(finishing=\): expected begin_offload\(\)'s result, got 'flight'"):
         adapter.offload(optimizer=False, finishing="flight")  # type: ignore[arg-type]
+    other_model, other_optimizer = _model()
+    _train(other_model, other_optimizer, 0)
+    other = FSDPAdapter(other_model, other_optimizer, arena=HostArena(pin_memory=False))
+    for call in (lambda: other.offload(optimizer=False, grad=False, finishing=flight), lambda: other.finish_offload(flight),
+                 lambda: other.cancel_offload(flight)):  # fmt: skip
+        with pytest.raises(InvalidInput, match=r"begun by another adapter; finish or cancel it there"):
+            call()
+    assert other.part_states.model is DeviceState.ON_DEVICE  # nothing moved there either
     adapter.cancel_offload(flight)
     assert _on_device_and_intact(adapter, optimizer, before)  # nothing moved
+    with pytest.raises(InvalidInput, match=r"already finished or cancelled"):
+        adapter.offload(optimizer=False, grad=False, finishing=flight)
+    assert _on_device_and_intact(adapter, optimizer, before)
 
     adapter.offload(optimizer=False, grad=False)  # the params first, by hand
     flight = adapter.begin_offload()
