@@ -210,9 +210,9 @@ class RefitCycle:
     # -- phases -----------------------------------------------------------------------------------
 
     def _offload(self, flight: "OffloadInFlight | BaseException | None") -> int:
-        """The offload phase: the params (whose synchronize also covers the optimizer copies started
-        before the sync), then the optimizer state is freed. A params offload that fails cancels
-        those copies, so the phase stays all-or-nothing as without overlap."""
+        """The offload phase: the params, and inside their move (once its checks passed and its copies were issued)
+        the optimizer state started before the sync, freed while the params' copies run. A params offload that fails
+        its checks cancels those copies, so that failure leaves every part on the device, as without overlap."""
         if flight is None:
             return self.adapter.offload().total.bytes
         if isinstance(flight, BaseException):
@@ -225,7 +225,9 @@ class RefitCycle:
             self._cancel(flight, error)  # (a no-op once the flight was finished)
             raise
         if flight.finished is None:  # offload() finishes it or raises: copies must not outlive the phase
-            raise RefitError("RefitCycle: the params' offload returned without finishing the optimizer's copies")
+            error = RefitError("RefitCycle: the params' offload returned without finishing the optimizer's copies")
+            self._cancel(flight, error)
+            raise error
         return moved + flight.finished.total.bytes
 
     def _cancel(self, flight: "OffloadInFlight | BaseException | None", error: BaseException) -> None:
