@@ -514,9 +514,13 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
                 raise InvalidInput(
                     f"{type(self).__name__}.offload(): {twice} already in flight (finishing=); pass them as False"
                 )
-        if not wanted:
-            if finishing is not None:
+
+        def finish_flight() -> None:  # once, at the first point where every check of this move has passed
+            if finishing is not None and finishing.finished is None:
                 finishing.finished = self.finish_offload(finishing)
+
+        if not wanted:
+            finish_flight()
             return _empty_move()
         self._prepare_offload(wanted)
         plan = self._round_plan(part for part in wanted if part != "grad" or keep)
@@ -537,16 +541,14 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
                 if drop_early:
                     self._drop_grads()
                     dropped.append(True)
-                if finishing is not None:  # its copies were issued first: done before these, freed while these run
-                    finishing.finished = self.finish_offload(finishing)
+                finish_flight()  # its copies were issued first: done before these, freed while these run
 
             # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
             total = offload_tensors(
                 model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
                 while_copying=while_copying, plan=plan,
             )  # fmt: skip
-            if finishing is not None and finishing.finished is None:  # nothing of this move's was on the device
-                finishing.finished = self.finish_offload(finishing)
+            finish_flight()  # (when nothing of this move's was on the device, no copy called back)
         except BaseException:
             if plan is not None:
                 plan.cancel()  # early copies the offload never took: waited for
