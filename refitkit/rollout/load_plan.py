@@ -216,14 +216,13 @@ class DirectLoads:
         self.destinations: dict[str, Destination] = {}
         self.skipped: dict[str, str] = {}  # name -> why it goes through the loader
         self._targets: dict[str, torch.Tensor] = {}
-        self._bound_to: dict[str, int] = {}  # parameter name -> its data_ptr when the targets were made
+        self._bound_to = _BoundParams(model, {})  # the parameters the targets were made from, as they were then
 
     def begin(self) -> None:
         """Check the plan's parameters are the ones it was bound to (vLLM may swap a parameter's tensor)."""
         if not self.destinations:
             return
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        if all(name in params and params[name].data_ptr() == ptr for name, ptr in self._bound_to.items()):
+        if self._bound_to.unchanged():
             return
         log.info("load plan: the engine's parameters moved since the plan was bound; binding it again")
         self._bind()
@@ -316,11 +315,36 @@ class DirectLoads:
             log.warning("load plan dropped (%s); the next sync watches the loader again", exc)
             self.destinations.clear()
             self.skipped.clear()
-            self._targets, self._bound_to = {}, {}
+            self._targets, self._bound_to = {}, _BoundParams(self.model, {})
             return
         self._targets = bound.targets
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._bound_to = {dest.param: params[dest.param].data_ptr() for dest in self.destinations.values()}
+        self._bound_to = _BoundParams(self.model, {dest.param: params[dest.param] for dest in self.destinations.values()})
+
+
+class _BoundParams:
+    """Parameters as a plan was bound to them, checked once per sync without walking the whole model: each is still
+    the same object under its name (every module on its path the same child of its parent) on the same memory.
+    Walking ``named_parameters()`` for that took about a millisecond per sync of a 0.6B model in vLLM."""
+
+    def __init__(self, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> None:
+        links: dict[str, tuple[torch.nn.Module, str, torch.nn.Module]] = {}  # module path -> (parent, name, module)
+        self._leaves: list[tuple[torch.nn.Module, str, torch.nn.Parameter, int]] = []  # owner, attribute, param, data_ptr
+        for name, param in params.items():
+            *path, attribute = name.split(".")
+            module = model
+            for depth, part in enumerate(path):
+                child = module._modules[part]
+                links[".".join(path[: depth + 1])] = (module, part, child)  # type: ignore[assignment]
+                module = child  # type: ignore[assignment]
+            self._leaves.append((module, attribute, param, param.data_ptr()))
+        self._links = list(links.values())
+
+    def unchanged(self) -> bool:
+        return all(parent._modules.get(part) is child for parent, part, child in self._links) and all(
+            owner._parameters.get(attribute) is param and param.data_ptr() == pointer
+            for owner, attribute, param, pointer in self._leaves
+        )
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

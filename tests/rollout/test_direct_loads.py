@@ -107,6 +107,34 @@ def test_a_parameter_the_engine_replaced_is_bound_again():
     assert_same_params(model, loaded_by_the_loader(4))  # the new parameter got q/k/v, not the old memory
 
 
+class Outer(nn.Module):
+    """A model whose loading layer sits one module down, as vLLM's decoder layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = FusingModel()
+
+    def load_weights(self, weights) -> None:
+        self.inner.load_weights(weights)
+
+
+@pytest.mark.parametrize("swap", ["module", "data"])
+def test_a_module_or_memory_the_engine_swapped_under_the_plan_is_bound_again(swap):
+    model = Outer()
+    loads = DirectLoads(model, lambda items: model.load_weights(items))
+    loads.land(weights(1))
+    assert loads.destinations["q"].param == "inner.qkv"
+    old = model.inner
+    if swap == "module":  # a new layer object: the old one (and its parameters, on their memory) stays alive here
+        model.inner = FusingModel()
+    else:  # the same parameter object on new memory
+        old.qkv.data = torch.zeros(12, 4, dtype=torch.bfloat16)
+    loads.begin()
+    stats = loads.land(weights(5))
+    assert stats.direct_tensors == len(DIRECT)
+    assert_same_params(model.inner, loaded_by_the_loader(5))  # the live parameters got every weight
+
+
 @pytest.mark.parametrize("write", ["setitem", "data", "out", "iadd"])
 def test_any_other_write_in_the_loader_keeps_a_weight_off_the_direct_path(write):
     class Writer(nn.Module):
