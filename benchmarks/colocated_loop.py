@@ -264,6 +264,8 @@ def worker_split(worker: dict) -> dict:
         "engine_post_ms": worker.get("post_s", 0.0) * 1e3, "engine_session_ms": worker.get("seconds", 0.0) * 1e3,
         "engine_wait_ms": worker.get("ack_wait_s", 0.0) * 1e3, "direct_tensors": worker.get("direct_tensors"),
         "loader_tensors": worker.get("loader_tensors"),
+        # the worker's receiver, per phase (BucketedWeightReceiver.last_timings_s)
+        "engine_receiver_ms": {k: round(v * 1e3, 2) for k, v in (worker.get("receiver_s") or {}).items() if v},
     }  # fmt: skip
 
 
@@ -364,6 +366,10 @@ def print_summary(result: dict) -> None:
             f"waiting on the sender {pmed('engine_wait_ms'):.1f}; params equal after the last push: {pushes[-1].get('params_equal')}",
             flush=True,
         )
+        phases = sorted({phase for row in steady_pushes for phase in row.get("engine_receiver_ms", {})})
+        receiver = {p: sorted(row["engine_receiver_ms"].get(p, 0.0) for row in steady_pushes) for p in phases}
+        print(f"{result['model']} ({path}): the worker's receiver, median ms per phase: "
+              + ", ".join(f"{p} {v[len(v) // 2]:.2f}" for p, v in receiver.items()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -70,7 +70,7 @@ def checksums(named: list[tuple[str, torch.Tensor]]) -> list[int]:
     return torch.stack([torch.sum(t.view(torch.int16), dtype=torch.int64) for _, t in named]).tolist()
 
 
-def receiver_main(endpoint: str, shapes: list, sessions: int, loader: str, conn) -> None:
+def receiver_main(endpoint: str, shapes: list, sessions: int, loader: str, conn, profile: str | None = None) -> None:
     from refitkit.transfer import BucketedWeightReceiver
 
     params = {name: torch.empty(shape, dtype=torch.bfloat16, device="cuda") for name, shape in shapes}
@@ -90,9 +90,16 @@ def receiver_main(endpoint: str, shapes: list, sessions: int, loader: str, conn)
     load_weights = {"per-tensor": per_tensor, "foreach": foreach, "none": none}[loader]
 
     conn.send("ready")
-    for _ in range(sessions):
-        stats = receiver.receive(load_weights)
-        conn.send(stats.seconds)
+    for index in range(sessions):
+        if profile is not None and index == sessions - 1:  # the last session under cProfile (it is not timed)
+            import cProfile
+
+            with cProfile.Profile() as profiler:
+                stats = receiver.receive(load_weights)
+            profiler.dump_stats(profile)
+        else:
+            stats = receiver.receive(load_weights)
+        conn.send((stats.seconds, dict(receiver.last_timings_s)))
     # wait until the sender has measured device memory: the checksum's temporaries are this process's,
     # and the device-wide free-memory figure would otherwise count them against the sender
     conn.poll(120)
@@ -132,7 +139,7 @@ def stream(weights: list[tuple[str, torch.Tensor]], source: str):
 
 def bench_model(
     model: str, rounds: int, bucket_bytes: int, loader: str, warmup: int = 2, source: str = "list", path: str = "bucket",
-    layout: str = "separate",
+    layout: str = "separate", profile: str | None = None,
 ) -> dict:  # fmt: skip
     from refitkit.transfer import BucketedWeightSender
 
@@ -145,12 +152,14 @@ def bench_model(
     endpoint = f"bench-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    peer = ctx.Process(target=receiver_main, args=(endpoint, shapes, rounds + warmup, loader, child))
+    receiver_profile = None if profile is None else f"{profile}-receiver.prof"
+    sessions = rounds + warmup + (profile is not None)  # a profiled session after the timed ones
+    peer = ctx.Process(target=receiver_main, args=(endpoint, shapes, sessions, loader, child, receiver_profile))
     peer.start()
     assert parent.poll(300) and parent.recv() == "ready"
     torch.cuda.synchronize()
     reserved_before, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
-    times_ms, retained_reserved, retained_device, ack_ms, timings = [], [], [], [], []
+    times_ms, retained_reserved, retained_device, ack_ms, timings, receiver_timings = [], [], [], [], [], []
     direct = path == "direct"
     with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120, direct=direct) as sender:
         for _ in range(rounds + warmup):
@@ -161,8 +170,15 @@ def bench_model(
             timings.append(dict(sender.last_timings_s))
             retained_reserved.append(torch.cuda.memory_reserved() - reserved_before)
             retained_device.append(free_before - torch.cuda.mem_get_info()[0])
-            parent.recv()
+            receiver_timings.append(parent.recv()[1])
         split = sender.last_split
+        if profile is not None:
+            import cProfile
+
+            with cProfile.Profile() as profiler:
+                sender.send(stream(weights, source))
+            profiler.dump_stats(f"{profile}-sender.prof")
+            parent.recv()
     parent.send("checksum")
     assert parent.poll(120)
     received = parent.recv()
@@ -176,6 +192,7 @@ def bench_model(
         "gbps": total / (statistics.median(steady) / 1e3) / 1e9, "ack_wait_ms": statistics.median(ack_ms[warmup:]),
         "retained_reserved_mib": max(retained_reserved) / 2**20, "retained_device_mib": max(retained_device) / 2**20,
         "phase_ms": {k: statistics.median(t[k] for t in timings[warmup:]) * 1e3 for k in timings[-1]},
+        "receiver_ms": {k: statistics.median(t[k] for t in receiver_timings[warmup:]) * 1e3 for k in receiver_timings[-1]},
     }  # fmt: skip
 
 
@@ -266,6 +283,10 @@ def main() -> None:
         "--direct-ship", type=int, default=None,
         help="sender, --paths direct: ship a direct bucket every this many tensors (default: refitkit's DIRECT_SHIP_TENSORS)",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile", default=None, metavar="DIR",
+        help="after the timed rounds, one more sync with cProfile on both sides (DIR/<run>-sender.prof, -receiver.prof)",
+    )  # fmt: skip
     parser.add_argument("--cpu-overhead", action="store_true", help="per-tensor CPU cost on each side, no GPU needed")
     parser.add_argument("--tensors", default="64,1024", help="--cpu-overhead: the two stream lengths")
     args = parser.parse_args()
@@ -273,6 +294,8 @@ def main() -> None:
         cpu_overhead([int(n) for n in args.tensors.split(",")], args.rounds or 30)
         return
     args.rounds = args.rounds or 5
+    if args.profile is not None:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     if args.batch_max_mib is not None:
         from refitkit.transfer import packing
 
@@ -302,7 +325,8 @@ def main() -> None:
         runs = [(s, lo, p) for p in args.paths.split(",") for s in args.sources.split(",") for lo in args.loaders.split(",")]
         for source, loader, path in runs:
             r = bench_model(
-                model, args.rounds, int(args.bucket_gib * (1 << 30)), loader, max(1, args.warmup), source, path, args.layout
+                model, args.rounds, int(args.bucket_gib * (1 << 30)), loader, max(1, args.warmup), source, path, args.layout,
+                profile=None if args.profile is None else f"{args.profile}/{model}-{path}-{source}-{loader}",
             )  # fmt: skip
             # Floor: every byte is copied once into the bucket (the sender), and once more out of it by a
             # loader that copies (direct: only the loader's copy); at this GPU's D2D rate measured above.
@@ -321,6 +345,7 @@ def main() -> None:
             if r["split"] is not None:
                 print(f"{'':>6} split: {r['split']}", flush=True)
             print("        sender phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
+            print("        receiver phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["receiver_ms"].items() if v))
 
 
 if __name__ == "__main__":

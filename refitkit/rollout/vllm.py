@@ -110,7 +110,8 @@ class WorkerReceiver:
             self.weights.failed(number, touched=progress.touched)  # what loaded stays: a mix of old and new
             raise
         coverage = self._landed(number, progress.names)
-        return {**sync_report(stats, number, coverage, progress, began), "load_path": self.load_path}
+        report = sync_report(stats, number, coverage, progress, began)
+        return {**report, "load_path": self.load_path, "receiver_s": dict(receiver.last_timings_s)}
 
     def receive_broadcast(
         self, rendezvous: str, secret: str | bytes, timeout_s: float, first_rank: int, backend: str

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
+import time
 import weakref
 from typing import Any
 
@@ -68,6 +69,8 @@ def _driver() -> ctypes.CDLL:
     lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
     lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
     lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
     _check(lib, lib.cuInit(0), "cuInit")
     return lib
 
@@ -113,8 +116,14 @@ def local_device_for(uuid: str, fallback: torch.device) -> torch.device:
 
 
 def _bind_context(device: torch.device) -> None:
-    # The runtime makes the device's primary context (the one torch uses) current on this thread.
+    """Make ``device``'s primary context (the one torch uses) current on this thread for the driver calls that follow."""
     torch.cuda.set_device(device)
+    lib = _driver()
+    context, ordinal = ctypes.c_void_p(), ctypes.c_int(-1)
+    if lib.cuCtxGetCurrent(ctypes.byref(context)) == 0 and context.value and lib.cuCtxGetDevice(ctypes.byref(ordinal)) == 0:
+        if ordinal.value == device.index:
+            return  # already current: no stream sync (it would stall the copies queued behind earlier buckets)
+    # A thread the runtime has not used yet has no current context: a runtime call that needs one makes it current.
     torch.cuda.current_stream(device).synchronize()
 
 
@@ -320,16 +329,23 @@ class AllocationExports:
         return new
 
 
-def release_mappings(mappings: list[CudaIpcMapping], *, what: str) -> None:
+def release_mappings(mappings: list[CudaIpcMapping], *, what: str, timings: dict[str, float] | None = None) -> None:
     """Close every mapping (the bucket, and the sender's allocations of direct buckets) after this stream's reads,
-    then flush torch's caches once; raises if a view of one is still referenced (that one stays open until it dies)."""
+    then flush torch's caches once; raises if a view of one is still referenced (that one stays open until it dies).
+    ``timings`` gets the seconds of each step added (release_sync, release_close, release_flush)."""
     if not mappings:
         return
+    spent = timings if timings is not None else {}
+    began = time.perf_counter()
     torch.cuda.current_stream(mappings[0].device).synchronize()
+    closing = time.perf_counter()
+    spent["release_sync"] = spent.get("release_sync", 0.0) + closing - began
     alive = 0
     for mapping in mappings:
         mapping.tensor = None  # the finalizer closes the mapping as this last view dies
         alive += mapping._closed.alive
+    flushing = time.perf_counter()
+    spent["release_close"] = spent.get("release_close", 0.0) + flushing - closing
     if alive:
         raise TransferError(
             f"receiver release: a tensor view of {what} is still referenced ({alive} of {len(mappings)} mappings "
@@ -337,3 +353,4 @@ def release_mappings(mappings: list[CudaIpcMapping], *, what: str) -> None:
         )
     torch.cuda.ipc_collect()
     torch.cuda.empty_cache()
+    spent["release_flush"] = spent.get("release_flush", 0.0) + time.perf_counter() - flushing

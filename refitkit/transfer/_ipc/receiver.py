@@ -41,16 +41,24 @@ import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
-from refitkit.transfer._ipc.endpoint import connect_receiver, socket_path
+from refitkit.transfer._ipc.endpoint import connect_receiver, receiver_context, socket_path
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
-    check_split_pieces, contiguous_strides, decode, direct_fields, encode, entries_from_wire, expect, recv_frame,
+    check_split_pieces, contiguous_strides, decode, direct_fields, encode, entries_from_wire, expect, frame_waiting, recv_frame,
     setup_fields,
 )  # fmt: skip
 
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
+
+# A session's phases as ``last_timings_s`` names them: handshake (hello to ready), waits for the sender's frames and
+# bytes, mapping its memory, the caller's on_bucket, the release (of it: the stream's reads, closing the mappings,
+# torch's caches) and closing the socket.
+RECEIVE_PHASES = (
+    "handshake", "frames", "packed", "map", "on_bucket", "release", "release_sync", "release_close", "release_flush",
+    "close",
+)  # fmt: skip
 
 
 class BucketedWeightReceiver:
@@ -64,6 +72,7 @@ class BucketedWeightReceiver:
         self.endpoint = endpoint
         self.path = socket_path(endpoint)
         self.last_stats: TransferStats | None = None
+        self.last_timings_s: dict[str, float] = {}  # seconds per phase of the last session, for benchmarks
         self._active: _ReceiveSession | None = None  # the session running now, for wait_on()
 
     def wait_on(self, *streams: Any) -> None:
@@ -78,7 +87,9 @@ class BucketedWeightReceiver:
             session.streams.setdefault(stream.cuda_stream, stream)
 
     def _new_session(self) -> _ReceiveSession:
-        return _ReceiveSession(endpoint=self.endpoint, path=self.path, device=self.device, timeout_s=self.timeout_s)
+        session = _ReceiveSession(endpoint=self.endpoint, path=self.path, device=self.device, timeout_s=self.timeout_s)
+        self.last_timings_s = session.timings
+        return session
 
     def receive(self, on_bucket: OnBucket) -> TransferStats:
         """Run one session, calling ``on_bucket(weights, is_last)`` per bucket; returns after the final ACK."""
@@ -88,6 +99,7 @@ class BucketedWeightReceiver:
             while True:
                 weights, last = session.next_bucket()
                 failure = interrupted = None
+                began = time.perf_counter()
                 try:
                     on_bucket(weights, last)
                 except Exception as exc:  # reported to the sender; the traceback must not keep views alive
@@ -96,6 +108,7 @@ class BucketedWeightReceiver:
                     failure = f"on_bucket was interrupted by {type(exc).__name__}: {exc}"
                     interrupted = exc.with_traceback(None)  # its frames hold the views
                 weights = None
+                session.timings["on_bucket"] += time.perf_counter() - began
                 if failure is not None:
                     session.fail(failure)
                     if interrupted is not None:
@@ -167,7 +180,6 @@ class _ReceiveSession:
         self.endpoint, self.path, self.timeout_s = endpoint, path, timeout_s
         self.device = device
         self.phase = SessionPhase.HANDSHAKE
-        self.context: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
         self.session: str | None = None
         self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
@@ -185,6 +197,9 @@ class _ReceiveSession:
         self.streams: dict[int, Any] = {}  # the loader's own streams (wait_on), waited for like the current one
         self.assembled: list[torch.Tensor] = []  # this bucket's reassembled (owned) tensors
         self.started = time.perf_counter()
+        # seconds per phase (the receiver's last_timings_s): frames and packed are waits for the sender, map opens
+        # its allocations, release_* split the release (the stream's reads, closing mappings, torch's caches)
+        self.timings = dict.fromkeys(RECEIVE_PHASES, 0.0)
         self.wait_s = 0.0
         self.bytes = 0
         self.tensors = 0
@@ -193,8 +208,14 @@ class _ReceiveSession:
     # -- handshake --------------------------------------------------------------------------------
 
     def open(self) -> None:
-        self.context = zmq.Context()
-        self.sock = connect_receiver(self.context, self.path)
+        began = time.perf_counter()
+        try:
+            self._open()
+        finally:
+            self.timings["handshake"] += time.perf_counter() - began
+
+    def _open(self) -> None:
+        self.sock = connect_receiver(receiver_context(), self.path)
         hello: dict[str, Any] = {
             "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
             "timeout_s": self.timeout_s,  # how long a sender may keep this hello queued
@@ -236,7 +257,9 @@ class _ReceiveSession:
         self.phase = SessionPhase.STREAMING
 
     def _map_cuda_bucket(self, handle: dict[str, Any]) -> None:
+        began = time.perf_counter()
         self.mapping = cuda_ipc.CudaIpcMapping(handle, self.device)
+        self.timings["map"] += time.perf_counter() - began
         self._adopt_device(self.mapping, "the bucket")
 
     def _adopt_device(self, mapping: cuda_ipc.CudaIpcMapping, what: str) -> None:
@@ -290,9 +313,11 @@ class _ReceiveSession:
         sizes = [mapping.tensor.numel() for mapping in self.exported]  # type: ignore[union-attr]
         exports, allocs = direct_fields(frame["direct"], entries=entries, sizes=sizes)
         check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
+        began = time.perf_counter()
         for handle in exports:  # each announced size checked against the driver's size of what it maps
             self.exported.append(cuda_ipc.CudaIpcMapping(handle, self.device))
             self._adopt_device(self.exported[-1], f"exported allocation {len(self.exported) - 1}")
+        self.timings["map"] += time.perf_counter() - began
         self._wait_packed()
         self.assembled.clear()
         weights = []
@@ -322,7 +347,7 @@ class _ReceiveSession:
 
         def ready() -> bool:
             self._announce_consumed()
-            if not self.inbox and self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]
+            if not self.inbox and frame_waiting(self.sock):  # type: ignore[arg-type]
                 self._take(self._recv_now())
             return bool(self.inbox)
 
@@ -339,7 +364,9 @@ class _ReceiveSession:
             )  # fmt: skip
             return self.inbox.popleft()
         finally:
-            self.wait_s += time.perf_counter() - began
+            waited = time.perf_counter() - began
+            self.wait_s += waited
+            self.timings["frames"] += waited
 
     def _wait_packed(self) -> None:
         """Wait until the sender announced this bucket's bytes as complete (spin, then sleep in short slices)."""
@@ -357,7 +384,7 @@ class _ReceiveSession:
                     self.packed += 1
             elif sleepy and self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
                 self._take(self._recv_now())
-            while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
+            while frame_waiting(self.sock):  # type: ignore[arg-type]  # an abort, or early frames
                 self._take(self._recv_now())
 
         began = time.perf_counter()
@@ -368,7 +395,9 @@ class _ReceiveSession:
                 peer=f"the sender on {self.endpoint!r}",
             )  # fmt: skip
         finally:
-            self.wait_s += time.perf_counter() - began
+            waited = time.perf_counter() - began
+            self.wait_s += waited
+            self.timings["packed"] += waited
 
     def _count_packed(self) -> int:
         """Buckets announced as complete so far (taking the doorbell's announcements).
@@ -517,6 +546,7 @@ class _ReceiveSession:
         if self.released:
             return
         self.released = True
+        began = time.perf_counter()
         self.partial = None
         self.assembled.clear()
         self.unconsumed.clear()
@@ -531,7 +561,8 @@ class _ReceiveSession:
                 else:  # the CUDA IPC bucket (if any) and the sender's own allocations (direct buckets)
                     named = {"the CUDA IPC bucket": [] if mapping is None else [mapping], "the sender's exported allocations": exported}
                     cuda_ipc.release_mappings(
-                        [m for ms in named.values() for m in ms], what=" or ".join(what for what, ms in named.items() if ms)
+                        [m for ms in named.values() for m in ms], what=" or ".join(what for what, ms in named.items() if ms),
+                        timings=self.timings,
                     )
             elif self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -546,6 +577,7 @@ class _ReceiveSession:
         finally:
             if bell is not None:
                 bell.close()  # after the posts queued on our streams ran
+            self.timings["release"] += time.perf_counter() - began
 
     def fail(self, message: str) -> None:
         """Release, then tell the sender why this session failed (best effort; once per session)."""
@@ -567,6 +599,7 @@ class _ReceiveSession:
 
     def close(self) -> None:
         """Release whatever is still held and close the socket; never raises for the release."""
+        began = time.perf_counter()
         self.partial = None
         self.assembled.clear()
         try:
@@ -576,9 +609,7 @@ class _ReceiveSession:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
-        if self.context is not None:
-            self.context.term()
-            self.context = None
+        self.timings["close"] += time.perf_counter() - began
 
     def _send(self, payload: bytes, *, quiet: bool = False) -> None:
         if self.sock is None:
