@@ -250,6 +250,8 @@ def direct_fields(direct: Any, *, entries: list[Entry], sizes: list[int]) -> tup
     if type(direct) is not dict:
         raise ProtocolError(f"direct bucket: {brief(direct)} is not a map")
     exports, allocs = direct.get("exports"), direct.get("allocs")
+    if type(direct.get("kept", False)) is not bool:
+        raise ProtocolError(f"direct bucket: kept={brief(direct.get('kept'))} is not a bool")
     if type(exports) is not list or type(allocs) is not list or len(allocs) != len(entries) or not 0 < len(entries) <= DIRECT_MAX_TENSORS:
         raise ProtocolError(
             f"direct bucket: exports={brief(exports)} allocs={brief(allocs)} are not two lists with one allocation per "

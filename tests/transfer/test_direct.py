@@ -70,6 +70,8 @@ def _entries(*items: list) -> list:
                      id="export-without-size"),
         pytest.param({"exports": [{"nbytes": 4096}] * 2, "allocs": [0]}, _entries(["w", "float32", [4], 0]),
                      [MIB] * (MAX_EXPORTS - 1), r"1025 exported allocations in one session, at most 1024", id="too-many-exports"),
+        pytest.param({"exports": [], "allocs": [0], "kept": 1}, _entries(["w", "float32", [4], 0]), [MIB], r"kept=1 is not a bool",
+                     id="kept-not-bool"),
     ],
 )
 def test_a_hostile_direct_bucket_is_refused_before_anything_is_mapped(direct, entries, sizes, message):

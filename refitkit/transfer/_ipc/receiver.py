@@ -195,6 +195,11 @@ class _ReceiveSession:
         self.seq = 0
         self.partial: tuple[SplitProgress, torch.Tensor] | None = None  # the split tensor being assembled
         self.streams: dict[int, Any] = {}  # the loader's own streams (wait_on), waited for like the current one
+        # The bucket being read lies in memory the sender keeps as it is until the session ends ("kept" direct
+        # buckets): its consumption is announced when its reads are issued, not when they ran (the release waits
+        # for them). Only while no packed bucket came: a post queued on the stream before must not be overtaken.
+        self.kept_bucket = False
+        self.posts_queued = False
         self.assembled: list[torch.Tensor] = []  # this bucket's reassembled (owned) tensors
         self.started = time.perf_counter()
         # seconds per phase (the receiver's last_timings_s): frames and packed are waits for the sender, map opens
@@ -312,6 +317,7 @@ class _ReceiveSession:
         entries = entries_from_wire(frame.get("entries") or [], capacity=MAX_TENSOR_BYTES)
         sizes = [mapping.tensor.numel() for mapping in self.exported]  # type: ignore[union-attr]
         exports, allocs = direct_fields(frame["direct"], entries=entries, sizes=sizes)
+        self.kept_bucket = frame["direct"].get("kept") is True
         check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
         began = time.perf_counter()
         for handle in exports:  # each announced size checked against the driver's size of what it maps
@@ -511,12 +517,16 @@ class _ReceiveSession:
         """The caller dropped this bucket's tensors: free its half once the reads finished, or release and ACK."""
         if not last:
             # A CUDA loader's copies out of the bucket are queued on this stream (and on those it handed to
-            # wait_on, which this one now waits for): announce when they ran.
+            # wait_on, which this one now waits for): announce when they ran (a kept bucket: now).
             stream = self._reads_stream()
-            if self.bell is not None:
+            kept, self.kept_bucket = self.kept_bucket, False
+            if self.bell is not None and kept and not self.posts_queued:
+                self.bell.post(doorbell.CONSUMED)
+            elif self.bell is not None:
+                self.posts_queued = True
                 self.bell.post_when_done(doorbell.CONSUMED, stream)
             else:
-                self.unconsumed.append((self.seq, doorbell.event_after(stream)))
+                self.unconsumed.append((self.seq, None if kept else doorbell.event_after(stream)))  # (in order)
                 self._announce_consumed()
             self.seq += 1
             return

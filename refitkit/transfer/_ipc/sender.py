@@ -623,7 +623,10 @@ class _SendSession:
 
         if not room():
             self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
-        self._send_bucket(0, True, entries, last, direct={"exports": self.exports.take_new(), "allocs": allocs})
+        direct: dict[str, Any] = {"exports": self.exports.take_new(), "allocs": allocs}
+        if not self.fresh:  # held until the session ends: the receiver may say it is done once its reads are issued
+            direct["kept"] = True
+        self._send_bucket(0, True, entries, last, direct=direct)
         if self.fresh:  # kept until the receiver consumed this bucket (_retire_consumed), not to the session's end
             self.direct_shipped.append((self.seq - 1, self.direct_held))
             self.direct_held = []
