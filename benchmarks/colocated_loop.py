@@ -264,8 +264,11 @@ def worker_split(worker: dict) -> dict:
         "engine_post_ms": worker.get("post_s", 0.0) * 1e3, "engine_session_ms": worker.get("seconds", 0.0) * 1e3,
         "engine_wait_ms": worker.get("ack_wait_s", 0.0) * 1e3, "direct_tensors": worker.get("direct_tensors"),
         "loader_tensors": worker.get("loader_tensors"),
-        # the worker's receiver, per phase (BucketedWeightReceiver.last_timings_s)
-        "engine_receiver_ms": {k: round(v * 1e3, 2) for k, v in (worker.get("receiver_s") or {}).items() if v},
+        # the worker's receiver, per phase (BucketedWeightReceiver.last_timings_s, reported as receiver_<phase>_s)
+        "engine_receiver_ms": {
+            key[len("receiver_") : -len("_s")]: round(value * 1e3, 2)
+            for key, value in worker.items() if key.startswith("receiver_") and key.endswith("_s") and value
+        },
     }  # fmt: skip
 
 

@@ -111,7 +111,8 @@ class WorkerReceiver:
             raise
         coverage = self._landed(number, progress.names)
         report = sync_report(stats, number, coverage, progress, began)
-        return {**report, "load_path": self.load_path, "receiver_s": dict(receiver.last_timings_s)}
+        phases = {f"receiver_{phase}_s": seconds for phase, seconds in receiver.last_timings_s.items()}  # (plain values)
+        return {**report, "load_path": self.load_path, **phases}
 
     def receive_broadcast(
         self, rendezvous: str, secret: str | bytes, timeout_s: float, first_rank: int, backend: str
