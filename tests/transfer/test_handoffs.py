@@ -331,3 +331,38 @@ def test_copies_on_a_side_stream_are_complete_before_free(receiver_server, endpo
     expected = {f"w{i}": digest(torch.full((4096,), float(i))) for i in range(100)}
     case = Case("cuda_ipc", "cuda", "cuda")
     roundtrip(receiver_server, endpoint, on_side_stream(), bucket_bytes=64 << 10, case=case, expected=expected)
+
+
+def test_the_receivers_phases_say_where_its_session_went(endpoint):
+    """``last_timings_s``: the caller's on_bucket, the waits for a slow sender, and nothing counted twice (the
+    phases of a session fit inside its seconds)."""
+    from refitkit.transfer._ipc.receiver import RECEIVE_PHASES
+
+    loader_s, sender_pause_s = 0.03, 0.05
+    result: dict[str, object] = {}
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=10)
+
+    def loader(weights, is_last):
+        time.sleep(loader_s)  # the caller's work per bucket
+
+    def receive() -> None:
+        result["stats"] = receiver.receive(loader)
+
+    def slow_source():
+        for index in range(3):
+            if index:
+                time.sleep(sender_pause_s)  # the receiver waits for this bucket's frame
+            yield f"w{index}", torch.full((4096,), float(index))
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with BucketedWeightSender(endpoint, bucket_bytes=4 * 4096 * 4, transport="shm", timeout_s=10, direct=False) as sender:
+        sender.send(slow_source())
+    thread.join(10)
+    stats, phases = result["stats"], receiver.last_timings_s
+    assert set(phases) == set(RECEIVE_PHASES)
+    assert stats.buckets >= 2 and phases["on_bucket"] >= stats.buckets * loader_s  # type: ignore[attr-defined]
+    assert phases["frames"] + phases["packed"] >= sender_pause_s
+    within = ("handshake", "frames", "packed", "map", "on_bucket", "release")
+    assert sum(phases[phase] for phase in within) <= stats.seconds  # type: ignore[attr-defined]
+    assert phases["handshake"] > 0 and phases["release"] > 0
