@@ -310,15 +310,6 @@ def expect(frame: dict[str, Any], *kinds: str, session: str | None = None) -> di
     return frame
 
 
-def frame_waiting(sock: zmq.Socket, timeout_ms: int = 0) -> bool:
-    """Whether a frame can be received from ``sock`` now (``timeout_ms`` 0) or within ``timeout_ms``. A look without
-    waiting reads the socket's events (about a microsecond) instead of polling: pyzmq's ``poll`` builds a poller
-    per call, tens of microseconds in the spin loops of a session's waits."""
-    if timeout_ms <= 0:
-        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-    return bool(sock.poll(timeout_ms, zmq.POLLIN))
-
-
 def recv_frame(
     sock: zmq.Socket,
     *,
@@ -331,7 +322,7 @@ def recv_frame(
     deadline = time.monotonic() + timeout_s
     while True:
         remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        if frame_waiting(sock, remaining_ms):
+        if sock.poll(remaining_ms, zmq.POLLIN):
             return sock.recv_multipart(copy=True)
         if time.monotonic() >= deadline:
             raise timeout_error(phase, waiting_for, peer, timeout_s)

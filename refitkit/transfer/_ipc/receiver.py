@@ -45,7 +45,7 @@ from refitkit.transfer._ipc.endpoint import connect_receiver, receiver_context, 
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
-    check_split_pieces, contiguous_strides, decode, direct_fields, encode, entries_from_wire, expect, frame_waiting, recv_frame,
+    check_split_pieces, contiguous_strides, decode, direct_fields, encode, entries_from_wire, expect, recv_frame,
     setup_fields,
 )  # fmt: skip
 
@@ -353,7 +353,7 @@ class _ReceiveSession:
 
         def ready() -> bool:
             self._announce_consumed()
-            if not self.inbox and frame_waiting(self.sock):  # type: ignore[arg-type]
+            if not self.inbox and self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]
                 self._take(self._recv_now())
             return bool(self.inbox)
 
@@ -390,7 +390,7 @@ class _ReceiveSession:
                     self.packed += 1
             elif sleepy and self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
                 self._take(self._recv_now())
-            while frame_waiting(self.sock):  # type: ignore[arg-type]  # an abort, or early frames
+            while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
                 self._take(self._recv_now())
 
         began = time.perf_counter()

@@ -57,8 +57,7 @@ from refitkit.transfer.packing import (
 )  # fmt: skip
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, decode, encode, entry_to_wire, expect, frame_waiting, recv_frame,
-    timeout_error,
+    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, decode, encode, entry_to_wire, expect, recv_frame, timeout_error,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -331,7 +330,7 @@ class BucketedWeightSender:
         """Send an abort to every receiver whose hello is already here, so none waits its timeout for nothing."""
         if self._socket is None:
             return
-        while frame_waiting(self._socket):
+        while self._socket.poll(0, zmq.POLLIN):
             try:
                 peer, frame = self._socket.recv_multipart(zmq.NOBLOCK)[:2]
                 hello = decode(frame)
@@ -879,7 +878,7 @@ class _SendSession:
     def _read_frames(self, timeout_ms: int) -> None:
         """Handle every frame already queued (waiting up to ``timeout_ms`` for the first) up to the final ACK:
         what follows it (the next session's hello) is left for the next session."""
-        while self.state is not SendState.RELEASED and frame_waiting(self.sock, timeout_ms):
+        while self.state is not SendState.RELEASED and self.sock.poll(timeout_ms, zmq.POLLIN):
             timeout_ms = 0
             peer, frame = self._recv("a frame", timeout_s=0.0)
             self._handle(peer, frame)
