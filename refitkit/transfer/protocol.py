@@ -247,24 +247,7 @@ def direct_fields(direct: Any, *, entries: list[Entry], sizes: list[int]) -> tup
     when mapped) and, per entry, the allocation it lies in. ``sizes``: the byte sizes of the allocations mapped
     before this bucket. Every entry must be a whole tensor inside its allocation (its size as announced; the
     mapping checks the announcement against the driver's)."""
-    if type(direct) is not dict:
-        raise ProtocolError(f"direct bucket: {brief(direct)} is not a map")
-    exports, allocs = direct.get("exports"), direct.get("allocs")
-    if type(direct.get("kept", False)) is not bool:
-        raise ProtocolError(f"direct bucket: kept={brief(direct.get('kept'))} is not a bool")
-    if type(exports) is not list or type(allocs) is not list or len(allocs) != len(entries) or not 0 < len(entries) <= DIRECT_MAX_TENSORS:
-        raise ProtocolError(
-            f"direct bucket: exports={brief(exports)} allocs={brief(allocs)} are not two lists with one allocation per "
-            f"entry ({len(entries)} entries, 1 to {DIRECT_MAX_TENSORS})"
-        )
-    if len(sizes) + len(exports) > MAX_EXPORTS:
-        raise ProtocolError(f"direct bucket: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}")
-    announced = list(sizes)
-    for handle in exports:
-        nbytes = handle.get("nbytes") if type(handle) is dict else None
-        if type(nbytes) is not int or nbytes <= 0:
-            raise ProtocolError(f"direct bucket: export {brief(handle)} announces no size")
-        announced.append(nbytes)
+    exports, allocs, announced = direct_header(direct, count=len(entries), sizes=sizes)
     for entry, index in zip(entries, allocs):
         if type(index) is not int or not 0 <= index < len(announced):
             raise ProtocolError(f"direct bucket: {entry.name!r} lies in allocation {brief(index)}; {len(announced)} are exported")
@@ -274,6 +257,31 @@ def direct_fields(direct: Any, *, entries: list[Entry], sizes: list[int]) -> tup
                 f"tensor inside allocation {index} of {announced[index]} bytes"
             )
     return exports, allocs
+
+
+def direct_header(direct: Any, *, count: int, sizes: list[int]) -> tuple[list[dict[str, Any]], list[Any], list[int]]:
+    """A direct bucket's fields checked as a whole (``direct_fields`` also checks each entry against them): the
+    allocations it exports first, its ``allocs`` list as it came (one per entry of its ``count``), and the sizes of
+    every allocation announced up to it (``sizes``, then its exports')."""
+    if type(direct) is not dict:
+        raise ProtocolError(f"direct bucket: {brief(direct)} is not a map")
+    exports, allocs = direct.get("exports"), direct.get("allocs")
+    if type(direct.get("kept", False)) is not bool:
+        raise ProtocolError(f"direct bucket: kept={brief(direct.get('kept'))} is not a bool")
+    if type(exports) is not list or type(allocs) is not list or len(allocs) != count or not 0 < count <= DIRECT_MAX_TENSORS:
+        raise ProtocolError(
+            f"direct bucket: exports={brief(exports)} allocs={brief(allocs)} are not two lists with one allocation per "
+            f"entry ({count} entries, 1 to {DIRECT_MAX_TENSORS})"
+        )
+    if len(sizes) + len(exports) > MAX_EXPORTS:
+        raise ProtocolError(f"direct bucket: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}")
+    announced = list(sizes)
+    for handle in exports:
+        nbytes = handle.get("nbytes") if type(handle) is dict else None
+        if type(nbytes) is not int or nbytes <= 0:
+            raise ProtocolError(f"direct bucket: export {brief(handle)} announces no size")
+        announced.append(nbytes)
+    return exports, allocs, announced
 
 
 def encode(kind: str, **fields: Any) -> bytes:

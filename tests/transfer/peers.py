@@ -165,6 +165,16 @@ def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: A
         result["segments_after"] = mapped_segments()  # after what was held was released
         return result
 
+    if mode == "repeat":  # arg: sessions; one receiver runs them all (what it keeps from one to the next is used)
+        receiver = BucketedWeightReceiver(endpoint, device, timeout_s=timeout_s)
+        sessions = []
+        for _ in range(arg):
+            got_now: dict[str, Digest] = {}
+            receiver.receive(lambda weights, is_last: got_now.update((name, digest(t)) for name, t in weights))
+            plans = {seq: id(plan) for seq, plan in receiver._plans.items()}  # noqa: SLF001  (which it laid out anew)
+            sessions.append({"digests": got_now, "plans": plans})
+        return {"sessions": sessions, "digests": sessions[-1]["digests"], "segments_after": mapped_segments()}
+
     receiver = BucketedWeightReceiver(endpoint, device, timeout_s=timeout_s)
     got: dict[str, Digest] = {}
     calls: list[tuple[int, bool]] = []

@@ -79,6 +79,65 @@ def test_a_hostile_direct_bucket_is_refused_before_anything_is_mapped(direct, en
         direct_fields(direct, entries=entries, sizes=sizes)
 
 
+def _layers(allocation_bytes: int, *, layers: int, moved: int | None = None) -> list[tuple[str, str, tuple, int, int]]:
+    """(name, wire dtype, shape, allocation, byte offset) of weights laid out as a reload leaves them: each layer's
+    tensors one after the other (aligned), every layer alike, gate and up of one shape; then a tensor of its own,
+    and one in a second allocation. ``moved``: that layer's up projection lies elsewhere (after everything else)."""
+    shapes = [("q", "bfloat16", (16, 32)), ("gate", "bfloat16", (24, 32)), ("up", "bfloat16", (24, 32)), ("norm", "float32", (32,))]
+    placed, at = [], 0
+    for layer in range(layers):
+        for role, dtype, shape in shapes:
+            nbytes = torch.Size(shape).numel() * (2 if dtype == "bfloat16" else 4)
+            if role == "up" and layer == moved:
+                continue
+            placed.append((f"layers.{layer}.{role}", dtype, shape, 0, at))
+            at += -(-nbytes // 256) * 256
+    if moved is not None:
+        placed.insert(4 * moved + 2, (f"layers.{moved}.up", "bfloat16", (24, 32), 0, at))
+        at += 24 * 32 * 2
+    placed.append(("head", "float32", (7, 9), 0, -(-at // 256) * 256))
+    placed.append(("other", "bfloat16", (5, 3), 1, 512))
+    assert max(offset for *_, offset in placed) + 4096 < allocation_bytes
+    return placed
+
+
+def _plan_of(placed, announced: list[int]):
+    from refitkit.transfer._ipc.receiver import _DirectPlan  # the receiver's layout of a direct bucket
+    from refitkit.transfer.protocol import entry_to_wire
+
+    raw = [entry_to_wire(name, dtype, list(shape), offset) for name, dtype, shape, _, offset in placed]
+    raw_allocs = [index for *_, index, _ in placed]
+    entries = entries_from_wire(raw, capacity=1 << 40)
+    _, allocs = direct_fields({"exports": [], "allocs": raw_allocs}, entries=entries, sizes=announced)
+    return _DirectPlan(raw, raw_allocs, announced, entries, allocs), raw, raw_allocs
+
+
+def test_a_direct_buckets_plan_makes_every_view_where_its_bytes_lie_and_fits_only_that_bucket():
+    # The receiver lays a direct bucket out once: evenly spaced runs of one shape (gate and up interleaved) become
+    # one strided view each, split by unbind; here over CPU bytes standing for two mapped allocations.
+    torch.manual_seed(0)
+    allocations = [torch.randint(0, 256, (1 << 16,), dtype=torch.uint8), torch.randint(0, 256, (4096,), dtype=torch.uint8)]
+    announced = [len(allocation) for allocation in allocations]
+    for moved in (None, 1):
+        placed = _layers(announced[0], layers=3, moved=moved)
+        plan, raw, raw_allocs = _plan_of(placed, announced)
+        views = plan.views(allocations)
+        assert [name for name, _ in views] == [name for name, *_ in placed]  # the bucket's order
+        for (name, tensor), (_, dtype, shape, index, offset) in zip(views, placed):
+            source = allocations[index][offset : offset + tensor.nbytes]
+            assert tensor.dtype == getattr(torch, dtype) and tuple(tensor.shape) == shape and tensor.is_contiguous(), name
+            assert tensor.data_ptr() == source.data_ptr(), name  # a view of the mapped bytes, not a copy
+            assert torch.equal(tensor.reshape(-1).view(torch.uint8), source), name
+        # evenly laid out: q, gate, up (interleaved with gate), norm one run each; head and other their own views
+        assert len(plan.runs) == 6 if moved is None else 6 < len(plan.runs) < len(placed)
+        assert plan.nbytes == sum(tensor.nbytes for _, tensor in views)
+        assert plan.fits([list(entry) for entry in raw], list(raw_allocs), list(announced))  # equal, as decoded anew
+    shifted = [[*entry[:3], entry[3] + 256] if entry[0] == "head" else entry for entry in raw]
+    assert not plan.fits(shifted, raw_allocs, announced)
+    assert not plan.fits(raw, [0] * len(raw_allocs), announced)
+    assert not plan.fits(raw, raw_allocs, [announced[0], announced[1] + 256])
+
+
 def test_a_direct_bucket_in_an_shm_session_fails_the_receiver_cleanly(endpoint):
     direct = {"exports": [{"ipc_handle": b"\0" * 64, "nbytes": 4096, "device_uuid": "GPU-x"}], "allocs": [0]}
     raised, message, seconds, replies = run_rogue_sender(
@@ -294,3 +353,37 @@ def test_a_receiver_killed_mid_direct_sync_times_the_sender_out_and_the_weights_
             assert time.monotonic() - began < 5.0 + 2.0
     assert all(torch.equal(tensor, before) for (_, tensor), before in zip(weights, expected))  # nothing wrote into them
     assert torch.cuda.memory_reserved() == reserved  # the sender allocated nothing of torch's, and freed its bucket
+
+
+@pytest.mark.cuda
+def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they_changed(receiver_server, endpoint, monkeypatch):
+    exportable_memory()
+    monkeypatch.setattr(sender_module, "DIRECT_SHIP_TENSORS", 16)  # 50 weights: four direct buckets
+    segments = [torch.empty(1 * MIB, dtype=torch.uint8, device="cuda"), torch.empty(4 * KIB, dtype=torch.uint8, device="cuda")]
+
+    def weights_laid(moved: int | None) -> list[tuple[str, torch.Tensor]]:
+        weights = []
+        for name, dtype, shape, index, offset in _layers(segments[0].numel(), layers=12, moved=moved):
+            nbytes = torch.Size(shape).numel() * (2 if dtype == "bfloat16" else 4)
+            tensor = segments[index][offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+            weights.append((name, tensor.normal_()))
+        return weights
+
+    # the same layout twice (new values), then layer 8's up projection elsewhere: buckets 2 and 3 change
+    with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=3)
+        expected = []
+        for moved in (None, None, 8):
+            weights = weights_laid(moved)
+            expected.append({name: digest(tensor) for name, tensor in weights})
+            sender.send(weights)
+            assert sender.last_split.direct_tensors == len(weights) == 50
+    result = receiver_server.result()
+    assert result["ok"], result
+    sessions = result["sessions"]
+    assert [session["digests"] for session in sessions] == expected  # bit-exact each time, new values included
+    first, second, third = (session["plans"] for session in sessions)
+    assert sorted(first) == [0, 1, 2, 3]
+    assert second == first  # laid out once: the next session's buckets came as they were
+    assert [third[seq] == second[seq] for seq in range(4)] == [True, True, False, False]
+    assert result["segments_after"] == []
