@@ -267,11 +267,13 @@ class AllocationExports:
 
     def __init__(self, device: torch.device, *, max_allocations: int, recycled: bool = False) -> None:
         self.device = device
+        self.index = device.index  # what ``Tensor.get_device()`` says of a tensor on it
         self.max_allocations = max_allocations
         self.recycled = recycled
         self._bases: list[int] = []  # sorted starts of the exported allocations
         self._known: dict[int, tuple[int, int, int]] = {}  # start -> (end, index, buffer id)
         self._refused: dict[int, str] = {}  # start -> why its allocation cannot be exported (asked once)
+        self._last: tuple[int, int, int] = (0, 0, 0)  # (start, end, index) of the allocation the last tensor lay in
         self.handles: list[dict[str, Any]] = []  # index -> the raw fields the receiver maps
         self.replaced = 0  # allocations found new at an exported address (``recycled`` sessions)
         self._announced = 0
@@ -279,12 +281,16 @@ class AllocationExports:
 
     def locate(self, pointer: int, nbytes: int) -> tuple[int, int] | str:
         """(allocation index, byte offset) of ``nbytes`` bytes at ``pointer``, or why they cannot be exported."""
+        base, end, index = self._last  # a model's weights come in runs from one allocation
+        if base <= pointer and pointer + nbytes <= end and not self.recycled:
+            return index, pointer - base
         at = bisect.bisect_right(self._bases, pointer) - 1
         if at >= 0:
             base = self._bases[at]
             end, index, buffer_id = self._known[base]
             if pointer + nbytes <= end:
                 if not self.recycled or self._buffer_id(pointer) == buffer_id:
+                    self._last = (base, end, index)
                     return index, pointer - base
                 del self._bases[at], self._known[base]  # freed since it was exported: the one there now is another
                 self.replaced += 1
@@ -314,6 +320,7 @@ class AllocationExports:
         self.handles.append({"ipc_handle": bytes(handle.reserved), "nbytes": size, "device_uuid": self.uuid})
         bisect.insort(self._bases, base)
         self._known[base] = (base + size, index, buffer_id)
+        self._last = (base, base + size, index)
         return index, pointer - base
 
     def _buffer_id(self, pointer: int) -> int:
