@@ -138,6 +138,19 @@ def test_a_direct_buckets_plan_makes_every_view_where_its_bytes_lie_and_fits_onl
     assert not plan.fits(raw, raw_allocs, [announced[0], announced[1] + 256])
 
 
+def test_receivers_made_per_sync_on_one_endpoint_share_their_plans_and_a_process_keeps_a_few_endpoints():
+    from refitkit.transfer import BucketedWeightReceiver
+    from refitkit.transfer._ipc import receiver as receiver_module
+
+    first = BucketedWeightReceiver("plans-a", "cpu")
+    assert BucketedWeightReceiver("plans-a", "cpu")._plans is first._plans  # what an engine's next sync gets
+    assert BucketedWeightReceiver("plans-b", "cpu")._plans is not first._plans
+    for index in range(receiver_module.PLAN_ENDPOINTS):
+        BucketedWeightReceiver(f"plans-{index}", "cpu")
+    assert len(receiver_module._plans_by_endpoint) == receiver_module.PLAN_ENDPOINTS
+    assert BucketedWeightReceiver("plans-a", "cpu")._plans is not first._plans  # the oldest endpoint's went
+
+
 def test_a_direct_bucket_in_an_shm_session_fails_the_receiver_cleanly(endpoint):
     direct = {"exports": [{"ipc_handle": b"\0" * 64, "nbytes": 4096, "device_uuid": "GPU-x"}], "allocs": [0]}
     raised, message, seconds, replies = run_rogue_sender(
@@ -369,7 +382,8 @@ def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they
             weights.append((name, tensor.normal_()))
         return weights
 
-    # the same layout twice (new values), then layer 8's up projection elsewhere: buckets 2 and 3 change
+    # the same layout twice (new values), then layer 8's up projection elsewhere: bucket 2 changes (bucket 3, the
+    # head and the other allocation's tensor, lies where it lay)
     with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=3)
         expected = []
@@ -385,5 +399,5 @@ def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they
     first, second, third = (session["plans"] for session in sessions)
     assert sorted(first) == [0, 1, 2, 3]
     assert second == first  # laid out once: the next session's buckets came as they were
-    assert [third[seq] == second[seq] for seq in range(4)] == [True, True, False, False]
+    assert [third[seq] == second[seq] for seq in range(4)] == [True, True, False, True]
     assert result["segments_after"] == []

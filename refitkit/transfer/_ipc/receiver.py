@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -74,7 +74,7 @@ class BucketedWeightReceiver:
         self.last_stats: TransferStats | None = None
         self.last_timings_s: dict[str, float] = {}  # seconds per phase of the last session, for benchmarks
         self._active: _ReceiveSession | None = None  # the session running now, for wait_on()
-        self._plans: dict[int, _DirectPlan] = {}  # direct buckets as the last sessions laid them out (by seq)
+        self._plans = _plans_for(self.path, self.device)  # direct buckets as the last sessions laid them out (by seq)
 
     def wait_on(self, *streams: Any) -> None:
         """From inside ``on_bucket`` / a loop over ``iter_weights()``: also wait for work queued on ``streams``
@@ -652,6 +652,23 @@ class _ReceiveSession:
         if len(parts) != 1:
             raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.endpoint!r}")
         return decode(parts[0])
+
+
+# The direct buckets' plans of this many receivers' endpoints are kept by a process, so that an engine that makes a
+# receiver per sync (vLLM's and SGLang's workers do) lays its buckets out once, not every sync.
+PLAN_ENDPOINTS = 8
+_plans_by_endpoint: OrderedDict[tuple[str, str], dict[int, _DirectPlan]] = OrderedDict()
+
+
+def _plans_for(path: str, device: torch.device) -> dict[int, _DirectPlan]:
+    """The plans of the receivers on ``path`` and ``device`` (shared by every receiver made for them; the
+    ``PLAN_ENDPOINTS`` most recent endpoints' are kept)."""
+    key = (path, str(device))
+    plans = _plans_by_endpoint.pop(key, None)
+    _plans_by_endpoint[key] = plans = {} if plans is None else plans
+    while len(_plans_by_endpoint) > PLAN_ENDPOINTS:
+        _plans_by_endpoint.popitem(last=False)
+    return plans
 
 
 class _DirectPlan:
