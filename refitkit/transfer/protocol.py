@@ -248,6 +248,12 @@ def direct_fields(direct: Any, *, entries: list[Entry], sizes: list[int]) -> tup
     before this bucket. Every entry must be a whole tensor inside its allocation (its size as announced; the
     mapping checks the announcement against the driver's)."""
     exports, allocs, announced = direct_header(direct, count=len(entries), sizes=sizes)
+    return exports, direct_allocs(entries, allocs, announced)
+
+
+def direct_allocs(entries: list[Entry], allocs: list[Any], announced: list[int]) -> list[int]:
+    """A direct bucket's ``allocs`` (as ``direct_header`` returned them), checked entry by entry: each a whole
+    tensor inside the allocation it names, of the ``announced`` sizes."""
     for entry, index in zip(entries, allocs):
         if type(index) is not int or not 0 <= index < len(announced):
             raise ProtocolError(f"direct bucket: {entry.name!r} lies in allocation {brief(index)}; {len(announced)} are exported")
@@ -256,7 +262,7 @@ def direct_fields(direct: Any, *, entries: list[Entry], sizes: list[int]) -> tup
                 f"direct bucket: {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) is not a whole "
                 f"tensor inside allocation {index} of {announced[index]} bytes"
             )
-    return exports, allocs
+    return allocs
 
 
 def direct_header(direct: Any, *, count: int, sizes: list[int]) -> tuple[list[dict[str, Any]], list[Any], list[int]]:

@@ -45,7 +45,7 @@ from refitkit.transfer._ipc.endpoint import connect_receiver, receiver_context, 
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
-    check_split_pieces, contiguous_strides, decode, direct_fields, direct_header, encode, entries_from_wire, expect,
+    check_split_pieces, contiguous_strides, decode, direct_allocs, direct_header, encode, entries_from_wire, expect,
     recv_frame, setup_fields,
 )  # fmt: skip
 
@@ -330,7 +330,7 @@ class _ReceiveSession:
         plan = self.plans.get(self.seq)
         if plan is None or not plan.fits(raw, raw_allocs, announced):
             entries = entries_from_wire(raw, capacity=MAX_TENSOR_BYTES)
-            _, allocs = direct_fields(frame["direct"], entries=entries, sizes=sizes)
+            allocs = direct_allocs(entries, raw_allocs, announced)
             check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
             plan = self.plans[self.seq] = _DirectPlan(raw, raw_allocs, announced, entries, allocs)
         elif self.partial is not None:  # (whole entries and nothing in flight pass as they did before)
