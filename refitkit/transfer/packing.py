@@ -47,7 +47,7 @@ from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, WIRE_DTYPE
 
 BUCKET_MAX_TENSORS = 64
 BATCH_MAX_BYTES = 16 << 20  # contiguous tensors below this are batched into runs (one copy per run)
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 BOTH_HALVES = 0b11
 HALF_GRAIN_BYTES = 1 << 20  # halves of a buffer sized to a list are whole MiB (cuda_ipc maps whole 2 MiB pages)
 
@@ -70,7 +70,7 @@ def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool, detach
             name.encode()
         except UnicodeEncodeError as exc:
             raise InvalidInput(f"weights item #{index}: the name {name!r} is not valid UTF-8 ({exc.reason})") from None
-    if type(tensor) not in _PLAIN_TENSOR_TYPES:  # subclasses (DTensor, ...) take the slow checks
+    if type(tensor) not in PLAIN_TENSOR_TYPES:  # subclasses (DTensor, ...) take the slow checks
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it was imported

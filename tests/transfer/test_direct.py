@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from refitkit.engines import FreshWeights
-from refitkit.errors import ProtocolError, TransferError, TransferTimeout
+from refitkit.engines import FreshWeights, HeldWeights
+from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
 from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire
@@ -368,19 +368,26 @@ def test_a_receiver_killed_mid_direct_sync_times_the_sender_out_and_the_weights_
     assert torch.cuda.memory_reserved() == reserved  # the sender allocated nothing of torch's, and freed its bucket
 
 
+def _segments() -> list[torch.Tensor]:
+    """Two allocations a model's weights lie in (``_layers``), as a reload leaves them."""
+    return [torch.empty(1 * MIB, dtype=torch.uint8, device="cuda"), torch.empty(4 * KIB, dtype=torch.uint8, device="cuda")]
+
+
+def _laid_out(segments: list[torch.Tensor], moved: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """``_layers``' 50 weights as views of ``segments``, given new values."""
+    weights = []
+    for name, dtype, shape, index, offset in _layers(segments[0].numel(), layers=12, moved=moved):
+        nbytes = torch.Size(shape).numel() * (2 if dtype == "bfloat16" else 4)
+        tensor = segments[index][offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+        weights.append((name, tensor.normal_()))
+    return weights
+
+
 @pytest.mark.cuda
 def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they_changed(receiver_server, endpoint, monkeypatch):
     exportable_memory()
     monkeypatch.setattr(sender_module, "DIRECT_SHIP_TENSORS", 16)  # 50 weights: four direct buckets
-    segments = [torch.empty(1 * MIB, dtype=torch.uint8, device="cuda"), torch.empty(4 * KIB, dtype=torch.uint8, device="cuda")]
-
-    def weights_laid(moved: int | None) -> list[tuple[str, torch.Tensor]]:
-        weights = []
-        for name, dtype, shape, index, offset in _layers(segments[0].numel(), layers=12, moved=moved):
-            nbytes = torch.Size(shape).numel() * (2 if dtype == "bfloat16" else 4)
-            tensor = segments[index][offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
-            weights.append((name, tensor.normal_()))
-        return weights
+    segments = _segments()
 
     # the same layout twice (new values), then layer 8's up projection elsewhere: bucket 2 changes (bucket 3, the
     # head and the other allocation's tensor, lies where it lay)
@@ -388,7 +395,7 @@ def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=3)
         expected = []
         for moved in (None, None, 8):
-            weights = weights_laid(moved)
+            weights = _laid_out(segments, moved)
             expected.append({name: digest(tensor) for name, tensor in weights})
             sender.send(weights)
             assert sender.last_split.direct_tensors == len(weights) == 50
@@ -401,3 +408,112 @@ def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they
     assert second == first  # laid out once: the next session's buckets came as they were
     assert [third[seq] == second[seq] for seq in range(4)] == [True, True, False, True]
     assert result["segments_after"] == []
+
+
+def _digests(weights) -> dict:
+    return {name: digest(tensor) for name, tensor in weights}
+
+
+@pytest.mark.cuda
+def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_differs(receiver_server, endpoint, monkeypatch):
+    exportable_memory()
+    monkeypatch.setattr(sender_module, "DIRECT_SHIP_TENSORS", 16)  # 50 weights: four direct buckets
+    segments = _segments()
+    extra = segments[1][1024:1280].view(torch.float32)
+
+    def moved(count: int = 50) -> list:  # layer 8's up projection (item 34) elsewhere; new values
+        return _laid_out(segments, moved=8)[:count]
+
+    def renamed() -> list:
+        weights = moved(47) + [("extra", extra)]
+        weights[10] = ("renamed", weights[10][1])
+        return weights
+
+    def retyped() -> list:
+        weights = renamed()
+        weights[20] = (weights[20][0], weights[20][1].view(torch.float16))  # the same bytes seen as another dtype
+        return weights
+
+    # each session against the one before it: (what it sends, how many items follow the last session's walk)
+    sessions = [
+        (lambda: _laid_out(segments), 0),  # nothing to follow yet
+        (lambda: _laid_out(segments), 50),  # new values where they lay: all of it
+        (moved, 34),
+        (lambda: moved(47), 47),  # a shorter stream, so a shorter last bucket
+        (lambda: moved(47) + [("extra", extra.normal_())], 47),  # a longer one: its rest as in any session
+        (renamed, 10),
+        (retyped, 20),
+        (lambda: [list(item) for item in retyped()], 48),  # items as [name, tensor] lists: followed all the way
+    ]
+    with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=len(sessions))
+        expected, walked = [], []
+        for make, _ in sessions:
+            weights = make()
+            expected.append(_digests(weights))
+            sender.send(HeldWeights(iter(weights)))
+            split = sender.last_split
+            assert (split.direct_tensors, split.bucket_tensors) == (len(weights), 0)
+            walked.append(split.walked_tensors)
+    result = receiver_server.result()
+    assert result["ok"], result
+    assert [session["digests"] for session in result["sessions"]] == expected  # bit-exact every time
+    assert walked == [count for _, count in sessions]
+    plans = [session["plans"] for session in result["sessions"]]
+    assert plans[1] == plans[0]  # the walk sent the buckets as they went before: the receiver's plans fit them
+    assert result["segments_after"] == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        pytest.param(("layers.0.gate", None), r"duplicate tensor name 'layers.0.gate'", id="duplicate-name"),
+        pytest.param(("layers.7.up", "not a tensor"), r"'layers.7.up' is a str, not a torch.Tensor", id="not-a-tensor"),
+        pytest.param("no pair", r"weights item #30 is a str, not a \(name, tensor\) pair", id="not-a-pair"),
+    ],
+)
+def test_a_bad_item_where_a_sync_leaves_its_last_walk_is_refused_as_in_any_sync(receiver_server, endpoint, bad, error):
+    exportable_memory()
+    segments = _segments()
+    with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="copy")
+        sender.send(HeldWeights(iter(_laid_out(segments))))
+        assert receiver_server.result()["ok"]
+        weights = _laid_out(segments)
+        if bad[1] is None:  # a name the stream had already: the tensor at item 30's own place
+            bad = (bad[0], weights[30][1])
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="copy")
+        with pytest.raises(InvalidInput, match=error):
+            sender.send(HeldWeights(iter(weights[:30] + [bad] + weights[31:])))
+        assert sender.last_split is None
+        result = receiver_server.result()
+        assert not result["ok"] and "aborted the session" in result["message"], result
+        assert result["segments_after"] == []
+        weights = _laid_out(segments)  # and the next sync lands whole
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="copy")
+        sender.send(HeldWeights(iter(weights)))
+        result = receiver_server.result()
+        assert result["ok"] and result["digests"] == _digests(weights), result
+
+
+@pytest.mark.cuda
+def test_a_followed_walk_exports_an_allocation_made_anew_at_its_address(receiver_server, endpoint):
+    exportable_memory()
+    # an offload and reload between two syncs: the weights' allocation freed, then made again where it lay; the walk
+    # still fits, and the new allocation must be exported anew (the old one's handle maps nothing of it)
+    segments = _segments()
+    address = segments[0].data_ptr()
+    with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=2)
+        sender.send(HeldWeights(iter(_laid_out(segments))))
+        segments = None
+        torch.cuda.empty_cache()  # (the allocator returns the segment to the driver)
+        segments = _segments()
+        assert segments[0].data_ptr() == address  # the case this test is about did happen
+        weights = _laid_out(segments)
+        sender.send(HeldWeights(iter(weights)))
+        assert sender.last_split.walked_tensors == len(weights) == 50
+    result = receiver_server.result()
+    assert result["ok"], result
+    assert result["sessions"][1]["digests"] == _digests(weights)

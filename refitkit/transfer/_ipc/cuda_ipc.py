@@ -305,6 +305,11 @@ class AllocationExports:
             return self._refused[base]
         if pointer + nbytes > base + size:
             return "its bytes span two allocations"
+        exported = self._export(base, size)
+        return exported if isinstance(exported, str) else (exported, pointer - base)
+
+    def _export(self, base: int, size: int) -> int | str:
+        """Export the allocation of ``size`` bytes at ``base``: its index, or why it cannot be."""
         if len(self.handles) >= self.max_allocations:
             return f"its allocation would be export number {len(self.handles) + 1} of at most {self.max_allocations}"
         buffer_id = self._buffer_id(base) if self.recycled else 0
@@ -312,7 +317,7 @@ class AllocationExports:
             return "the driver gives its allocation no buffer id (needed for tensors dropped during the sync)"
         handle = _IpcHandle()
         with torch.cuda.device(self.device):
-            result = lib.cuIpcGetMemHandle(ctypes.byref(handle), base)
+            result = _driver().cuIpcGetMemHandle(ctypes.byref(handle), base)
         if result != 0:
             self._refused[base] = f"cuIpcGetMemHandle refused its allocation (CUDA error {result}; expandable segments?)"
             return self._refused[base]
@@ -321,7 +326,27 @@ class AllocationExports:
         bisect.insort(self._bases, base)
         self._known[base] = (base + size, index, buffer_id)
         self._last = (base, base + size, index)
-        return index, pointer - base
+        return index
+
+    def adopt(self, ranges: list[tuple[int, int]]) -> bool:
+        """Export the allocations an earlier session exported, as (start, size) in its index order, before any other:
+        whether the driver still has each one at its start with its size. False at the first that is not (those
+        before it stay exported; ``locate`` finds the rest as usual). Not in ``recycled`` sessions."""
+        if self.recycled or self.handles:
+            return False
+        lib = _driver()
+        base_c, size_c = ctypes.c_uint64(), ctypes.c_size_t()
+        for base, size in ranges:
+            with torch.cuda.device(self.device):
+                result = lib.cuMemGetAddressRange_v2(ctypes.byref(base_c), ctypes.byref(size_c), base)
+            if result != 0 or base_c.value != base or size_c.value != size or isinstance(self._export(base, size), str):
+                return False
+        return True
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The exported allocations as (start, size), in index order (what a later session may ``adopt``)."""
+        spans = sorted((index, base, end - base) for base, (end, index, _) in self._known.items())
+        return [(base, size) for _, base, size in spans]
 
     def _buffer_id(self, pointer: int) -> int:
         """The driver's unique id of the allocation ``pointer`` lies in (0 when it knows none)."""
@@ -329,11 +354,17 @@ class AllocationExports:
         result = _driver().cuPointerGetAttribute(ctypes.byref(value), _POINTER_BUFFER_ID, pointer)
         return value.value if result == 0 else 0
 
-    def take_new(self) -> list[dict[str, Any]]:
-        """The handles exported since the last call, in index order (each is announced once)."""
-        new = self.handles[self._announced :]
-        self._announced = len(self.handles)
+    def take_new(self, upto: int | None = None) -> list[dict[str, Any]]:
+        """The handles exported since the last call (up to index ``upto``), in index order (each is announced once)."""
+        end = len(self.handles) if upto is None else upto
+        new = self.handles[self._announced : end]
+        self._announced = max(self._announced, end)
         return new
+
+    @property
+    def announced(self) -> int:
+        """How many handles ``take_new`` has handed out so far."""
+        return self._announced
 
 
 def release_mappings(mappings: list[CudaIpcMapping], *, what: str, timings: dict[str, float] | None = None) -> None:

@@ -54,7 +54,8 @@ from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
 from refitkit.transfer._ipc.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
 from refitkit.transfer.packing import (
-    BOTH_HALVES, BucketPacker, CheckedItem, check_item, check_items, fresh_each, half_bytes_for, held_unchanged,
+    BOTH_HALVES, PLAIN_TENSOR_TYPES, BucketPacker, CheckedItem, check_item, check_items, fresh_each, half_bytes_for,
+    held_unchanged,
 )  # fmt: skip
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import (
@@ -164,6 +165,7 @@ class BucketedWeightSender:
         self.timeout_s = timeout_s
         self.direct = direct
         self.last_split: DirectSplit | None = None  # with direct=True: how the last session split (direct / bucket)
+        self._walk: _DirectWalk | None = None  # the last session's items and direct buckets, when it went all direct
         self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
         self._owner: int | None = None  # the thread running the current session
         self._stop: StopRequest | None = None  # stops the current session (close() from another thread)
@@ -355,10 +357,11 @@ class BucketedWeightSender:
         run = _SendSession(
             self._socket, self._waiting, endpoint=self.endpoint, transport=self.transport, timeout_s=self.timeout_s,
             pull=pull, listed=listed, all_cuda=all_cuda, held=held, fresh=fresh, cancel=cancel,
-            half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct,
+            half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct, walk=self._walk,
         )  # fmt: skip
         self.last_timings_s = run.timings
         self.last_split = None
+        self._walk = None
         try:
             stats = run.run()
         except BaseException as exc:  # also KeyboardInterrupt / SystemExit from the caller's iterator
@@ -369,6 +372,7 @@ class BucketedWeightSender:
             raise
         run.free()
         self.last_split = run.split()
+        self._walk = run.walk_made()
         return stats
 
     def _clean_up_after(self, run: _SendSession, exc: BaseException) -> None:
@@ -425,6 +429,27 @@ def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
         raise _Cancelled(f"{cancel.reason} {where}")
 
 
+class _DirectWalk:
+    """One session of a source whose tensors stay where they lie (a list, a module's parameters, ``HeldWeights``),
+    every tensor direct, as the next session may take it again: each item's name and where its tensor lay, the
+    direct buckets shipped and the allocations exported.
+
+    The next session on the same device follows it item by item while the stream yields the same names with plain,
+    dense, contiguous tensors at the same addresses, dtypes and shapes: what ``check_item`` and ``_take_direct``
+    found of an item then holds for it again (the names, unique then, come in the same order), so the recorded
+    entries ship as they are, and the receiver finds its own plans for them. Each allocation is exported anew (the
+    driver must still have it at its start, of its size). From the first item that differs, the session goes on as
+    any other. It holds no tensor: names, numbers and wire entries only."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        self.items: list[tuple[str, int, torch.dtype, torch.Size, int]] = []  # name, data pointer, dtype, shape, bytes
+        # per direct bucket: the number of items up to its last, its entries and allocation indices as sent, and the
+        # number of exports announced once it went
+        self.buckets: list[tuple[int, list[Any], list[int], int]] = []
+        self.allocations: list[tuple[int, int]] = []  # the exported allocations' (start, size), in index order
+
+
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
@@ -432,6 +457,7 @@ class _SendSession:
         self, sock: zmq.Socket, waiting: WaitingReceivers, *, endpoint: str, transport: str, timeout_s: float,
         pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool,
         cancel: StopRequest | None, half_bytes: int, direct: bool = False, fresh: bool = False,
+        walk: _DirectWalk | None = None,
     ) -> None:  # fmt: skip
         self.sock = sock
         self.waiting = waiting  # hellos queued for later sessions (the sender's, shared across its sessions)
@@ -475,6 +501,9 @@ class _SendSession:
         # fresh tensors live until their bucket is consumed: smaller direct buckets keep about bucket_bytes alive at most
         self.direct_ship_bytes = min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
         self.direct_ship_tensors = DIRECT_MAX_TENSORS  # (set when the session's direct taker is made)
+        self.walk = walk  # the last session's, followed while the stream yields what it yielded then
+        self.record: _DirectWalk | None = None  # this session's, while it may still become the next one's walk
+        self.walked = 0  # tensors that followed the walk
         self.direct_tensors = 0
         self.direct_bytes = 0
         self.bucket_reasons: dict[str, int] = {}
@@ -506,25 +535,15 @@ class _SendSession:
         self._mark("setup", began)
         began = time.perf_counter()
         total_bytes = 0
-        item = first
-        if item is not None:
-            next_item, unpacked = self._next_item, self.unpacked
+        if first is not None:
             take_direct = self._direct_taker()
             self.span = _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
             try:
-                while item is not None:
-                    if take_direct is None or not take_direct(*item):
-                        (self.packer or self._late_packer()).pack(*item)
-                    total_bytes += item[1].nbytes
-                    if unpacked:  # announce finished buckets now, not when the next one is full
-                        self._announce_packed()
-                    item = next_item()
-                if self.packer is None:  # every tensor went direct: their last bucket ends the stream
-                    self._ship_direct(last=True)
-                else:
-                    if self.direct_entries:
-                        self._ship_direct()
-                    self.packer.finish()
+                item: CheckedItem | None = first
+                if self.walk is not None and self.record is not None:
+                    item, total_bytes = self._follow_walk(first)
+                if item is not None:
+                    total_bytes += self._stream(item, take_direct)
             finally:
                 if self.span is not None:  # the stream stopped before its last bucket shipped
                     self.span.__exit__(None, None, None)
@@ -541,6 +560,25 @@ class _SendSession:
             bytes=total_bytes, tensors=self.items, buckets=self.seq,
             seconds=time.perf_counter() - start, ack_wait_s=self.ack_wait_s,
         )  # fmt: skip
+
+    def _stream(self, item: CheckedItem | None, take_direct: Callable[[str, torch.Tensor, str], bool] | None) -> int:
+        """Check, place and ship every item from ``item`` on, then the last bucket; the bytes streamed."""
+        next_item, unpacked = self._next_item, self.unpacked
+        total_bytes = 0
+        while item is not None:
+            if take_direct is None or not take_direct(*item):
+                (self.packer or self._late_packer()).pack(*item)
+            total_bytes += item[1].nbytes
+            if unpacked:  # announce finished buckets now, not when the next one is full
+                self._announce_packed()
+            item = next_item()
+        if self.packer is None:  # every tensor went direct: their last bucket ends the stream
+            self._ship_direct(last=True)
+        else:
+            if self.direct_entries:
+                self._ship_direct()
+            self.packer.finish()
+        return total_bytes
 
     # -- direct mode: weights read where the trainer holds them ------------------------------------
 
@@ -560,6 +598,8 @@ class _SendSession:
             self.exports = cuda_ipc.AllocationExports(
                 self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
             )  # fmt: skip
+            if self.batch:  # tensors that stay where they lie: the next session may follow this one's walk
+                self.record = _DirectWalk(self.session_device)
         self.direct_ship_tensors = min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS)
         return self._take_direct
 
@@ -587,7 +627,10 @@ class _SendSession:
         index, offset = located
         if len(self.direct_entries) >= self.direct_ship_tensors or self.direct_pending_bytes >= self.direct_ship_bytes:
             self._ship_direct()  # a full one ships when the next comes: the stream's last is never an empty bucket
-        self.direct_entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
+        shape = tensor.shape
+        if self.record is not None:
+            self.record.items.append((name, pointer, tensor.dtype, shape, nbytes))
+        self.direct_entries.append(entry_to_wire(name, wire_dtype, shape, offset))
         self.direct_allocs.append(index)
         self.direct_held.append(tensor)
         self.direct_tensors += 1
@@ -610,6 +653,7 @@ class _SendSession:
         return self.packer
 
     def _through_bucket(self, reason: str, nbytes: int) -> None:
+        self.record = None  # a walk is of sessions whose every tensor went direct
         self.bucket_reasons[reason] = self.bucket_reasons.get(reason, 0) + 1
         self.bucket_tensors += 1
         self.bucket_bytes += nbytes
@@ -622,6 +666,16 @@ class _SendSession:
             raise TransferError("sender: a direct bucket without exports or entries (a bug in refitkit)")
         entries, allocs = self.direct_entries, self.direct_allocs
         self.direct_entries, self.direct_allocs, self.direct_pending_bytes = [], [], 0
+        self._send_direct(entries, allocs, last=last)
+        if self.record is not None:
+            self.record.buckets.append((self.direct_tensors, entries, allocs, self.exports.announced))
+        if self.fresh:  # kept until the receiver consumed this bucket (_retire_consumed), not to the session's end
+            self.direct_shipped.append((self.seq - 1, self.direct_held))
+            self.direct_held = []
+
+    def _send_direct(self, entries: list[Any], allocs: list[int], *, last: bool, announce: int | None = None) -> None:
+        """Send one direct bucket with the exports not announced yet (up to index ``announce``), once fewer than
+        ``DIRECT_IN_FLIGHT`` direct buckets await the receiver."""
 
         def room() -> bool:
             self._retire_consumed()
@@ -629,13 +683,96 @@ class _SendSession:
 
         if not room():
             self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
-        direct: dict[str, Any] = {"exports": self.exports.take_new(), "allocs": allocs}
+        direct: dict[str, Any] = {"exports": self.exports.take_new(announce), "allocs": allocs}  # type: ignore[union-attr]
         if not self.fresh:  # held until the session ends: the receiver may say it is done once its reads are issued
             direct["kept"] = True
         self._send_bucket(0, True, entries, last, direct=direct)
-        if self.fresh:  # kept until the receiver consumed this bucket (_retire_consumed), not to the session's end
-            self.direct_shipped.append((self.seq - 1, self.direct_held))
-            self.direct_held = []
+
+    def _follow_walk(self, first: CheckedItem) -> tuple[CheckedItem | None, int]:
+        """Ship the last session's direct buckets again while the stream yields its items as they were then
+        (``_DirectWalk``). Returns the first item that differs, checked, for ``_stream`` to go on from (None: the
+        stream ended and its last bucket went out), and the bytes of the items before it."""
+        walk, exports = self.walk, self.exports
+        if walk is None or exports is None or walk.device != self.session_device or not exports.adopt(walk.allocations):
+            return first, 0
+        items, buckets, count = walk.items, walk.buckets, len(walk.items)
+        pull, cancel, unpacked, held, device_index = self.pull, self.cancel, self.unpacked, self.direct_held, exports.index
+        plain, strided, listed = PLAIN_TENSOR_TYPES, torch.strided, self.checked
+        at = bucket = 0
+        end = buckets[0][0]  # the item after the bucket's last: it ships the bucket, as in _take_direct
+        item: Any = first
+        # (once per tensor on the sender's critical path: the tests that make an item what _take_direct took, and
+        # every check of check_item, hold for one of the plain tensor types at the same address, dtype and shape)
+        while at < count:
+            name, pointer, dtype, shape, _ = items[at]
+            if type(item) is not tuple and type(item) is not list or len(item) != (3 if listed or not at else 2):
+                break
+            named, tensor = item[0], item[1]
+            if (
+                named is not name and (type(named) is not str or named != name)
+                or type(tensor) not in plain or tensor.layout is not strided or tensor.is_nested
+                or tensor.data_ptr() != pointer or tensor.dtype is not dtype or tensor.shape != shape
+                or tensor.get_device() != device_index or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg()
+            ):  # fmt: skip
+                break
+            if at == end:
+                _, entries, allocs, announce = buckets[bucket]
+                self._send_direct(entries, allocs, last=False, announce=announce)
+                bucket += 1
+                end = buckets[bucket][0]
+            held.append(tensor)
+            at += 1
+            if unpacked:  # announce finished buckets now, not when the next one is full
+                self._announce_packed()
+            if cancel is not None and cancel.is_set():
+                raise _Cancelled(f"{cancel.reason} after {at} items")
+            item = pull()
+            if item is END:
+                break
+        return self._leave_walk(item, at, bucket)
+
+    def _leave_walk(self, item: Any, at: int, bucket: int) -> tuple[CheckedItem | None, int]:
+        """Where the stream left the walk: at the walk's item number ``at``, in its bucket ``bucket``, with ``item``
+        (END at the stream's end). The session's counts are what ``_take_direct`` would have left, that bucket's
+        entries so far are pending and ``item`` is checked; at the stream's end its last bucket ships."""
+        walk, record = self.walk, self.record
+        if walk is None or record is None:
+            raise TransferError("sender: left a walk it did not follow (a bug in refitkit)")
+        items = walk.items
+        start = walk.buckets[bucket - 1][0] if bucket else 0
+        _, entries, allocs, announce = walk.buckets[bucket]
+        walked_bytes = sum(nbytes for *_, nbytes in items[:at])
+        self.walked = self.direct_tensors = at
+        self.direct_bytes = walked_bytes
+        if at == len(items) and item is END:  # the stream as walked: the walk stays the next session's
+            self.items = at
+            self.record = walk
+            self._send_direct(entries, allocs, last=True, announce=announce)
+            return None, walked_bytes
+        record.items, record.buckets = items[:at], walk.buckets[:bucket]
+        if not at:
+            return item, 0  # the first item differs (it was checked and counted before the set-up)
+        self.direct_entries, self.direct_allocs = entries[: at - start], allocs[: at - start]
+        self.direct_pending_bytes = sum(nbytes for *_, nbytes in items[start:at])
+        self.items = at
+        if not self.checked:
+            self.seen.update(name for name, *_ in items[:at])
+        if item is END:  # a shorter stream: it ends here
+            self._ship_direct(last=True)
+            return None, walked_bytes
+        if not self.checked:
+            item = check_item(self.items, item, self.seen, need_cuda=self.need_cuda, detach=False)
+        self.items += 1
+        return item, walked_bytes
+
+    def walk_made(self) -> _DirectWalk | None:
+        """This session's walk, for the next session to follow: when every tensor went direct (else None)."""
+        record = self.record
+        if record is None or self.exports is None or not record.buckets or self.bucket_tensors:
+            return None
+        if record is not self.walk:
+            record.allocations = self.exports.ranges()
+        return record
 
     def split(self) -> DirectSplit | None:
         """How this session split between direct and bucket reads (None without direct mode)."""
@@ -645,6 +782,7 @@ class _SendSession:
             direct_tensors=self.direct_tensors, direct_bytes=self.direct_bytes, bucket_tensors=self.bucket_tensors,
             bucket_bytes=self.bucket_bytes, allocations=len(self.exports.handles) if self.exports else 0,
             bucket_reasons=dict(self.bucket_reasons), replaced_allocations=self.exports.replaced if self.exports else 0,
+            walked_tensors=self.walked,
         )  # fmt: skip
 
     def _mark(self, phase: str, began: float) -> None:
