@@ -134,3 +134,52 @@ def test_a_socket_dir_that_cannot_be_made_is_a_transfer_error_naming_the_knob(mo
     monkeypatch.setenv("REFITKIT_SOCKET_DIR", str(blocker / "sockets"))
     with pytest.raises(TransferError, match=r"socket dir .*a-file/sockets cannot be made or read .*REFITKIT_SOCKET_DIR"):
         socket_path("anything")
+
+
+def test_a_receivers_next_session_says_hello_on_a_connection_made_ahead_and_never_on_one_to_a_sender_gone(endpoint):
+    import threading
+
+    import torch
+
+    from refitkit.transfer import BucketedWeightReceiver
+    from refitkit.transfer._ipc import endpoint as endpoint_module
+    from tests.transfer.peers import digest
+
+    path = socket_path(endpoint)
+    weights = [(f"w{i}", torch.randn(64 + i)) for i in range(5)]
+    expected = {name: digest(tensor) for name, tensor in weights}
+
+    def session(sender: BucketedWeightSender, on_bucket=None) -> dict:
+        """One sync as an engine's worker makes it: a new receiver, in this thread; the sender in another."""
+        sent: list[BaseException] = []
+        thread = threading.Thread(target=lambda: _send_catching(sender, weights, sent))
+        thread.start()
+        got: dict = {}
+        try:
+            BucketedWeightReceiver(endpoint, "cpu", timeout_s=10.0).receive(
+                on_bucket or (lambda batch, last: got.update((name, digest(tensor)) for name, tensor in batch))
+            )
+        finally:
+            thread.join(15)
+        return got
+
+    with BucketedWeightSender(endpoint, transport="shm", timeout_s=10.0) as sender:
+        assert session(sender) == expected
+        ahead = endpoint_module._parked[path][2]  # connected after the session ended, for the next one
+        assert not ahead.closed
+        assert session(sender) == expected
+        assert ahead.closed  # the second session said hello on it (and closed it as it ended)
+        stale = endpoint_module._parked[path][2]
+    with BucketedWeightSender(endpoint, transport="shm", timeout_s=10.0) as successor:  # the endpoint bound anew
+        assert session(successor) == expected  # a fresh connection: the parked one led to a socket file now gone
+        assert stale.closed
+        with pytest.raises(TransferError, match="on_bucket raised"):
+            session(successor, on_bucket=lambda batch, last: 1 / 0)
+        assert path not in endpoint_module._parked  # a session that failed leaves nothing connected
+
+
+def _send_catching(sender: BucketedWeightSender, weights: list, failures: list) -> None:
+    try:
+        sender.send(weights)
+    except BaseException as exc:  # the sender's side of a failing session: the test looks at the receiver's
+        failures.append(exc)

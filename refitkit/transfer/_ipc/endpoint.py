@@ -26,7 +26,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import zmq
@@ -208,6 +208,43 @@ def connect_receiver(context: zmq.Context, path: str) -> zmq.Socket:
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer that sends more is disconnected, never buffered
     sock.connect(f"ipc://{path}")
     return sock
+
+
+PARKED_ENDPOINTS = 8  # a process keeps connections made ahead to this many endpoints (the most recent ones)
+_parked: OrderedDict[str, tuple[int, tuple[int, int], zmq.Socket]] = OrderedDict()  # path -> (pid, socket file, socket)
+_parked_lock = threading.Lock()
+
+
+def take_receiver_socket(path: str) -> zmq.Socket:
+    """A DEALER socket connected to ``path`` for a receiving session: the one ``park_receiver_socket`` connected
+    after this process's last session on it, while the socket file is still the one it connected to (its
+    connection's handshake is done, so the hello leaves at once); else a new one."""
+    with _parked_lock:
+        parked = _parked.pop(path, None)
+    if parked is not None:
+        pid, identity, sock = parked
+        if pid == os.getpid():  # (a forked child leaves its parent's sockets alone)
+            if identity == socket_identity(path):
+                return sock
+            sock.close(linger=0)  # another sender bound the endpoint since: connect to it anew
+    return connect_receiver(receiver_context(), path)
+
+
+def park_receiver_socket(path: str) -> None:
+    """Connect a socket to ``path`` for this process's next session on it, after a session ended (an engine's
+    worker receives every sync in a new session). A new socket: nothing of the session before can reach it."""
+    identity = socket_identity(path)
+    if identity is None:
+        return  # the sender is gone: the next session connects when it comes
+    sock = connect_receiver(receiver_context(), path)
+    with _parked_lock:
+        dropped = [_parked.pop(path, None)]
+        _parked[path] = (os.getpid(), identity, sock)
+        while len(_parked) > PARKED_ENDPOINTS:
+            dropped.append(_parked.popitem(last=False)[1])
+    for old in dropped:
+        if old is not None and old[0] == os.getpid():
+            old[2].close(linger=0)
 
 
 class WaitingReceivers:

@@ -41,7 +41,7 @@ import zmq
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
-from refitkit.transfer._ipc.endpoint import connect_receiver, receiver_context, socket_path
+from refitkit.transfer._ipc.endpoint import park_receiver_socket, socket_path, take_receiver_socket
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
@@ -215,6 +215,7 @@ class _ReceiveSession:
         self.bytes = 0
         self.tensors = 0
         self.released = False
+        self.acked = False  # the final ACK went out: the session ended as it should
 
     # -- handshake --------------------------------------------------------------------------------
 
@@ -226,7 +227,7 @@ class _ReceiveSession:
             self.timings["handshake"] += time.perf_counter() - began
 
     def _open(self) -> None:
-        self.sock = connect_receiver(receiver_context(), self.path)
+        self.sock = take_receiver_socket(self.path)
         hello: dict[str, Any] = {
             "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
             "timeout_s": self.timeout_s,  # how long a sender may keep this hello queued
@@ -540,6 +541,7 @@ class _ReceiveSession:
             raise
         self._send(encode("released", session=self.session, seq=self.seq))
         self.phase = SessionPhase.RELEASED
+        self.acked = True
 
     def _reads_stream(self) -> Any:
         """The current CUDA stream, made to wait for the loader's streams (wait_on); None on the CPU."""
@@ -621,6 +623,8 @@ class _ReceiveSession:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+            if self.acked:  # a session that ended well: the next on this endpoint finds a connection made
+                park_receiver_socket(self.path)
         self.timings["close"] += time.perf_counter() - began
 
     def _send(self, payload: bytes, *, quiet: bool = False) -> None:
