@@ -331,9 +331,18 @@ def recv_frame(
     phase: SessionPhase,
     waiting_for: str,
     peer: str,
+    spin_s: float = 0.0,
 ) -> list[bytes]:
-    """Receive one multipart message within ``timeout_s``, else TransferTimeout naming phase and knob."""
-    deadline = time.monotonic() + timeout_s
+    """Receive one multipart message within ``timeout_s``, else TransferTimeout naming phase and knob. ``spin_s``:
+    look without sleeping for that long first (yielding the core), for a frame due at once: a thread asleep in
+    ``poll`` wakes some time after its frame came."""
+    began = time.monotonic()
+    deadline = began + timeout_s
+    spin_until = began + min(spin_s, timeout_s)
+    while time.monotonic() < spin_until:
+        if sock.poll(0, zmq.POLLIN):
+            return sock.recv_multipart(copy=True)
+        os.sched_yield()
     while True:
         remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
         if sock.poll(remaining_ms, zmq.POLLIN):

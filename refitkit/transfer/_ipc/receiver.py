@@ -236,7 +236,7 @@ class _ReceiveSession:
         if self.device.type == "cuda":
             hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
         self.sock.send(encode("hello", **hello))
-        setup = self._recv("setup")
+        setup = self._recv("setup", spin_s=doorbell.SPIN_S)  # a sender waiting for us answers at once
         if setup["kind"] == "abort":
             self.phase = SessionPhase.RELEASED
             raise TransferError(f"sender on {self.endpoint!r} refused the session: {setup.get('reason')}")
@@ -642,14 +642,14 @@ class _ReceiveSession:
         """A frame that poll() said is there."""
         return self._recv("a frame", timeout_s=0.0)
 
-    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> dict[str, Any]:
+    def _recv(self, waiting_for: str, timeout_s: float | None = None, *, spin_s: float = 0.0) -> dict[str, Any]:
         if self.sock is None:
             raise TransferError(f"{self.phase.value}: the receiver's socket to {self.endpoint!r} is closed")
         began = time.perf_counter()
         try:
             parts = recv_frame(
                 self.sock, timeout_s=self.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
-                waiting_for=waiting_for, peer=f"the sender on {self.endpoint!r}",
+                waiting_for=waiting_for, peer=f"the sender on {self.endpoint!r}", spin_s=spin_s,
             )  # fmt: skip
         finally:
             self.wait_s += time.perf_counter() - began

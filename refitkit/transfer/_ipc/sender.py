@@ -38,6 +38,7 @@ import asyncio
 import concurrent.futures
 import enum
 import logging
+import os
 import secrets
 import threading
 import time
@@ -1007,11 +1008,18 @@ class _SendSession:
             self.peer, frame = waiting
             return frame
         waiting_for = "hello (is a receiver connected?)"
-        deadline = time.monotonic() + self.timeout_s
+        now = time.monotonic()
+        deadline, spin_until = now + self.timeout_s, now + doorbell.SPIN_S  # (an engine's hello is often on its way)
         while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
             _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
-            left_s = max(0.0, deadline - time.monotonic())
+            now = time.monotonic()
+            left_s = max(0.0, deadline - now)
             slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
+            if now < spin_until:  # look without sleeping first: a thread asleep in poll wakes late
+                slice_s = 0.0
+                if not self.sock.poll(0, zmq.POLLIN):
+                    os.sched_yield()
+                    continue
             if not self.sock.poll(int(slice_s * 1000), zmq.POLLIN):
                 if time.monotonic() >= deadline:
                     raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.timeout_s)
