@@ -1009,7 +1009,7 @@ class _SendSession:
             return frame
         waiting_for = "hello (is a receiver connected?)"
         now = time.monotonic()
-        deadline, spin_until = now + self.timeout_s, now + doorbell.SPIN_S  # (an engine's hello is often on its way)
+        deadline, spin_until = now + self.timeout_s, now + min(doorbell.SPIN_S, self.timeout_s)  # (a hello is often near)
         while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
             _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
             now = time.monotonic()
