@@ -135,6 +135,34 @@ def test_a_module_or_memory_the_engine_swapped_under_the_plan_is_bound_again(swa
     assert_same_params(model.inner, loaded_by_the_loader(5))  # the live parameters got every weight
 
 
+class DispatchingParameter(nn.Parameter):
+    """A parameter subclass with a Python ``__torch_function__``, as vLLM's are; counts the calls that reach it."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        DispatchingParameter.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_per_sync_check_of_subclassed_parameters_skips_their_dispatch_and_still_sees_new_memory():
+    model = FusingModel()
+    model.qkv = DispatchingParameter(torch.zeros(12, 4, dtype=torch.bfloat16))
+    model.big = DispatchingParameter(torch.zeros(SMALL_COPY_BYTES // 2, dtype=torch.bfloat16))
+    loads = DirectLoads(model, model.load_weights)
+    loads.land(weights(1))
+    loads.begin()  # binds the plan to the parameters as they are
+    DispatchingParameter.calls = 0
+    loads.begin()  # nothing changed: the check reads every pointer, none through __torch_function__
+    assert DispatchingParameter.calls == 0
+    model.qkv.data = torch.zeros(12, 4, dtype=torch.bfloat16)  # the same subclassed parameter on new memory
+    loads.begin()
+    stats = loads.land(weights(6))
+    assert stats.direct_tensors == len(DIRECT)
+    assert_same_params(model, loaded_by_the_loader(6))  # q/k/v landed in the new memory
+
+
 @pytest.mark.parametrize("write", ["setitem", "data", "out", "iadd"])
 def test_any_other_write_in_the_loader_keeps_a_weight_off_the_direct_path(write):
     class Writer(nn.Module):
