@@ -279,15 +279,30 @@ def direct_header(direct: Any, *, count: int, sizes: list[int]) -> tuple[list[di
             f"direct bucket: exports={brief(exports)} allocs={brief(allocs)} are not two lists with one allocation per "
             f"entry ({count} entries, 1 to {DIRECT_MAX_TENSORS})"
         )
+    return exports, allocs, _announced(exports, sizes, "direct bucket")
+
+
+def setup_exports(frame: dict[str, Any], transport: str) -> list[dict[str, Any]]:
+    """The allocations a setup frame exports ahead of the stream (a held model's next sync: the receiver maps them
+    while the sender walks its first items), as raw handle fields each checked when mapped; [] when none."""
+    exports = frame.get("exports", [])
+    if type(exports) is not list or (exports and transport != "cuda_ipc"):
+        raise ProtocolError(f"setup: exports={brief(exports)} is not a list of a cuda_ipc session's allocations")
+    _announced(exports, [], "setup")
+    return exports
+
+
+def _announced(exports: list[Any], sizes: list[int], what: str) -> list[int]:
+    """``sizes`` followed by the size each of ``exports`` announces (checked: a positive int, MAX_EXPORTS at most)."""
     if len(sizes) + len(exports) > MAX_EXPORTS:
-        raise ProtocolError(f"direct bucket: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}")
+        raise ProtocolError(f"{what}: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}")
     announced = list(sizes)
     for handle in exports:
         nbytes = handle.get("nbytes") if type(handle) is dict else None
         if type(nbytes) is not int or nbytes <= 0:
-            raise ProtocolError(f"direct bucket: export {brief(handle)} announces no size")
+            raise ProtocolError(f"{what}: export {brief(handle)} announces no size")
         announced.append(nbytes)
-    return exports, allocs, announced
+    return announced
 
 
 def encode(kind: str, **fields: Any) -> bytes:

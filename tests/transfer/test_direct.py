@@ -14,7 +14,7 @@ from refitkit.engines import FreshWeights, HeldWeights
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
-from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire
+from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire, setup_exports
 from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, receiver_killed_at, roundtrip
 from tests.transfer.peers import cuda_allocator_expandable, digest
 from tests.transfer.test_hostile_peer import bucket_frame, run_rogue_sender
@@ -77,6 +77,22 @@ def _entries(*items: list) -> list:
 def test_a_hostile_direct_bucket_is_refused_before_anything_is_mapped(direct, entries, sizes, message):
     with pytest.raises(ProtocolError, match=message):
         direct_fields(direct, entries=entries, sizes=sizes)
+
+
+@pytest.mark.parametrize(
+    "exports, transport, message",
+    [
+        pytest.param([{"nbytes": 4096}], "shm", r"setup: exports=.* is not a list of a cuda_ipc session's allocations", id="over-shm"),
+        pytest.param({"nbytes": 4096}, "cuda_ipc", r"setup: exports=.* is not a list", id="not-a-list"),
+        pytest.param([{"nbytes": -1}], "cuda_ipc", r"setup: export .* announces no size", id="no-size"),
+        pytest.param([{"nbytes": 4096}] * (MAX_EXPORTS + 1), "cuda_ipc", r"setup: 1025 exported allocations in one session",
+                     id="too-many"),
+    ],
+)
+def test_a_hostile_setup_export_is_refused_before_anything_is_mapped(exports, transport, message):
+    assert setup_exports({}, "shm") == [] and setup_exports({"exports": [{"nbytes": 4096}]}, "cuda_ipc") == [{"nbytes": 4096}]
+    with pytest.raises(ProtocolError, match=message):
+        setup_exports({"exports": exports}, transport)
 
 
 def _layers(allocation_bytes: int, *, layers: int, moved: int | None = None) -> list[tuple[str, str, tuple, int, int]]:
@@ -445,9 +461,18 @@ def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_di
         (retyped, 20),
         (lambda: [list(item) for item in retyped()], 48),  # items as [name, tensor] lists: followed all the way
     ]
+    setups = []  # how many allocations each setup frame exported ahead of the stream
+    encode = sender_module.encode
+
+    def spy(kind: str, **fields):
+        if kind == "setup":
+            setups.append(len(fields.get("exports", [])))
+        return encode(kind, **fields)
+
+    monkeypatch.setattr(sender_module, "encode", spy)
     with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=len(sessions))
-        expected, walked = [], []
+        expected, walked, exported = [], [], []
         for make, _ in sessions:
             weights = make()
             expected.append(_digests(weights))
@@ -455,10 +480,13 @@ def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_di
             split = sender.last_split
             assert (split.direct_tensors, split.bucket_tensors) == (len(weights), 0)
             walked.append(split.walked_tensors)
+            exported.append(split.allocations)
     result = receiver_server.result()
     assert result["ok"], result
     assert [session["digests"] for session in result["sessions"]] == expected  # bit-exact every time
     assert walked == [count for _, count in sessions]
+    # each session after the first exported the last one's allocations with its setup (mapped while it walked)
+    assert setups == [0, *exported[:-1]] and min(exported) > 0, (setups, exported)
     plans = [session["plans"] for session in result["sessions"]]
     assert plans[1] == plans[0]  # the walk sent the buckets as they went before: the receiver's plans fit them
     assert result["segments_after"] == []

@@ -46,7 +46,7 @@ from refitkit.transfer.common import SessionPhase, TransferStats, checked_device
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
     check_split_pieces, contiguous_strides, decode, direct_allocs, direct_header, encode, entries_from_wire, expect,
-    recv_frame, setup_fields,
+    recv_frame, setup_exports, setup_fields,
 )  # fmt: skip
 
 
@@ -255,6 +255,7 @@ class _ReceiveSession:
                     self._map_cuda_bucket(handle)
             elif transport != "none":
                 raise ProtocolError(f"unknown transport {brief(transport)} in setup")
+            exports = setup_exports(setup, transport)  # (a cuda_ipc session's: this receiver is on CUDA)
             if control is not None:
                 self.bell = doorbell.Doorbell.open(control)
             for path in (self.bell.path if self.bell else None, handle.get("path") if transport == "shm" else None):
@@ -262,6 +263,7 @@ class _ReceiveSession:
                     shm.unlink_quietly(path)
             if self.mapping is not None:
                 self._check_halves_fit()
+            self._map_exports(exports)  # the walk's allocations: mapped while the sender walks its first items
         except Exception as exc:
             self.fail(f"could not map the bucket: {exc}")
             raise
@@ -337,17 +339,21 @@ class _ReceiveSession:
         elif self.partial is not None:  # (whole entries and nothing in flight pass as they did before)
             check_split_pieces(plan.entries, self.partial[0], last=last)
         self.kept_bucket = frame["direct"].get("kept") is True
-        began = time.perf_counter()
-        for handle in exports:  # each announced size checked against the driver's size of what it maps
-            self.exported.append(cuda_ipc.CudaIpcMapping(handle, self.device))
-            self._adopt_device(self.exported[-1], f"exported allocation {len(self.exported) - 1}")
-        self.timings["map"] += time.perf_counter() - began
+        self._map_exports(exports)
         self._wait_packed()
         self.assembled.clear()
         weights = plan.views([mapping.tensor for mapping in self.exported])  # type: ignore[misc]
         self.bytes += plan.nbytes
         self.tensors += len(weights)
         return weights
+
+    def _map_exports(self, exports: list[dict[str, Any]]) -> None:
+        """Map the sender's allocations ``exports`` announces (in index order, after those mapped before)."""
+        began = time.perf_counter()
+        for handle in exports:  # each announced size checked against the driver's size of what it maps
+            self.exported.append(cuda_ipc.CudaIpcMapping(handle, self.device))
+            self._adopt_device(self.exported[-1], f"exported allocation {len(self.exported) - 1}")
+        self.timings["map"] += time.perf_counter() - began
 
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
         """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""

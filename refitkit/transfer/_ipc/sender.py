@@ -503,6 +503,7 @@ class _SendSession:
         self.direct_ship_bytes = min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
         self.direct_ship_tensors = DIRECT_MAX_TENSORS  # (set when the session's direct taker is made)
         self.walk = walk  # the last session's, followed while the stream yields what it yielded then
+        self.adopted = False  # the walk's allocations were exported while the hello was awaited (_export_early)
         self.record: _DirectWalk | None = None  # this session's, while it may still become the next one's walk
         self.walked = 0  # tensors that followed the walk
         self.direct_tensors = 0
@@ -520,6 +521,7 @@ class _SendSession:
     def run(self) -> TransferStats:
         start = time.perf_counter()
         self._allocate_early()
+        self._export_early()
         hello = self._await_hello()
         self._mark("hello_wait", start)
         first = self._next_item()
@@ -596,9 +598,10 @@ class _SendSession:
                 "or an adapter's HeldWeights / FreshWeights)"
             )
         else:
-            self.exports = cuda_ipc.AllocationExports(
-                self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
-            )  # fmt: skip
+            if self.exports is None:  # (else the walk's, exported while the hello was awaited and sent with the setup)
+                self.exports = cuda_ipc.AllocationExports(
+                    self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
+                )  # fmt: skip
             if self.batch:  # tensors that stay where they lie: the next session may follow this one's walk
                 self.record = _DirectWalk(self.session_device)
         self.direct_ship_tensors = min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS)
@@ -694,7 +697,9 @@ class _SendSession:
         (``_DirectWalk``). Returns the first item that differs, checked, for ``_stream`` to go on from (None: the
         stream ended and its last bucket went out), and the bytes of the items before it."""
         walk, exports = self.walk, self.exports
-        if walk is None or exports is None or walk.device != self.session_device or not exports.adopt(walk.allocations):
+        if walk is None or exports is None or walk.device != self.session_device:
+            return first, 0
+        if not (self.adopted or exports.adopt(walk.allocations)):
             return first, 0
         items, buckets, count = walk.items, walk.buckets, len(walk.items)
         pull, cancel, unpacked, held, device_index = self.pull, self.cancel, self.unpacked, self.direct_held, exports.index
@@ -824,6 +829,20 @@ class _SendSession:
             return
         self._mark("early_bucket", began)
 
+    def _export_early(self) -> None:
+        """While the receiver starts up, for a session that may follow the last one's walk: export that walk's
+        allocations again (``AllocationExports.adopt``), so that the setup carries them and the receiver maps them
+        while the first items are walked. The set-up keeps them only when the first item lies on the walk's device
+        in a cuda_ipc session, else lets them go (an export holds nothing)."""
+        walk = self.walk
+        if walk is None or not self.direct or not self.batch or walk.device is None or self.transport == "shm":
+            return
+        began = time.perf_counter()
+        exports = cuda_ipc.AllocationExports(walk.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
+        if exports.adopt(walk.allocations):
+            self.exports, self.adopted = exports, True
+        self._mark("early_exports", began)
+
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.half_bytes
@@ -846,8 +865,14 @@ class _SendSession:
                 control = self.bell.handle()
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
                 log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.endpoint, exc)
-        later = {"bucket_later": True} if self.bucket_later else {}
-        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control, **later))
+        extra: dict[str, Any] = {"bucket_later": True} if self.bucket_later else {}
+        if self.exports is not None:  # the walk's allocations, exported early: mapped by the receiver now
+            if transport == "cuda_ipc" and self.exports.device == self.session_device:
+                extra["exports"] = list(self.exports.handles)  # (all of them again, should this hello's peer be gone)
+                self.exports.take_new()
+            else:
+                self.exports, self.adopted = None, False
+        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control, **extra))
         self.state = self.state.to(SendState.OFFERED)
         # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
         if self.bucket is not None:
