@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -140,8 +143,62 @@ def bounded_result(future: concurrent.futures.Future, *, timeout_s: float, what:
 def bounded_call(call: Callable[[], Any], *, timeout_s: float, what: str, within: str, context: str = "") -> Any:
     """``call()`` in a helper thread, its result as ``bounded_result`` gives it; a call still stuck when the bound
     passed ends on its own (nothing waits for it)."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-engine-call")
+    with helper_threads() as helpers:
+        return bounded_result(helpers.submit(call), timeout_s=timeout_s, what=what, within=within, context=context)
+
+
+class HelperThreads:
+    """Two threads that run an engine's blocking calls (an rpc, a cache reset) while the caller sends or waits,
+    bounded by the caller; what ``helper_threads()`` hands out."""
+
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.futures: list[concurrent.futures.Future] = []
+
+    def submit(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future = self.pool.submit(call, *args, **kwargs)
+        self.futures.append(future)
+        return future
+
+
+HELPERS_KEPT = 2  # idle pools of helper threads kept warm per process
+
+
+class _IdleHelpers:
+    """Pools of helper threads kept between engine calls while idle: a call starts 0.1-0.2 ms sooner on a thread that
+    exists than on a new one (a push's rpc to the engine waits on it). A pool with a call still running (stuck past
+    its caller's bound) is never kept; nor is one from before a fork (its threads are not in the child)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[concurrent.futures.ThreadPoolExecutor] = []
+        self._pid = os.getpid()
+
+    def take(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="refitkit-engine-call")
+
+    def give_back(self, helpers: HelperThreads) -> None:
+        if all(future.done() for future in helpers.futures):
+            with self._lock:
+                if self._pid == os.getpid() and len(self._idle) < HELPERS_KEPT:
+                    self._idle.append(helpers.pool)
+                    return
+        helpers.pool.shutdown(wait=False)  # a stuck call ends on its own timeout; nothing waits for it
+
+
+_HELPERS = _IdleHelpers()
+
+
+@contextmanager
+def helper_threads() -> Iterator[HelperThreads]:
+    """Helper threads for the engine calls of one push or call; kept for the next while no call of theirs still runs."""
+    helpers = HelperThreads(_HELPERS.take())
     try:
-        return bounded_result(pool.submit(call), timeout_s=timeout_s, what=what, within=within, context=context)
+        yield helpers
     finally:
-        pool.shutdown(wait=False)
+        _HELPERS.give_back(helpers)

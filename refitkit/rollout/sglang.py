@@ -39,8 +39,8 @@ from refitkit.rollout import _sglang_internals as internals
 from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, bounded_call, checked_first_rank, checked_timeout, checked_weights, land_in_place, record_landing, refuse_session,
-    sync_report,
+    SyncProgress, bounded_call, checked_first_rank, checked_timeout, checked_weights, helper_threads, land_in_place,
+    record_landing, refuse_session, sync_report,
 )  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, weight_version_of
 from refitkit.rollout.vllm import tensor_fingerprint
@@ -473,8 +473,7 @@ def _checked_engine(engine: Any) -> dict[str, Any]:
 def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout_s: float, *, flush_cache: bool) -> SglangPushStats:
     """SGLang's ``update_weights_from_ipc`` (the scheduler receives) in a helper thread while ``send()`` runs here."""
     bound_s = timeout_s + RPC_SLACK_S
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="refitkit-sglang")
-    try:
+    with helper_threads() as pool:  # (a stuck call ends on its own; nothing waits past ours)
         call = pool.submit(internals.call_update, engine, request, flush_cache=flush_cache)
         try:
             sent = send()
@@ -495,8 +494,6 @@ def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout
                 f"(timeout_s={timeout_s} + {RPC_SLACK_S:.0f} s slack)"
             )
         return SglangPushStats(sender=sent, scheduler=decode_reply(*call.result(), what="receive"))
-    finally:
-        pool.shutdown(wait=False)
 
 
 def _failure_of(call: concurrent.futures.Future, *, wait_s: float) -> RefitError | None:

@@ -38,8 +38,8 @@ from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, bounded_call, checked_first_rank, bounded_result, checked_timeout, checked_weights, land_in_place, record_landing,
-    refuse_session, sync_report,
+    SyncProgress, bounded_call, checked_first_rank, bounded_result, checked_timeout, checked_weights, helper_threads,
+    land_in_place, record_landing, refuse_session, sync_report,
 )  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, weight_version_of
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
@@ -525,9 +525,8 @@ def _drive(
     call: the prefix-cache reset) is asked for once ``send()`` returned: the engine core took the rpc before the
     sender's session could start, so it queues ``then`` behind it, and the two replies come back together."""
     rpc_timeout_s = timeout_s + RPC_SLACK_S
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 if then is not None else 1, thread_name_prefix="refitkit-vllm-rpc")
     arguments = {"kwargs": args} if isinstance(args, dict) else {"args": args}
-    try:
+    with helper_threads() as pool:  # (a stuck rpc ends on its own timeout; nothing waits past ours)
         rpc = pool.submit(llm.collective_rpc, method, timeout=rpc_timeout_s, **arguments)
         try:
             sent = send()
@@ -556,8 +555,6 @@ def _drive(
             bounded_result(queued, timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
             reset_s = time.perf_counter() - began
         return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s)
-    finally:
-        pool.shutdown(wait=False)  # a stuck rpc ends on its own timeout; do not wait past ours
 
 
 def _raise_if_partial(pushed: VllmPushStats) -> None:
