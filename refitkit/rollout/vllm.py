@@ -83,6 +83,7 @@ class WorkerReceiver:
         self._refusal: Any = _UNREAD  # why in place is impossible (None: it is possible), read once
         self._post_reason: Any = _UNREAD  # why post-processing must follow direct copies (None: it need not), read once
         self._direct: DirectLoads | None = None  # the plan of direct copies, learned from the first in-place sync
+        self._receiver: BucketedWeightReceiver | None = None  # the last sync's, for the next on its endpoint
 
     @property
     def load_path(self) -> str:
@@ -97,7 +98,9 @@ class WorkerReceiver:
         """One session from the ``BucketedWeightSender`` on ``endpoint`` as weight ``version``; plain stats."""
         number = self.weights.next_version() if version is None else checked_version(version)
         endpoint = endpoint.replace("{rank}", str(self.rank))
-        receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
+        receiver = self._receiver
+        if receiver is None or receiver.endpoint != endpoint or receiver.timeout_s != timeout_s:
+            receiver = self._receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
         began = time.perf_counter()
         self._refuse_if_asleep(receiver)
         progress = SyncProgress()
