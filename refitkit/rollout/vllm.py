@@ -26,6 +26,7 @@ import concurrent.futures
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -347,11 +348,12 @@ def push_weights(
     weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir
     reset = _checked_reset(llm, reset_prefix_cache)
+    send = lambda on_hello: sender.send(weights, on_hello=on_hello)  # noqa: E731
     if _route(llm) == "extension":
-        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), lambda: sender.send(weights), timeout_s, then=reset)
+        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), send, timeout_s, then=reset)
     else:
         info = {"endpoint": endpoint, "timeout_s": timeout_s, "version": number}
-        pushed = _drive_weight_transfer(llm, info, lambda: sender.send(weights), timeout_s, then=reset)
+        pushed = _drive_weight_transfer(llm, info, send, timeout_s, then=reset)
     _raise_if_partial(pushed)
     return pushed
 
@@ -373,7 +375,7 @@ def push_weights_broadcast(
     reset = _checked_reset(llm, reset_prefix_cache)
     first_rank = checked_first_rank(first_rank)
     rendezvous = f"tcp://{sender.host}:{sender.port}"
-    send = lambda: sender.send(weights, version=number)  # noqa: E731
+    send = lambda on_hello: sender.send(weights, version=number)  # noqa: E731  # (its receivers join as ranks: no hello)
     if _route(llm) == "extension":
         args = (rendezvous, secret, timeout_s, first_rank, sender.backend)
         pushed = _drive(llm, "refit_receive_broadcast", args, send, timeout_s, then=reset)
@@ -497,7 +499,8 @@ def _route(llm: Any) -> str:
 
 
 def _drive_weight_transfer(
-    llm: Any, info: dict[str, Any], send: Callable[[], TransferStats], timeout_s: float, *, then: Callable[[], Any] | None = None
+    llm: Any, info: dict[str, Any], send: Callable[[Callable[[], Any]], TransferStats], timeout_s: float, *,
+    then: Callable[[], Any] | None = None,
 ) -> VllmPushStats:  # fmt: skip
     """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send()`` runs, finish;
     ``then`` (the prefix-cache reset) after finish, bounded like the rpcs."""
@@ -520,19 +523,35 @@ def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], Any] | Non
 
 
 def _drive(
-    llm: Any, method: str, args: tuple[Any, ...] | dict[str, Any], send: Callable[[], TransferStats], timeout_s: float,
-    *, then: Callable[[], Any] | None = None,
+    llm: Any, method: str, args: tuple[Any, ...] | dict[str, Any], send: Callable[[Callable[[], Any]], TransferStats],
+    timeout_s: float, *, then: Callable[[], Any] | None = None,
 ) -> VllmPushStats:  # fmt: skip
-    """Run the workers' ``method`` (positional ``args``, or keyword ones) in a helper thread while ``send()`` runs here;
-    both bounded. A refusal because the engine's weights are asleep is raised as ``EngineAsleep``. ``then`` (an engine
-    call: the prefix-cache reset) is asked for once ``send()`` returned: the engine core took the rpc before the
-    sender's session could start, so it queues ``then`` behind it, and the two replies come back together."""
+    """Run the workers' ``method`` (positional ``args``, or keyword ones) in a helper thread while ``send(on_hello)``
+    runs here; both bounded. A refusal because the engine's weights are asleep is raised as ``EngineAsleep``. ``then``
+    (an engine call: the prefix-cache reset) is asked for as soon as the worker's receiver said hello (``on_hello``),
+    else once ``send`` returned: the engine core runs calls in the order they came and is inside the rpc by then, so
+    ``then`` waits in its queue and runs right after it, and the two replies come back together."""
     rpc_timeout_s = timeout_s + RPC_SLACK_S
     arguments = {"kwargs": args} if isinstance(args, dict) else {"args": args}
     with helper_threads() as pool:  # (a stuck rpc ends on its own timeout; nothing waits past ours)
-        rpc = pool.submit(llm.collective_rpc, method, timeout=rpc_timeout_s, **arguments)
+        calling = threading.Event()
+
+        def rpc_call() -> Any:
+            calling.set()
+            return llm.collective_rpc(method, timeout=rpc_timeout_s, **arguments)
+
+        rpc = pool.submit(rpc_call)
+        # Let the helper take the interpreter first: the sender only waits for the worker's hello, which waits for
+        # this rpc (spinning for the hello, it kept the helper from sending the rpc for 0.2 ms)
+        calling.wait(RPC_SLACK_S)
+        queued: list[concurrent.futures.Future] = []
+
+        def ask_then() -> None:
+            if then is not None and not queued:
+                queued.append(pool.submit(then))
+
         try:
-            sent = send()
+            sent = send(ask_then)
         except TransferError as exc:
             # The worker released and reported (or never connected); its own error says why.
             engine_error = _error_of(rpc, wait_s=RPC_SLACK_S)
@@ -544,8 +563,8 @@ def _drive(
         except BaseException:
             _error_of(rpc, wait_s=RPC_SLACK_S)  # bad input: the worker got an abort; return once it is idle
             raise
-        began = time.perf_counter()
-        queued = pool.submit(then) if then is not None else None
+        ended = time.perf_counter()
+        ask_then()  # (the sender had no hello to report: a broadcast)
         done, _ = concurrent.futures.wait([rpc], timeout=rpc_timeout_s)
         if not done:
             raise TransferTimeout(
@@ -554,9 +573,9 @@ def _drive(
             )
         workers = list(rpc.result())
         reset_s = None
-        if queued is not None:
-            bounded_result(queued, timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
-            reset_s = time.perf_counter() - began
+        if queued:
+            bounded_result(queued[0], timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
+            reset_s = time.perf_counter() - ended
         return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s)
 
 

@@ -224,3 +224,34 @@ def test_cuda_ipc_needs_cuda(endpoint):
         pytest.skip("checks the CPU-only refusal")
     with pytest.raises(InvalidInput, match="cuda_ipc"):
         BucketedWeightSender(endpoint, transport="cuda_ipc")
+
+
+def test_on_hello_runs_once_after_the_receivers_hello_and_before_the_first_item_is_pulled(receiver_server, endpoint):
+    events = []
+
+    def stream():
+        events.append("first item pulled")
+        yield GOOD
+
+    with BucketedWeightSender(endpoint, bucket_bytes=8192, timeout_s=5) as sender:
+        receiver_server.start_session(endpoint, timeout_s=5)
+        stats = sender.send(stream(), on_hello=lambda: events.append("hello"))
+    assert receiver_server.result()["ok"] and stats.tensors == 1
+    assert events == ["hello", "first item pulled"]
+
+
+def test_an_on_hello_that_raises_fails_the_session_and_the_receiver_hears_why(receiver_server, endpoint):
+    def refuse() -> None:
+        raise RuntimeError("the engine's next call could not be queued")
+
+    with BucketedWeightSender(endpoint, bucket_bytes=8192, timeout_s=5) as sender:
+        receiver_server.start_session(endpoint, timeout_s=5)
+        with pytest.raises(RuntimeError, match="could not be queued"):
+            sender.send([GOOD], on_hello=refuse)
+        result = receiver_server.result()
+        assert not result["ok"] and "could not be queued" in result["message"], result
+        with pytest.raises(InvalidInput, match=r"on_hello='soon'; need a callable"):
+            sender.send([GOOD], on_hello="soon")
+        receiver_server.start_session(endpoint, timeout_s=5)
+        assert sender.send([GOOD]).tensors == 1  # the sender goes on
+        assert receiver_server.result()["ok"]

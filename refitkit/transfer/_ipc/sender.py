@@ -60,7 +60,7 @@ from refitkit.transfer.packing import (
 )  # fmt: skip
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, decode, encode, entry_to_wire, expect, recv_frame, timeout_error,
+    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, brief, decode, encode, entry_to_wire, expect, recv_frame, timeout_error,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,12 @@ _NEXT: dict[SendState, frozenset[SendState]] = {
 # pull, a list's checked items, all on CUDA, whether the items stay as they are during the session (``held_unchanged``),
 # whether each is made for the sender (``fresh_each``)
 _Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool, bool, bool]
+
+
+def _checked_hook(on_hello: Any) -> Callable[[], Any] | None:
+    if on_hello is not None and not callable(on_hello):
+        raise InvalidInput(f"on_hello={brief(on_hello)}; need a callable taking no arguments, or None")
+    return on_hello
 
 
 async def _anext_or_end(iterator: Any) -> Any:
@@ -238,22 +244,30 @@ class BucketedWeightSender:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def send(self, weights: Any) -> TransferStats:
-        """Send every (name, tensor) of a sync or async iterable; returns after the receiver released."""
+    def send(self, weights: Any, *, on_hello: Callable[[], Any] | None = None) -> TransferStats:
+        """Send every (name, tensor) of a sync or async iterable; returns after the receiver released.
+
+        ``on_hello``: called once, in the session's thread, when the session's receiver has said hello (before the
+        setup goes out): the point from which a receiver inside an engine's call is known to run it, so the caller
+        may queue the engine's next call (a cache reset) behind it. Keep it short: the stream waits for it; what it
+        raises fails the session as a bad item would."""
+        on_hello = _checked_hook(on_hello)
         if hasattr(weights, "__aiter__"):
             try:
                 asyncio.get_running_loop()
             except RuntimeError:
-                return asyncio.run(self.asend(weights))
+                return asyncio.run(self.asend(weights, on_hello=on_hello))
             raise InvalidInput("send() got an async iterable inside a running event loop; use `await sender.asend(...)`")
-        return self._exclusive(lambda: self._prepare(weights), None)
+        return self._exclusive(lambda: self._prepare(weights), None, on_hello)
 
-    async def asend(self, weights: Any) -> TransferStats:
-        """``send()`` for event loops: the session runs in a worker thread; async items are pulled on this loop.
+    async def asend(self, weights: Any, *, on_hello: Callable[[], Any] | None = None) -> TransferStats:
+        """``send()`` for event loops: the session runs in a worker thread; async items are pulled on this loop;
+        ``on_hello`` as in ``send()`` (called in that thread).
 
         Cancelling it (``task.cancel()``, ``asyncio.wait_for``) stops the session: the receiver is
         aborted and the bucket freed before the ``CancelledError`` propagates."""
         loop = asyncio.get_running_loop()
+        on_hello = _checked_hook(on_hello)
         cancel = StopRequest()
         if hasattr(weights, "__aiter__"):
             iterator = weights.__aiter__()
@@ -276,7 +290,7 @@ class BucketedWeightSender:
             def prepare() -> _Prepared:
                 return self._prepare(weights)
 
-        work = loop.run_in_executor(None, self._exclusive, prepare, cancel)
+        work = loop.run_in_executor(None, self._exclusive, prepare, cancel, on_hello)
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -286,7 +300,9 @@ class BucketedWeightSender:
 
     # -- one session at a time --------------------------------------------------------------------
 
-    def _exclusive(self, prepare: Callable[[], _Prepared], cancel: StopRequest | None) -> TransferStats:
+    def _exclusive(
+        self, prepare: Callable[[], _Prepared], cancel: StopRequest | None, on_hello: Callable[[], Any] | None = None
+    ) -> TransferStats:  # fmt: skip
         """Run one session holding the sender's lock (waiting for a running one at most ``timeout_s``)."""
         if self._owner == threading.get_ident():
             raise TransferError(
@@ -312,7 +328,7 @@ class BucketedWeightSender:
             except InvalidInput as exc:
                 self._refuse_waiting(f"the sender's weights were invalid: {exc}")
                 raise
-            return self._session(pull, listed, all_cuda, held, fresh, cancel)
+            return self._session(pull, listed, all_cuda, held, fresh, cancel, on_hello)
         finally:
             self._owner = self._stop = None
             self._lock.release()
@@ -348,7 +364,7 @@ class BucketedWeightSender:
 
     def _session(
         self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool, fresh: bool,
-        cancel: StopRequest,
+        cancel: StopRequest, on_hello: Callable[[], Any] | None = None,
     ) -> TransferStats:  # fmt: skip
         """One session; ``listed``: the checked items, when the caller gave a list or tuple (its size is known up
         front); ``held``: the items' tensors stay as they are during the session, so small copies may be deferred;
@@ -358,7 +374,7 @@ class BucketedWeightSender:
         run = _SendSession(
             self._socket, self._waiting, endpoint=self.endpoint, transport=self.transport, timeout_s=self.timeout_s,
             pull=pull, listed=listed, all_cuda=all_cuda, held=held, fresh=fresh, cancel=cancel,
-            half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct, walk=self._walk,
+            half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct, walk=self._walk, on_hello=on_hello,
         )  # fmt: skip
         self.last_timings_s = run.timings
         self.last_split = None
@@ -458,9 +474,10 @@ class _SendSession:
         self, sock: zmq.Socket, waiting: WaitingReceivers, *, endpoint: str, transport: str, timeout_s: float,
         pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool,
         cancel: StopRequest | None, half_bytes: int, direct: bool = False, fresh: bool = False,
-        walk: _DirectWalk | None = None,
+        walk: _DirectWalk | None = None, on_hello: Callable[[], Any] | None = None,
     ) -> None:  # fmt: skip
         self.sock = sock
+        self.on_hello = on_hello  # the caller's, called once the first hello came
         self.waiting = waiting  # hellos queued for later sessions (the sender's, shared across its sessions)
         self.endpoint, self.transport, self.timeout_s = endpoint, transport, timeout_s
         self.timings: dict[str, float] = {}  # seconds per phase (the sender's last_timings_s)
@@ -524,6 +541,8 @@ class _SendSession:
         self._export_early()
         hello = self._await_hello()
         self._mark("hello_wait", start)
+        if self.on_hello is not None:
+            self.on_hello()
         first = self._next_item()
         began = time.perf_counter()
         while True:
