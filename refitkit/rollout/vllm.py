@@ -340,8 +340,8 @@ def push_weights(
     naming the missing ones (the weights it did deliver were loaded: the engine reports incomplete).
 
     ``reset_prefix_cache``: also drop the engine's cached prefixes (computed with the old weights), asked for as
-    soon as the sender's stream ended, so vLLM's engine core, which runs calls in the order they came, runs it
-    right after the workers' receive: one round trip fewer than ``llm.reset_prefix_cache()`` after the push.
+    soon as the worker's receiver said hello, so vLLM's engine core, which runs calls in the order they came, runs
+    it right after the workers' receive: one round trip fewer than ``llm.reset_prefix_cache()`` after the push.
     """
     number = None if version is None else checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)

@@ -226,18 +226,20 @@ def test_cuda_ipc_needs_cuda(endpoint):
         BucketedWeightSender(endpoint, transport="cuda_ipc")
 
 
-def test_on_hello_runs_once_after_the_receivers_hello_and_before_the_first_item_is_pulled(receiver_server, endpoint):
+def test_on_hello_runs_once_after_the_receivers_hello_and_the_setup_before_the_second_item_is_pulled(receiver_server, endpoint):
     events = []
 
     def stream():
         events.append("first item pulled")
         yield GOOD
+        events.append("second item pulled")
+        yield "second", torch.ones(4)
 
     with BucketedWeightSender(endpoint, bucket_bytes=8192, timeout_s=5) as sender:
         receiver_server.start_session(endpoint, timeout_s=5)
         stats = sender.send(stream(), on_hello=lambda: events.append("hello"))
-    assert receiver_server.result()["ok"] and stats.tensors == 1
-    assert events == ["hello", "first item pulled"]
+    assert receiver_server.result()["ok"] and stats.tensors == 2
+    assert events == ["first item pulled", "hello", "second item pulled"]
 
 
 def test_an_on_hello_that_raises_fails_the_session_and_the_receiver_hears_why(receiver_server, endpoint):

@@ -247,10 +247,10 @@ class BucketedWeightSender:
     def send(self, weights: Any, *, on_hello: Callable[[], Any] | None = None) -> TransferStats:
         """Send every (name, tensor) of a sync or async iterable; returns after the receiver released.
 
-        ``on_hello``: called once, in the session's thread, when the session's receiver has said hello (before the
-        setup goes out): the point from which a receiver inside an engine's call is known to run it, so the caller
-        may queue the engine's next call (a cache reset) behind it. Keep it short: the stream waits for it; what it
-        raises fails the session as a bad item would."""
+        ``on_hello``: called once, in the session's thread, when the session's receiver has said hello and the setup
+        went out (with the first item pulled, before the second is): the point from which a receiver inside an
+        engine's call is known to run it, so the caller may queue the engine's next call (a cache reset) behind it.
+        Keep it short: the stream waits for it; what it raises fails the session as a bad item would."""
         on_hello = _checked_hook(on_hello)
         if hasattr(weights, "__aiter__"):
             try:
@@ -541,8 +541,6 @@ class _SendSession:
         self._export_early()
         hello = self._await_hello()
         self._mark("hello_wait", start)
-        if self.on_hello is not None:
-            self.on_hello()
         first = self._next_item()
         began = time.perf_counter()
         while True:
@@ -555,6 +553,8 @@ class _SendSession:
                 self.free()
                 hello = self._await_hello()
         self._mark("setup", began)
+        if self.on_hello is not None:  # (after the setup: the receiver maps what came with it meanwhile)
+            self.on_hello()
         began = time.perf_counter()
         total_bytes = 0
         if first is not None:
