@@ -546,7 +546,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
             # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
             total = offload_tensors(
                 model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
-                while_copying=while_copying, plan=plan,
+                while_copying=while_copying, plan=plan, ahead=model_named,  # (the order the next reload's plan follows)
             )  # fmt: skip
             finish_flight()  # (when nothing of this move's was on the device, no copy called back)
         except BaseException:
@@ -649,7 +649,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
 
             total = reload_tensors(
                 model_named + restored_now + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
-                while_copying=while_copying, plan=plan,
+                while_copying=while_copying, plan=plan, ahead=model_named,  # (the weights a sync exports, together)
             )  # fmt: skip
         except BaseException:
             if plan is not None:

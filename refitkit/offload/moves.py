@@ -106,6 +106,7 @@ def offload_tensors(
     pack_below_bytes: int = 0,
     while_copying: Callable[[], None] | None = None,
     plan: RoundPlan | None = None,
+    ahead: TensorSet | None = None,
 ) -> MoveStats:
     """Copy each unique storage into ``arena`` and free it on the device (``resize_(0)``).
 
@@ -116,6 +117,8 @@ def offload_tensors(
     ``while_copying``: called once the copies are issued, before waiting for them (a caller's
     bookkeeping then overlaps the copies instead of following them). ``plan``: the copies issued
     early from the last round's plan (``early.RoundPlan``), which this move then remembers.
+    ``ahead``: as for ``reload_tensors`` (copied first here too: a plan remembers this order, and the
+    next reload issues its early copies in it).
     """
     pack_below_bytes = _checked_pack(pack_below_bytes)
     early = plan.take() if plan is not None else {}
@@ -126,7 +129,7 @@ def offload_tensors(
             cancel_early(early, regrown=False)
             return EMPTY_MOVE
         start = move_began(plan, early)
-        moves = _slotted_moves(arena, groups)
+        moves = _slotted_moves(arena, groups, _storage_keys(ahead))
         late = issued_as_planned(early, moves)
         late_ids = {id(move) for move in late}
         copied = _CopiedInOrder(device, [move for move in moves if id(move) not in late_ids])
@@ -149,10 +152,16 @@ def offload_tensors(
 Move = tuple[StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
 
 
-def _largest_first(moves: list[Move]) -> list[Move]:
+def _storage_keys(tensors: TensorSet | None) -> frozenset[int]:
+    """The storages of ``tensors`` (a move's ``ahead``), by key."""
+    return frozenset(t.untyped_storage()._cdata for _, t in named_tensors(tensors, prefix="ahead")) if tensors is not None else frozenset()
+
+
+def _largest_first(moves: list[Move], ahead: frozenset[int] = frozenset()) -> list[Move]:
     """The order copies are issued in: largest first, so the host gets ahead of the copy engine at once
-    and the launches of small storages (and a packed run's views) overlap the large copies."""
-    return sorted(moves, key=lambda move: -move[2])
+    and the launches of small storages (and a packed run's views) overlap the large copies; the storages
+    ``ahead`` (by key) first, largest first among them, so that they regrow together in as few segments as fit."""
+    return sorted(moves, key=lambda move: (move[0].storage._cdata not in ahead, -move[2]))  # type: ignore[attr-defined]
 
 
 def _while_copying(moves: list[Move], extra: Callable[[], None] | None, arena: HostArena) -> Records:
@@ -168,8 +177,9 @@ def _while_copying(moves: list[Move], extra: Callable[[], None] | None, arena: H
     return records
 
 
-def _slotted_moves(arena: HostArena, groups: list[StorageGroup]) -> list[Move]:
-    """Each storage with its slot and bytes, largest first; one allocation for all storages new to the arena.
+def _slotted_moves(arena: HostArena, groups: list[StorageGroup], ahead: frozenset[int] = frozenset()) -> list[Move]:
+    """Each storage with its slot and bytes, largest first (those ``ahead`` first); one allocation for all storages
+    new to the arena.
 
     A steady round (every storage has a slot that fits) allocates nothing and walks the storages once.
     """
@@ -186,7 +196,7 @@ def _slotted_moves(arena: HostArena, groups: list[StorageGroup]) -> list[Move]:
     if None in slots:
         arena.reserve(g.storage for g in groups)
         slots = [arena.slot_of(group.storage) for group in groups]
-    return _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)])  # all slotted now
+    return _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)], ahead)  # all slotted now
 
 
 def reload_tensors(
@@ -198,18 +208,22 @@ def reload_tensors(
     pack_below_bytes: int = 0,
     while_copying: Callable[[], None] | None = None,
     plan: RoundPlan | None = None,
+    ahead: TensorSet | None = None,
 ) -> MoveStats:
     """Restore each unique storage from ``arena`` (``resize_`` then copy), in place.
 
     ``device``, when given, must be the device the storages were offloaded from: storages keep
     their identity and so their device. Storages already resident are skipped.
     ``pack_below_bytes``, ``while_copying`` and ``plan`` as for ``offload_tensors``; storages
-    regrown early that this reload does not restore are freed again.
+    regrown early that this reload does not restore are freed again. ``ahead``: some of ``tensors``
+    (a model's weights) whose storages regrow first, together: a weight sync that exports the
+    allocations holding them then maps fewer (after a flush each shared segment is one allocation).
     """
     pack_below_bytes = _checked_pack(pack_below_bytes)
     early = plan.take() if plan is not None else {}
     try:
         named = named_tensors(tensors)
+        leading = _storage_keys(ahead)
         if not named and not isinstance(tensors, (list, tuple, Mapping)) and arena.held_bytes:
             raise InvalidInput(
                 f"reload_tensors got no tensors from a {type(tensors).__name__} while the arena still holds "
@@ -230,7 +244,7 @@ def reload_tensors(
     start = move_began(plan, early)
     restoring_group: StorageGroup | None = None
     popped: Records = {}
-    moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending])
+    moves = _largest_first([(group, slot, slot.nbytes) for group, slot in pending], ahead=leading)
     late = issued_as_planned(early, moves)
     runs, singles = packed_runs(late, below_bytes=pack_below_bytes) if pack_below_bytes else ([], late)
     try:

@@ -11,6 +11,7 @@ import torch
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena, offload_tensors, reload_tensors
 from refitkit.offload.overlapped import cancel_offload, start_offload
+from tests.helpers.copies import CopyOrder
 
 
 def _all_dtypes() -> list[torch.dtype]:
@@ -373,3 +374,26 @@ def test_small_reloads_beside_many_live_records_do_not_sweep_them_every_time():
         offload_tensors(one, arena)
         reload_tensors(one, arena)
     assert arena.resident_views is kept and len(kept) == 2001
+
+
+
+def test_a_reload_regrows_the_storages_ahead_first_and_largest_first_among_them():
+    # a model's weights and its optimizer's state of the same shapes: by size alone the two interleave, and after a
+    # flush each shared segment then holds some of both (a sync exports every segment that holds a weight)
+    weights = [(f"w{i}", random_tensor((256 * size, 8), torch.float32, seed=i)) for i, size in enumerate((1, 4, 2, 3))]
+    states = [(f"s{i}", random_tensor((256 * size, 8), torch.float32, seed=10 + i)) for i, size in enumerate((1, 4, 2, 3))]
+    key = {name: tensor.untyped_storage()._cdata for name, tensor in weights + states}
+    before = {name: storage_bytes(tensor) for name, tensor in weights + states}
+    arena = HostArena()
+    orders = {}
+    for ahead in (None, weights):
+        offload_tensors(weights + states, arena)
+        with CopyOrder() as order:
+            reload_tensors(weights + states, arena, ahead=ahead)
+        names = {storage: name for name, storage in key.items()}
+        orders[ahead is not None] = [names[storage] for storage in order.written if storage in names]
+        assert {name: storage_bytes(tensor) for name, tensor in weights + states} == before
+    assert orders[False] == ["w1", "s1", "w3", "s3", "w2", "s2", "w0", "s0"]  # (what the weights' own order fixes)
+    assert orders[True] == ["w1", "w3", "w2", "w0", "s1", "s3", "s2", "s0"]
+    with pytest.raises(InvalidInput, match="'ahead\\[0\\]' is a str"):
+        reload_tensors(weights + states, arena, ahead=["w0"])

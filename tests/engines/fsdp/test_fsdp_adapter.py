@@ -10,6 +10,7 @@ from refitkit.engines import DeviceState
 from refitkit.engines.fsdp import FSDPAdapter, clean_fqn
 from refitkit.errors import InvalidInput, RefitError
 from tests.engines.fsdp import ranks
+from tests.helpers.copies import CopyOrder
 from tests.helpers.world import run_world
 
 CASES = [
@@ -125,6 +126,19 @@ def test_to_is_idempotent_and_parts_move_separately():
     assert adapter.reload().total.bytes == 0
     assert adapter.state is DeviceState.ON_DEVICE and model.head.weight is weight
     assert weight.untyped_storage().nbytes() == weight.numel() * 4
+
+
+def test_a_reload_regrows_the_weights_before_the_optimizers_state_and_grads():
+    # (after a flush on CUDA the weights then share as few segments as fit: a sync maps fewer allocations)
+    model, optimizer, adapter = _plain()
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    state = {t.untyped_storage()._cdata for state in optimizer.state.values() for t in state.values() if t.dim()}
+    for _ in range(2):  # (the second reload issues its first copies from the plan the offload before it left)
+        adapter.offload()
+        with CopyOrder() as order:
+            adapter.reload()
+        assert set(order.written[: len(weights)]) == weights
+        assert state <= set(order.written[len(weights) :])
 
 
 def test_reload_with_zero_grads_gives_zero_grads():
