@@ -357,12 +357,6 @@ def test_grads_zeroed_after_a_flush_share_segments_and_the_next_flush_frees_them
     assert torch.cuda.memory_reserved() == reserved_before  # the shared segment went back whole
 
 
-def _segments_holding(tensors: list[torch.Tensor]) -> set[int]:
-    """The allocator segments (by address) that hold ``tensors``."""
-    spans = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()]
-    return {start for start, end in spans for t in tensors if start <= t.data_ptr() < end}
-
-
 def test_weights_reloaded_ahead_after_a_flush_share_as_few_segments_as_fit():
     # a model's weights and its optimizer's state of the same sizes, 3 GiB in all: by size alone they interleave
     # over two 2 GiB segments; ahead, the 1.5 GiB of weights regrow into one (a sync maps one allocation, not two)
@@ -376,6 +370,6 @@ def test_weights_reloaded_ahead_after_a_flush_share_as_few_segments_as_fit():
         offload_tensors(weights + states, arena)
         flush_device()
         reload_tensors(weights + states, arena, ahead=ahead)
-        spans[ahead is not None] = len(_segments_holding(weights))
+        spans[ahead is not None] = _segments_holding([t.data_ptr() for t in weights])
         assert all(int(t[0]) == i + 1 and int(t[-1]) == i + 1 for i, t in enumerate(weights))
     assert spans == {False: 2, True: 1}
