@@ -154,7 +154,9 @@ Move = tuple[StorageGroup, Slot, int]  # a storage, its slot, the bytes to move
 
 def _storage_keys(tensors: TensorSet | None) -> frozenset[int]:
     """The storages of ``tensors`` (a move's ``ahead``), by key."""
-    return frozenset(t.untyped_storage()._cdata for _, t in named_tensors(tensors, prefix="ahead")) if tensors is not None else frozenset()
+    if tensors is None:
+        return frozenset()
+    return frozenset(t.untyped_storage()._cdata for _, t in named_tensors(tensors, prefix="ahead"))
 
 
 def _largest_first(moves: list[Move], ahead: frozenset[int] = frozenset()) -> list[Move]:
