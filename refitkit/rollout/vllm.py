@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import EngineAsleep, InvalidInput, TransferError, TransferTimeout
+from refitkit.errors import EngineAsleep, EngineError, InvalidInput, TransferError, TransferTimeout
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
@@ -317,11 +317,13 @@ class RefitWorkerExtension:
 @dataclass(frozen=True)
 class VllmPushStats:
     """One push as seen by the trainer (``sender``) and by each vLLM worker (``workers``, plain dicts); ``reset_s``:
-    from the end of the sender's stream until the prefix-cache reset asked for came back (None: none asked for)."""
+    from the end of the sender's stream until the prefix-cache reset asked for came back (None: none asked for);
+    ``prefix_cache_reset``: vLLM's answer to it (None: none asked for, or no answer from this vLLM)."""
 
     sender: TransferStats
     workers: list[dict[str, Any]]
     reset_s: float | None = None
+    prefix_cache_reset: bool | None = None
 
 
 def push_weights(
@@ -342,6 +344,7 @@ def push_weights(
     ``reset_prefix_cache``: also drop the engine's cached prefixes (computed with the old weights), asked for as
     soon as the worker's receiver said hello, so vLLM's engine core, which runs calls in the order they came, runs
     it right after the workers' receive: one round trip fewer than ``llm.reset_prefix_cache()`` after the push.
+    vLLM refuses the reset while a request holds KV blocks: that raises ``EngineError`` (the weights landed).
     """
     number = None if version is None else checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
@@ -355,6 +358,7 @@ def push_weights(
         info = {"endpoint": endpoint, "timeout_s": timeout_s, "version": number}
         pushed = _drive_weight_transfer(llm, info, send, timeout_s, then=reset)
     _raise_if_partial(pushed)
+    _raise_if_reset_refused(pushed)
     return pushed
 
 
@@ -384,6 +388,7 @@ def push_weights_broadcast(
                 "timeout_s": timeout_s, "first_rank": first_rank, "backend": sender.backend}  # fmt: skip
         pushed = _drive_weight_transfer(llm, info, send, timeout_s, then=reset)
     _raise_if_partial(pushed)
+    _raise_if_reset_refused(pushed)
     return pushed
 
 
@@ -508,12 +513,14 @@ def _drive_weight_transfer(
     llm.collective_rpc("start_weight_update", timeout=bounded)
     pushed = _drive(llm, "update_weights", {"update_info": info}, send, timeout_s)  # a failure ends vLLM's session
     llm.collective_rpc("finish_weight_update", timeout=bounded)
-    reset_s = None
+    reset_s = answer = None
     if then is not None:
         began = time.perf_counter()
-        bounded_call(then, timeout_s=bounded, what="vLLM's reset_prefix_cache after the weight update", within=_WITHIN.format(bounded))
+        answer = bounded_call(then, timeout_s=bounded, what="vLLM's reset_prefix_cache after the weight update", within=_WITHIN.format(bounded))
         reset_s = time.perf_counter() - began
-    return VllmPushStats(sender=pushed.sender, workers=[], reset_s=reset_s)  # a partial sync raised in update_weights
+    return VllmPushStats(  # (a partial sync raised in update_weights)
+        sender=pushed.sender, workers=[], reset_s=reset_s, prefix_cache_reset=answer if isinstance(answer, bool) else None,
+    )  # fmt: skip
 
 
 def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], Any] | None:
@@ -572,11 +579,11 @@ def _drive(
                 f"(timeout_s={timeout_s} + {RPC_SLACK_S:.0f} s slack)"
             )
         workers = list(rpc.result())
-        reset_s = None
+        reset_s = answer = None
         if queued:
-            bounded_result(queued[0], timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
+            answer = bounded_result(queued[0], timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
             reset_s = time.perf_counter() - ended
-        return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s)
+        return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s, prefix_cache_reset=answer if isinstance(answer, bool) else None)
 
 
 def _raise_if_partial(pushed: VllmPushStats) -> None:
@@ -588,6 +595,17 @@ def _raise_if_partial(pushed: VllmPushStats) -> None:
                 f"{rank} loads; missing {missing[:MISSING_SHOWN]}{' ...' if len(missing) > MISSING_SHOWN else ''}. The weights it did deliver were "
                 f"loaded, so the engine now reports version {worker['version']} as incomplete: push every weight"
             )
+
+
+def _raise_if_reset_refused(pushed: VllmPushStats) -> None:
+    if pushed.prefix_cache_reset is False:  # vLLM's BlockPool refuses while any request holds KV blocks
+        landed = f"version {pushed.workers[0]['version']}" if pushed.workers else "the new weights"
+        raise EngineError(
+            f"the push landed {landed} whole, but vLLM refused to reset its prefix cache (a request still holds KV "
+            "blocks): prompts may still be served from KV computed with the old weights. Let those requests finish "
+            "or abort them, then call llm.reset_prefix_cache(); or push with reset_prefix_cache=False and reset "
+            "once the engine is idle"
+        )
 
 
 def _error_of(future: concurrent.futures.Future, *, wait_s: float) -> str | None:

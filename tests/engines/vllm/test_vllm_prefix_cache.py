@@ -6,13 +6,16 @@ as long as the shared engine's whole context)."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 
 from refitkit.engines.fsdp import FSDPAdapter
-from refitkit.errors import InvalidInput
+from refitkit.errors import EngineError, InvalidInput
 from refitkit.refit import RefitCycle
-from refitkit.rollout import VllmLink, push_weights
+from refitkit.rollout import VllmLink, clean_weight_version, push_weights
 from refitkit.transfer import BucketedWeightSender
 from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
 from tests.engines.vllm.vllm_checks import SMALL_BUCKET_BYTES, TIMEOUT_S, engine_checksums, expected_engine_checksums
@@ -60,11 +63,39 @@ def test_a_push_asked_to_drops_the_prefix_cache_that_the_old_weights_filled(smal
         assert _cached_tokens(llm) == 2 * BLOCK  # stale: KV computed with the old weights, still served
 
         dropped = push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=True)
-        assert dropped.reset_s is not None and dropped.reset_s < TIMEOUT_S
+        assert dropped.reset_s is not None and dropped.reset_s < TIMEOUT_S and dropped.prefix_cache_reset is True
         assert dropped.workers[0]["complete"]
         assert _cached_tokens(llm) == 0  # recomputed with the new weights
         with pytest.raises(InvalidInput, match=r"reset_prefix_cache='yes'; need True or False"):
             push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache="yes")
+
+
+def test_a_reset_that_vllm_refuses_is_an_error_once_the_weights_landed(small_block_engine):
+    """vLLM keeps its prefix cache while a request holds KV blocks (here: one paused mid-generation, held as it is by
+    a level-0 sleep); the push must not report success then, as prompts may still be served from the old weights."""
+    from vllm import SamplingParams
+
+    llm, trainer = small_block_engine, random_llama(seed=7)
+    engine = llm.llm_engine
+    engine.add_request("held", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=128 - len(PROMPT), ignore_eos=True, temperature=0.0))
+    deadline = time.monotonic() + TIMEOUT_S
+    while not any(out.outputs[0].token_ids for out in engine.step()):  # its prefill ran: it holds blocks
+        assert time.monotonic() < deadline, "the request never started"
+    llm.sleep(level=0, mode="keep")  # no more steps; the request keeps its blocks
+    try:
+        assert engine.has_unfinished_requests(), "the request finished before the engine paused: make it longer"
+        with BucketedWeightSender("vllm-prefix-held", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
+            with pytest.raises(EngineError, match=r"landed version (\d+) whole, but vLLM refused to reset its prefix cache") as refused:
+                push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=True)
+            assert clean_weight_version(llm) == int(re.search(r"version (\d+)", str(refused.value)).group(1))  # the weights are in, whole
+            llm.wake_up(tags=["scheduling"])
+            while engine.has_unfinished_requests():
+                engine.step()
+                assert time.monotonic() < deadline + TIMEOUT_S, "the request never finished"
+            assert push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=True).prefix_cache_reset is True
+    finally:
+        llm.wake_up(tags=["scheduling"])
+        engine.abort_request(["held"])
 
 
 @pytest.mark.cuda
