@@ -505,7 +505,7 @@ def _route(llm: Any) -> str:
 
 def _drive_weight_transfer(
     llm: Any, info: dict[str, Any], send: Callable[[Callable[[], Any]], TransferStats], timeout_s: float, *,
-    then: Callable[[], Any] | None = None,
+    then: Callable[[], bool | None] | None = None,
 ) -> VllmPushStats:  # fmt: skip
     """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send()`` runs, finish;
     ``then`` (the prefix-cache reset) after finish, bounded like the rpcs."""
@@ -519,14 +519,22 @@ def _drive_weight_transfer(
         answer = bounded_call(then, timeout_s=bounded, what="vLLM's reset_prefix_cache after the weight update", within=_WITHIN.format(bounded))
         reset_s = time.perf_counter() - began
     return VllmPushStats(  # (a partial sync raised in update_weights)
-        sender=pushed.sender, workers=[], reset_s=reset_s, prefix_cache_reset=answer if isinstance(answer, bool) else None,
+        sender=pushed.sender, workers=[], reset_s=reset_s, prefix_cache_reset=answer,
     )  # fmt: skip
 
 
-def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], Any] | None:
+def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], bool | None] | None:
+    """The engine call that resets the prefix cache, answering vLLM's True or False (None: it answered nothing)."""
     if not isinstance(reset_prefix_cache, bool):
         raise InvalidInput(f"reset_prefix_cache={reset_prefix_cache!r}; need True or False")
-    return llm.reset_prefix_cache if reset_prefix_cache else None
+    if not reset_prefix_cache:
+        return None
+
+    def reset() -> bool | None:
+        answer = llm.reset_prefix_cache()
+        return answer if isinstance(answer, bool) else None
+
+    return reset
 
 
 def _drive(
@@ -583,7 +591,7 @@ def _drive(
         if queued:
             answer = bounded_result(queued[0], timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
             reset_s = time.perf_counter() - ended
-        return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s, prefix_cache_reset=answer if isinstance(answer, bool) else None)
+        return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s, prefix_cache_reset=answer)
 
 
 def _raise_if_partial(pushed: VllmPushStats) -> None:
