@@ -18,7 +18,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip setuptools wheel
 	$(PY) -m pip install $(PIP_FLAGS) torch==2.13.0
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,plot,bench]'
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,plot]'
 	touch $@
 
 .venv-%/.installed: envs/%.txt setup.cfg pyproject.toml constraints.txt
