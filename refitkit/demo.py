@@ -8,16 +8,18 @@ are bit-identical to the trainer's. No printing here: ``refitkit.cli`` owns the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 
 import torch
 
 from refitkit.engines.fsdp import FSDPAdapter
-from refitkit.errors import TransferError, TransferTimeout
+from refitkit.errors import RefitError, TransferError, TransferTimeout
 from refitkit.refit import RefitCycle
 from refitkit.report import RefitReport
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
@@ -25,6 +27,7 @@ from refitkit.watchdog import GcMonitor, RSSWatchdog
 
 WIDTH = 512
 PEER_TIMEOUT_S = 120.0
+PEER_FAILED = b"failed: "  # how the peer's failure reaches the trainer (raw bytes, no pickle)
 
 
 def build_model(device: torch.device, seed: int = 0) -> torch.nn.Module:
@@ -47,7 +50,20 @@ def digest(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def peer_main(endpoint: str, device: str, rounds: int, conn) -> None:
-    """The inference side: its own model copy, loaded from the stream each round."""
+    """The inference side: its own model copy, loaded from the stream each round.
+
+    A failure goes to the trainer as one line (``PEER_FAILED`` + type and message), which reports it; the peer
+    then exits 1 without a traceback of its own on the terminal.
+    """
+    try:
+        _serve_rounds(endpoint, device, rounds, conn)
+    except Exception as exc:
+        with contextlib.suppress(OSError):  # the trainer may be gone already
+            conn.send_bytes(PEER_FAILED + f"{type(exc).__name__}: {exc}".encode(errors="replace"))
+        sys.exit(1)
+
+
+def _serve_rounds(endpoint: str, device: str, rounds: int, conn) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = build_model(torch.device(device), seed=1)  # different init: only the stream can make it match
     params = dict(model.named_parameters())
@@ -91,9 +107,13 @@ def _from_peer(conn, what: str) -> bytes:
     if not conn.poll(PEER_TIMEOUT_S):
         raise TransferTimeout(f"demo peer: no {what} within PEER_TIMEOUT_S={PEER_TIMEOUT_S} s")
     try:
-        return conn.recv_bytes()
+        message = conn.recv_bytes()
     except EOFError:
         raise TransferError(f"demo peer exited before sending its {what}") from None
+    if message.startswith(PEER_FAILED):
+        failure = message[len(PEER_FAILED) :].decode(errors="replace")
+        raise TransferError(f"demo peer failed before sending its {what}: {failure}", remote_message=failure)
+    return message
 
 
 def run_demo(*, rounds: int = 3, device: str | None = None, bucket_bytes: int = 4 << 20) -> DemoResult:
@@ -110,15 +130,18 @@ def run_demo(*, rounds: int = 3, device: str | None = None, bucket_bytes: int = 
     watchdog = RSSWatchdog(window=max(rounds, 3), warmup=1)
     monitor = GcMonitor()
     results: list[DemoRound] = []
+    stage = "start"
     with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport=transport, timeout_s=PEER_TIMEOUT_S) as sender:
         peer.start()
         child.close()  # only the peer holds its end now, so its death reads as EOF here
+        finished = False
         try:
             if _from_peer(parent, "start") != b"ready":
                 raise TransferError("demo peer sent an unexpected greeting")
             cycle = RefitCycle(adapter, sender, barrier_timeout_s=60.0, on_phase=watchdog.mark)
             with monitor:
                 for step in range(rounds):
+                    stage = f"round {step}"
                     batch = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(step)).to(dev)
                     loss = model(batch).pow(2).mean()
                     loss.backward()
@@ -131,10 +154,18 @@ def run_demo(*, rounds: int = 3, device: str | None = None, bucket_bytes: int = 
                     optimizer.zero_grad(set_to_none=True)
                     watchdog.end_cycle()
                     results.append(DemoRound(loss.item(), refit, resume, matches, freed))
+            finished = True
+        except RefitError:
+            raise
+        except Exception as exc:  # the CLI reports a refitkit error in one line; the trainer's own failure is one too
+            raise RefitError(f"demo trainer failed at {stage}: {type(exc).__name__}: {exc}") from exc
         finally:
-            peer.join(PEER_TIMEOUT_S)
+            # a peer left waiting on a failed trainer would hold the demo for PEER_TIMEOUT_S: stop it at once
+            if finished:
+                peer.join(PEER_TIMEOUT_S)
             if peer.is_alive():
                 peer.kill()
+                peer.join(PEER_TIMEOUT_S)
     verdict = watchdog.end_cycle()
     return DemoResult(
         device=str(dev),

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -188,3 +189,52 @@ def test_the_wheel_ships_py_typed(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     assert "refitkit/py.typed" in names and "refitkit/cli.py" in names
+
+
+# Makes numpy unimportable in the trainer (the `refitkit demo` process) or only in the peer it spawns: torch then
+# raises "Numpy is not available" at that side's first .numpy(), a real failure of one side, as a torch-only install had.
+_NUMPY_BLOCKED = """
+import importlib.abc
+import importlib.machinery
+import sys
+
+
+class _NoNumpy(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == "numpy" else None
+
+    def create_module(self, spec):
+        raise ModuleNotFoundError("No module named 'numpy' (blocked by the test)", name=spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+if ("--multiprocessing-fork" in sys.argv) == {in_peer}:
+    sys.meta_path.insert(0, _NoNumpy())
+"""
+
+
+@pytest.mark.parametrize(
+    ("side", "message"),
+    [
+        ("trainer", "refitkit demo: error: RefitError: demo trainer failed at round 0: RuntimeError: Numpy is not available"),
+        ("peer", "refitkit demo: error: TransferError: demo peer failed before sending its digest of round 0: "
+                 "RuntimeError: Numpy is not available"),
+    ],
+)  # fmt: skip
+def test_demo_ends_fast_in_one_error_line_when_a_side_fails(side, message, tmp_path):
+    # the trainer used to wait PEER_TIMEOUT_S (120 s) for a peer that waited on it, then print a raw traceback;
+    # a failed peer printed its own traceback
+    (tmp_path / "sitecustomize.py").write_text(_NUMPY_BLOCKED.format(in_peer=side == "peer"))
+    path = os.pathsep.join(filter(None, (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore::UserWarning")  # torch warns that numpy failed
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "refitkit.cli", "demo", "--rounds", "1", "--device", "cpu"],
+        capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert time.monotonic() - start < 60, "the demo waited on the side that failed"
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.splitlines() == [message], done.stderr
+
