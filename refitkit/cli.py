@@ -154,8 +154,10 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run benchmarks/ (source checkout), each sized to this machine's memory or skipped with the reason."""
     root = Path(__file__).resolve().parent.parent
     folder = root / "benchmarks"
-    if not (folder / "_sizing.py").is_file():
-        print(f"{parser.prog}: error: no benchmarks/ folder next to the package ({root}): run from a source checkout", file=sys.stderr)
+    if not (folder / "_sizing.py").is_file():  # benchmarks/ is not part of the wheel
+        print(f"{parser.prog}: error: benchmarks run from a source checkout, not from an installed package "
+              f"(no benchmarks/ beside {root}): in a clone of the repository, run `make bench`, "
+              "or `refitkit bench` with refitkit installed from it by `pip install -e .`", file=sys.stderr)  # fmt: skip
         return 1
     sys.path.insert(0, str(root))  # benchmarks/ belongs to the source checkout, not to the installed library
     from benchmarks._sizing import PLANNERS, available_host_bytes, plan_benchmarks, probe_machine
@@ -315,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.set_defaults(run=demo, parser=demo_parser)
 
     bench_parser = commands.add_parser("bench", help="run benchmarks/, sized to this machine",
-                                       description="run each script in benchmarks/ (source checkout) at the largest size "
-                                       "this machine's memory allows, or skip it with the reason")  # fmt: skip
+                                       description="run each script in benchmarks/ at the largest size this machine's "
+                                       "memory allows, or skip it with the reason. benchmarks/ ships with the source "
+                                       "checkout, not the wheel: run it from a clone (make bench, or after pip install -e .); "
+                                       "exits 1 outside a source checkout, and when a benchmark fails")  # fmt: skip
     bench_parser.add_argument("--only", action="append", metavar="NAME[,NAME]", help="run only these benchmarks (e.g. fsdp_offload)")
     bench_parser.add_argument("--host-memory-gib", type=_finite_float(allow_zero=False), default=None,
                               help="host memory the benchmarks may use (default: 80%% of what psutil reports available)")  # fmt: skip

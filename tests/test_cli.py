@@ -238,3 +238,31 @@ def test_demo_ends_fast_in_one_error_line_when_a_side_fails(side, message, tmp_p
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stderr.splitlines() == [message], done.stderr
 
+
+def _installed_copy(tmp_path: Path) -> Path:
+    """The package alone in a site folder, as `pip install .` leaves it: no benchmarks/ beside it."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "refitkit", site / "refitkit", ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+def test_bench_outside_a_checkout_says_where_benchmarks_run_and_exits_1(tmp_path):
+    site = _installed_copy(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    done = subprocess.run(
+        [sys.executable, "-m", "refitkit.cli", "bench", "--dry-run"], capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "refitkit bench: error: benchmarks run from a source checkout, not from an installed package "
+        f"(no benchmarks/ beside {site}): in a clone of the repository, run `make bench`, "
+        "or `refitkit bench` with refitkit installed from it by `pip install -e .`"
+    ], done.stderr
+
+
+def test_bench_help_says_it_needs_a_checkout():
+    shown = refitkit("bench", "--help")
+    assert shown.returncode == 0
+    assert "exits 1 outside a source checkout" in " ".join(shown.stdout.split())
