@@ -12,7 +12,7 @@ CORE_TEST_DIRS := tests/offload tests/refit tests/rollout tests/watchdog tests/t
 ENGINE_ENVS := megatron torchtitan automodel vllm
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-core test-engines test-gpu bench audit clean
+.PHONY: demo test test-core test-engines test-install test-gpu bench audit clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,13 +36,28 @@ demo: $(VENV)/.installed
 # Two suites at a time (the CI box has 2 cores; most of a suite's time is spawned processes starting
 # and waiting on each other), so the whole run stays near 12 minutes; a suite's own runs are serial.
 test:
-	$(MAKE) -j2 --output-sync=target test-core test-engines
+	$(MAKE) -j2 --output-sync=target test-core test-engines test-install
 
 # Under -O: the library's checks must not be asserts (they would vanish); pytest keeps the tests' own.
 test-core: $(VENV)/.installed
 	$(PY) -O -m pytest $(PYTEST_FLAGS) $(CORE_TEST_DIRS)
 
 test-engines: $(addprefix test-,$(ENGINE_ENVS))
+
+# What `pip install .` gives a user: the wheel (built from a copy: setuptools writes nothing beside the sources)
+# in a fresh venv with torch first and then only its install_requires (no extras), exercised from a folder
+# outside the checkout, so the checkout is not on the path: tests/install/smoke.py (two gloo ranks refit, a
+# broadcast across two processes, `refitkit demo`, `refitkit --help`, `refitkit bench` outside a checkout).
+INSTALL_DIR := build/install
+test-install:
+	rm -rf $(INSTALL_DIR) && mkdir -p $(INSTALL_DIR)/src
+	cp -R setup.cfg pyproject.toml README.md refitkit $(INSTALL_DIR)/src/
+	$(PYTHON) -m venv $(INSTALL_DIR)/venv
+	$(INSTALL_DIR)/venv/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0
+	$(INSTALL_DIR)/venv/bin/python -m pip wheel $(PIP_FLAGS) --no-deps -w $(INSTALL_DIR)/wheel $(INSTALL_DIR)/src
+	$(INSTALL_DIR)/venv/bin/python -m pip install $(PIP_FLAGS) $(INSTALL_DIR)/wheel/refitkit-*.whl
+	outside=$$(mktemp -d) && cp tests/install/smoke.py $$outside/ && cd $$outside && \
+	  env -u PYTHONPATH $(CURDIR)/$(INSTALL_DIR)/venv/bin/python smoke.py; status=$$?; rm -rf $$outside; exit $$status
 
 # one explicit rule per engine (make skips pattern rules for phony targets, so no `test-%`)
 define ENGINE_TEST_RULE
