@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -11,8 +12,8 @@ import tempfile
 
 import pytest
 
-from refitkit.errors import TransferError
-from refitkit.transfer import BucketedWeightSender
+from refitkit.errors import InvalidInput, TransferError
+from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc.endpoint import socket_path
 from tests.helpers.world import child_env
 from tests.transfer.harness import roundtrip
@@ -134,6 +135,29 @@ def test_a_socket_dir_that_cannot_be_made_is_a_transfer_error_naming_the_knob(mo
     monkeypatch.setenv("REFITKIT_SOCKET_DIR", str(blocker / "sockets"))
     with pytest.raises(TransferError, match=r"socket dir .*a-file/sockets cannot be made or read .*REFITKIT_SOCKET_DIR"):
         socket_path("anything")
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_a_relative_socket_dir_is_refused_naming_the_variable(side, monkeypatch, tmp_path):
+    # it used to be made in each process's own working directory: a sender and a receiver started in different
+    # folders waited on two different sockets until their timeouts
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("REFITKIT_SOCKET_DIR", "sockets")
+    message = re.escape("REFITKIT_SOCKET_DIR='sockets' is a relative path, which every process (sender, receivers) resolves")
+    with pytest.raises(InvalidInput, match=message + r".*set it to an absolute path"):
+        if side == "sender":
+            BucketedWeightSender("relative-dir", timeout_s=1)
+        else:
+            BucketedWeightReceiver("relative-dir", "cpu", timeout_s=1)
+    assert list(tmp_path.iterdir()) == []  # nothing made in the working directory
+
+
+def test_a_relative_xdg_runtime_dir_is_ignored_as_the_xdg_spec_says(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("REFITKIT_SOCKET_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "run")
+    assert socket_path("anything") == os.path.join(tempfile.gettempdir(), f"refitkit-{os.getuid()}", "anything.sock")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_receivers_next_session_says_hello_on_a_connection_made_ahead_and_never_on_one_to_a_sender_gone(endpoint):

@@ -3,8 +3,9 @@
 An ``endpoint`` is either
 
 - a bare name (letters, digits, ``._-``), mapped to ``ipc://<socket dir>/<name>.sock`` where the
-  socket dir is ``$REFITKIT_SOCKET_DIR``, else ``$XDG_RUNTIME_DIR/refitkit``, else
-  ``<tmp>/refitkit-<uid>``; it is created with mode 0700 and must be owned by us; or
+  socket dir is ``$REFITKIT_SOCKET_DIR`` (an absolute path: a relative one is refused), else
+  ``$XDG_RUNTIME_DIR/refitkit`` (when absolute), else ``<tmp>/refitkit-<uid>``; it is created with
+  mode 0700 and must be owned by us; or
 - an explicit ``ipc:///absolute/path.sock`` whose directory already exists (the caller owns its
   permissions).
 
@@ -42,9 +43,17 @@ RECONNECT_IVL_MS = 5  # a receiver that starts first must not add 100 ms (the ZM
 def socket_dir() -> str:
     """The private directory (mode 0700, ours) that holds named endpoints' socket files."""
     base = os.environ.get("REFITKIT_SOCKET_DIR")
+    if base and not os.path.isabs(base):  # each process would resolve it against its own working directory
+        raise InvalidInput(
+            f"REFITKIT_SOCKET_DIR={base!r} is a relative path, which every process (sender, receivers) resolves against "
+            "its own working directory, so they could miss each other: set it to an absolute path (~ is not expanded)"
+        )
     if not base:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
-        base = os.path.join(runtime, "refitkit") if runtime else os.path.join(tempfile.gettempdir(), f"refitkit-{os.getuid()}")
+        if runtime and os.path.isabs(runtime):  # the XDG spec: a relative path is invalid, to be ignored
+            base = os.path.join(runtime, "refitkit")
+        else:
+            base = os.path.join(tempfile.gettempdir(), f"refitkit-{os.getuid()}")
     try:
         os.makedirs(base, mode=0o700, exist_ok=True)
         info = os.stat(base)
