@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 
 def gbps(nbytes: int, seconds: float) -> float:
     """Decimal gigabytes per second (0.0 when nothing moved or no time passed): every rate refitkit reports."""
     return nbytes / seconds / 1e9 if nbytes and seconds > 0 else 0.0
+
+
+def repr_with_gbps(record: Any) -> str:
+    """The repr of a frozen record with a ``gbps`` property: its fields, then ``gbps`` (a figure the docs list with them)."""
+    shown = [f"{item.name}={getattr(record, item.name)!r}" for item in fields(record) if item.repr]
+    return f"{type(record).__name__}({', '.join([*shown, f'gbps={record.gbps!r}'])})"
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class PhaseRecord:
     @property
     def gbps(self) -> float:
         return gbps(self.bytes, self.seconds)
+
+    __repr__ = repr_with_gbps
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refitkit.report import gbps
+from refitkit.report import gbps, repr_with_gbps
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,8 @@ class MoveStats:
     def gbps(self) -> float:
         """Decimal gigabytes per second (0.0 when nothing moved)."""
         return gbps(self.bytes, self.seconds)
+
+    __repr__ = repr_with_gbps
 
     def __add__(self, other: "MoveStats") -> "MoveStats":
         return MoveStats(

@@ -11,7 +11,7 @@ import torch
 
 from refitkit._knobs import MAX_TIMEOUT_S, checked_seconds  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
 from refitkit.errors import InvalidInput
-from refitkit.report import gbps
+from refitkit.report import gbps, repr_with_gbps
 
 TRANSPORTS = ("auto", "cuda_ipc", "shm")
 # The longest timeout_s any wait can hold: ZMQ polls take a C int of milliseconds (2**31 ms is 24.8
@@ -65,6 +65,8 @@ class TransferStats:
     def gbps(self) -> float:
         """Decimal gigabytes per second (0.0 when nothing moved)."""
         return gbps(self.bytes, self.seconds)
+
+    __repr__ = repr_with_gbps
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from refitkit.errors import InvalidInput
-from refitkit.offload import HostArena, offload_tensors, reload_tensors
+from refitkit.offload import HostArena, MoveStats, offload_tensors, reload_tensors
 from refitkit.offload.overlapped import cancel_offload, start_offload
 from tests.helpers.copies import CopyOrder
 
@@ -115,6 +115,16 @@ def test_zero_size_tensors_are_accepted_and_move_nothing():
     assert offload_tensors({"empty": empty}, arena).bytes == 0
     assert reload_tensors({"empty": empty}, arena).bytes == 0
     assert empty.shape == (0, 5) and arena.nbytes == 0
+
+
+def test_move_stats_repr_shows_every_documented_figure_gbps_included():
+    # the README lists MoveStats(bytes, storages, seconds, gbps); the repr showed gbps nowhere
+    weights = {"w": torch.randn(1 << 16)}
+    arena = HostArena()
+    for stats in (offload_tensors(weights, arena), reload_tensors(weights, arena)):
+        assert stats.gbps > 0
+        assert repr(stats) == f"MoveStats(bytes={4 << 16}, storages=1, seconds={stats.seconds!r}, gbps={stats.gbps!r})"
+    assert repr(MoveStats(bytes=2_000_000_000, storages=3, seconds=0.5)) == "MoveStats(bytes=2000000000, storages=3, seconds=0.5, gbps=4.0)"
 
 
 def test_second_round_allocates_no_host_memory():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from refitkit.demo import build_model, run_demo
+from refitkit.report import PhaseRecord
 
 
 @pytest.mark.timeout(240)
@@ -27,6 +28,11 @@ def test_refit_rounds_deliver_identical_weights_and_free_the_trainer():
     # allocated once: exactly the offloaded bytes plus per-storage alignment
     offloaded = result.rounds[0].refit.phase("offload").bytes
     assert offloaded <= result.arena_bytes <= offloaded + 256 * 64
+
+
+def test_phase_record_repr_shows_its_rate():
+    record = PhaseRecord("offload", start_s=0.25, seconds=0.5, bytes=3_000_000_000)
+    assert repr(record) == "PhaseRecord(name='offload', start_s=0.25, seconds=0.5, bytes=3000000000, extra={}, gbps=6.0)"
 
 
 @pytest.mark.timeout(240)

@@ -33,6 +33,15 @@ def test_single_tensor(receiver_server, endpoint, case):
     assert result["calls"] == [(1, True)]
 
 
+def test_transfer_stats_repr_shows_every_documented_figure_gbps_included(receiver_server, endpoint):
+    stats, _ = roundtrip(receiver_server, endpoint, [("w", torch.randn(1 << 12))])
+    assert stats.gbps > 0
+    assert repr(stats) == (
+        f"TransferStats(bytes={4 << 12}, tensors=1, buckets=1, seconds={stats.seconds!r}, ack_wait_s={stats.ack_wait_s!r}, "
+        f"gbps={stats.gbps!r})"
+    )
+
+
 def test_many_tensors(receiver_server, endpoint, case):
     weights = [(f"layers.{i}.w", random_tensor((i % 7 + 1, 13), torch.bfloat16, case.tensor_device, i)) for i in range(300)]
     stats, result = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
