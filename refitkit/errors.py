@@ -4,7 +4,14 @@ from __future__ import annotations
 
 
 class RefitError(RuntimeError):
-    """Base of every refitkit error."""
+    """Base of every refitkit error.
+
+    ``recovery``: when a ``RefitCycle`` call failed across ranks and left state it could not bring back by itself,
+    the one call that recovers, made on every rank (e.g. ``"call cycle.resume() on every rank"``); the message says
+    it too. ``None``: nothing to call (every rank is as the failed call found it).
+    """
+
+    recovery: str | None = None
 
 
 class InvalidInput(RefitError, ValueError):
@@ -33,7 +40,11 @@ class ProtocolError(TransferError):
 
 
 class BarrierTimeout(RefitError, TimeoutError):
-    """Trainer ranks did not line up within the barrier's timeout."""
+    """Trainer ranks did not line up within the barrier's timeout; the rank group it ran on is spent (``recovery``)."""
+
+    def __init__(self, message: str, *, recovery: str | None = None) -> None:
+        super().__init__(message)
+        self.recovery = recovery
 
 
 class ReserveTimeout(RefitError, TimeoutError):
@@ -47,12 +58,26 @@ class LeakDetected(RefitError):
 class RankFailure(RefitError):
     """A refit phase failed on another trainer rank; every rank raises after a bounded exchange.
 
-    ``failures`` maps each failed rank to ``"<error type>: <message>"``.
+    ``failures`` maps each failed rank to ``"<error type>: <message>"``; ``recovery`` (see ``RefitError``).
     """
 
-    def __init__(self, message: str, *, failures: dict[int, str]) -> None:
+    def __init__(self, message: str, *, failures: dict[int, str], recovery: str | None = None) -> None:
         super().__init__(message)
         self.failures = failures
+        self.recovery = recovery
+
+
+class RecoveryNeeded(RefitError):
+    """A refit phase failed on this rank and left state the cycle could not bring back by itself: ``recovery`` names
+    the one call to make on every rank (the other ranks raise ``RankFailure`` with the same ``recovery``).
+
+    The rank's own error is the cause (``__cause__``); ``failures`` as in ``RankFailure``.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str], recovery: str) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.recovery = recovery
 
 
 class DeferredTimeout(RefitError, TimeoutError):

@@ -14,6 +14,8 @@ them within the exchange's bound. A timed-out exchange leaves this group unusabl
 collectives in order, and the absent rank may still arrive at the old one): every later exchange
 refuses at once with a ``RefitError`` that says to make a new ``RefitCycle`` / ``RankGroup`` on
 every rank. The round number in each record catches ranks that got out of step some other way.
+Every such error carries the call that recovers in ``recovery`` (and its message); the caller names
+it (``if_lost``, ``recovery``), since only the caller knows what its phase leaves behind.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from typing import Any
 import torch
 
 from refitkit._knobs import checked_seconds
-from refitkit.errors import BarrierTimeout, InvalidInput, RankFailure, RefitError
+from refitkit.errors import BarrierTimeout, InvalidInput, RankFailure, RecoveryNeeded, RefitError
 
 logger = logging.getLogger(__name__)
 
 RECORD_BYTES = 2048  # one rank's status record; longer error messages are cut to fit
+NEW_GROUP = "make a new RefitCycle (or RankGroup) on every rank"  # what recovers a spent group, by default
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,13 @@ class RankGroup:
 
     # -- exchanges --------------------------------------------------------------------------------
 
-    def exchange(self, phase: str, error: BaseException | None = None) -> list[RankStatus]:
+    def exchange(self, phase: str, error: BaseException | None = None, *, if_lost: str = NEW_GROUP) -> list[RankStatus]:
         """Every rank's outcome of ``phase`` (this rank's is ``error``, or success), within the group's ``timeout_s``
         (one bound for the wait and for gloo's own collective, so no rank can pass an exchange another gave up on).
 
         Raises ``BarrierTimeout`` when some rank does not arrive in time, ``RefitError`` when the group
-        is out of step; it does not raise for failures it reports (see ``raise_failures``).
+        is out of step; it does not raise for failures it reports (see ``raise_failures``). Either error
+        leaves the group spent and names ``if_lost`` as the call that recovers (``recovery``).
         """
         wait_s = self.timeout_s
         mine = RankStatus(self.rank, phase, type(error).__name__ if error is not None else None, _message(error))
@@ -110,10 +114,7 @@ class RankGroup:
         if self._group is None:
             return [mine]
         if self._broken is not None:
-            raise RefitError(
-                f"{phase}: this cycle's rank group is unusable since {self._broken}; "
-                "make a new RefitCycle (or RankGroup) on every rank"
-            )
+            raise _spent(f"{phase}: this cycle's rank group is unusable since {self._broken}; {if_lost}", if_lost)
         import torch.distributed as dist
 
         record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
@@ -127,23 +128,25 @@ class RankGroup:
             self._broken = f"round {self.round} ({phase}) timed out or failed on rank {self.rank}"
             raise BarrierTimeout(
                 f"barrier after {phase} timed out after {wait_s:.1f} s on rank {self.rank}: some rank did not "
-                f"arrive (raise barrier_timeout_s if it is only slow): {exc}"
+                f"arrive (raise barrier_timeout_s if it is only slow): {exc}; this rank group is spent: {if_lost}",
+                recovery=if_lost,
             ) from exc
         if completed is False:
             self._broken = f"round {self.round} ({phase}) timed out on rank {self.rank}"
             raise BarrierTimeout(
                 f"barrier after {phase} did not complete within {wait_s:.1f} s on rank {self.rank}; "
-                "raise barrier_timeout_s if a rank is only slow"
+                f"raise barrier_timeout_s if a rank is only slow; this rank group is spent: {if_lost}",
+                recovery=if_lost,
             )
         statuses = []
         for source, raw in zip(self._ranks, gathered):
             round_, status = _decode(bytes(raw.numpy().tobytes()), source)
             if round_ != self.round or status.phase != phase:
                 self._broken = f"rank {source} was at round {round_} ({status.phase}), rank {self.rank} at {self.round}"
-                raise RefitError(
+                raise _spent(
                     f"{phase}: ranks are out of step: rank {source} is at exchange {round_} ({status.phase!r}), "
-                    f"rank {self.rank} at {self.round} ({phase!r}); an earlier exchange failed on some rank. "
-                    "Make a new RefitCycle on every rank"
+                    f"rank {self.rank} at {self.round} ({phase!r}); an earlier exchange failed on some rank: {if_lost}",
+                    if_lost,
                 )
             statuses.append(status)
         return statuses
@@ -162,32 +165,74 @@ class RankGroup:
         """``exchange()`` for event loops: the blocking collective runs in a worker thread."""
         return await asyncio.to_thread(self.exchange, phase, error)
 
-    def settle(self, phase: str, error: BaseException | None) -> float:
-        """Exchange this rank's outcome of ``phase`` and raise on every rank if any rank failed.
+    def settle(
+        self,
+        phase: str,
+        error: BaseException | None,
+        *,
+        recovery: str | None = None,
+        outcome: str | None = None,
+        if_lost: str = NEW_GROUP,
+    ) -> float:
+        """Exchange this rank's outcome of ``phase`` and raise on every rank if any rank failed (``raise_failures``).
 
-        A rank that failed re-raises its own ``error`` (with the other ranks' failures noted); the
-        others raise ``RankFailure`` naming each failed rank. Returns the seconds the exchange took.
+        ``if_lost`` as for ``exchange``. Returns the seconds the exchange took.
         """
         start = time.perf_counter()
         try:
-            statuses = self.exchange(phase, error)
+            statuses = self.exchange(phase, error, if_lost=if_lost)
         except RefitError as exc:
             if error is not None:
                 raise exc from error
             raise
-        failed = [status for status in statuses if not status.ok]
-        if error is not None:
-            others = [status for status in failed if status.rank != self.rank]
-            if others and hasattr(error, "add_note"):
-                error.add_note("other ranks failed too: " + "; ".join(_describe(s) for s in others))
-            raise error
-        if failed:
-            raise RankFailure(
-                f"{phase} failed on rank(s) {', '.join(str(s.rank) for s in failed)} (this is rank {self.rank}, where "
-                f"it succeeded): " + "; ".join(_describe(s) for s in failed),
-                failures={status.rank: f"{status.error_type}: {status.error}" for status in failed},
-            )
+        self.raise_failures(phase, statuses, error, recovery=recovery, outcome=outcome)
         return time.perf_counter() - start
+
+    def raise_failures(
+        self,
+        phase: str,
+        statuses: list[RankStatus],
+        error: BaseException | None,
+        *,
+        recovery: str | None = None,
+        outcome: str | None = None,
+    ) -> None:
+        """Raise when ``statuses`` (every rank's outcome of ``phase``, possibly with a later step's too) hold a failure.
+
+        ``error`` is this rank's own failure; ``outcome``: what the failures left behind, and ``recovery``: the call
+        that recovers, made on every rank (None: nothing to call); every rank's message says both. Without
+        ``recovery`` a rank that failed re-raises its own ``error`` (the other ranks' failures noted), with it it
+        raises ``RecoveryNeeded`` chained from ``error``; the others raise ``RankFailure`` naming each failed rank.
+        """
+        failed = [status for status in statuses if not status.ok]
+        if error is None and not failed:
+            return
+        ranks = ", ".join(str(rank) for rank in dict.fromkeys(status.rank for status in failed))
+        said = "; ".join(_describe(s) for s in failed)
+        tail = (f"; {outcome}" if outcome else "") + (f": {recovery}" if recovery else "")
+        failures: dict[int, str] = {}
+        for status in failed:  # a rank may have failed twice (a phase, then its rollback)
+            text = f"{status.error_type}: {status.error}"
+            failures[status.rank] = f"{failures[status.rank]}; then {text}" if status.rank in failures else text
+        if error is not None:
+            if recovery is not None:
+                raise RecoveryNeeded(
+                    f"{phase} failed on rank(s) {ranks} (this is rank {self.rank}): {said}{tail}",
+                    failures=failures,
+                    recovery=recovery,
+                ) from error
+            others = [status for status in failed if status.rank != self.rank]
+            if hasattr(error, "add_note"):  # (Python 3.11+)
+                if others:
+                    error.add_note("other ranks failed too: " + "; ".join(_describe(s) for s in others))
+                if outcome:
+                    error.add_note(f"refitkit: {outcome}")
+            raise error
+        raise RankFailure(
+            f"{phase} failed on rank(s) {ranks} (this is rank {self.rank}, where it succeeded): {said}{tail}",
+            failures=failures,
+            recovery=recovery,
+        )
 
     def close(self) -> None:
         """Destroy the gloo group (its sockets and threads); every member closes its own. Idempotent."""
@@ -203,6 +248,13 @@ class RankGroup:
     def broken(self) -> str | None:
         """Why this group can no longer be used (a timed-out exchange), or None."""
         return self._broken
+
+
+def _spent(message: str, recovery: str) -> RefitError:
+    """The refusal of a spent (or out-of-step) group, naming the call that recovers."""
+    error = RefitError(message)
+    error.recovery = recovery
+    return error
 
 
 def _describe(status: RankStatus) -> str:

@@ -8,20 +8,31 @@ fails on one rank never leaves another rank inside a collective:
   (the gathers every rank takes part in) without sending, then all ranks exchange the outcome. On
   failure nothing was offloaded: the state stays ON_DEVICE on every rank.
 - ``offload`` + ``flush_device``, then the barrier, which is the same exchange: a rank whose
-  offload failed makes every rank raise instead of waiting out ``barrier_timeout_s``.
+  offload failed makes every rank raise instead of waiting out ``barrier_timeout_s``. Before they
+  raise, every rank reloads what it offloaded (the rollback) and a second exchange tells each whether
+  that worked everywhere: a failed ``refit()`` leaves every rank ON_DEVICE, as it found them, and the
+  next ``refit()`` works as is; where the rollback failed, every rank's error says to call
+  ``cycle.resume()`` on every rank.
 - ``overlap=True`` (the default): the optimizer state (and kept grads) start copying to the host
   on a side stream before the weights stream; the offload phase copies the params and, once every
   params copy passed its checks and was issued, frees the optimizer state (its copies done) while
   the params' copies run. A failed sync, or a params offload that fails its checks, cancels those
   copies (waits for them, frees nothing): the state stays ON_DEVICE, exactly as without overlap. A
   failure after that point (a copy that fails on the device) leaves the optimizer state OFFLOADED,
-  its bytes on the host.
-- ``resume``: the reload, then an exchange, so no rank starts the next step's collectives while
-  another one could not get its state back.
+  its bytes on the host, until the rollback below reloads it.
+- ``engine_wake_kv_cache`` (a link that drives its engine's memory): every rank is OFFLOADED then;
+  it stays so, and every rank's error says to call ``cycle.resume()`` on every rank.
+- ``resume``: the engine's sleep, then the reload, each followed by an exchange, so no rank starts
+  the next step's collectives while another one could not get its state back; a failure of either
+  tells every rank to call ``cycle.resume()`` again on every rank (a no-op where the state is back).
 
-The rank that failed re-raises its own error; every other rank raises ``RankFailure`` naming it.
-A rank that never arrives makes the others raise ``BarrierTimeout`` after ``barrier_timeout_s``;
-the trainer's own process groups are never used for any of this.
+The rank that failed re-raises its own error (or, where a call must recover, ``RecoveryNeeded``
+chained from it); every other rank raises ``RankFailure`` naming it. Either error's ``recovery`` is
+that call, or None when every rank is as the failed call found it. A rank that never arrives makes
+the others raise ``BarrierTimeout`` after ``barrier_timeout_s``, which spends the cycle's group (its
+``recovery``: make a new ``RefitCycle`` on every rank, and call its ``resume()`` where state may be
+offloaded); the trainer's own process groups are never used for any of this. ``docs/failures.md``
+has the table, phase by phase.
 """
 
 from __future__ import annotations
@@ -30,12 +41,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch
 from torch.profiler import record_function
 
-from refitkit.errors import InvalidInput, RefitError
+from refitkit.errors import InvalidInput, RecoveryNeeded, RefitError
 from refitkit.offload import flush_device
 from refitkit.ranks import RankGroup, abounded_barrier, bounded_barrier
 from refitkit.report import PhaseRecord, RefitReport
@@ -47,6 +58,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ARRIVAL = "training (every rank's arrival at refit)"  # the phase name of the exchange that opens a refit
+ROLLBACK = "rollback (reloading what the failed offload left offloaded)"  # the exchange after a failed offload
+
+# The calls that recover, as every rank's error names them (``RefitError.recovery``).
+RESUME = "call cycle.resume() on every rank"
+NEW_CYCLE = "make a new RefitCycle on every rank"
+NEW_CYCLE_RESUME = "make a new RefitCycle on every rank and call its resume()"
+
+# What a failure leaves, as every rank's error says it.
+ROLLED_BACK = (
+    "rolled back: every rank reloaded what it had offloaded, so every rank is ON_DEVICE as refit() found it "
+    "and the next refit() works as is"
+)
+KV_ASLEEP = "every rank's state stays offloaded (the engine's weights awake, its KV cache asleep)"
+NOT_RELOADED = "no rank's state was reloaded (every rank stays offloaded)"
+PART_RELOADED = (
+    "the ranks where the reload failed stay offloaded, every byte in their arena; the others are back on the device "
+    "(resume() again reloads only what is still offloaded)"
+)
 
 
 class _Weights:
@@ -129,9 +158,11 @@ class RefitCycle:
     def refit(self, step: int) -> RefitReport:
         """Sync weights, offload everything, flush the device, barrier; raises on every rank if any failed.
 
-        With a link that drives its engine's memory (``VllmLink(sleep_level=...)``) the sending rank first
-        wakes the engine's weights (phase ``engine_wake_weights``, while the optimizer copies already run)
-        and, after the barrier, its KV cache (``engine_wake_kv_cache``).
+        A refit that raised leaves every rank ON_DEVICE, as it found them (a failed offload is rolled back), unless
+        its error's ``recovery`` names the call to make on every rank (``cycle.resume()``, e.g. after the engine's KV
+        cache could not wake). With a link that drives its engine's memory (``VllmLink(sleep_level=...)``) the
+        sending rank first wakes the engine's weights (phase ``engine_wake_weights``, while the optimizer copies
+        already run) and, after the barrier, its KV cache (``engine_wake_kv_cache``).
         """
         records: list[PhaseRecord] = []
         origin = time.perf_counter()
@@ -163,13 +194,16 @@ class RefitCycle:
         early = started[0] if started else None
         records.append(self._timed("offload", origin, lambda: _attempt(lambda: self._offload(early), failures)))
         records.append(self._timed("flush_device", origin, lambda: _attempt(flush_device, failures)))
-        records.append(self._timed("barrier", origin, lambda: self._settle("offload", failures)))
+        records.append(self._timed("barrier", origin, lambda: self._settle_offload(failures)))
         # Only now may the engine take its KV cache back: every rank has offloaded and flushed.
-        records.extend(self._engine_phase("engine_wake_kv_cache", "wake_for_rollout", origin))
+        records.extend(self._engine_phase("engine_wake_kv_cache", "wake_for_rollout", origin, stranded=KV_ASLEEP))
         return RefitReport(step=step, rank=self.ranks.rank, phases=tuple(records))
 
     def resume(self, step: int, *, defer_optimizer: bool = False) -> RefitReport:
         """Bring the training state back to the device, then line up; raises on every rank if any failed.
+
+        Its failures (the engine's sleep, a rank's reload) tell every rank to call ``resume()`` again on every rank
+        (``recovery``): it reloads only what is still offloaded.
 
         ``defer_optimizer``: return once the params and grads are back; the optimizer state arrives
         behind the caller and the optimizer's step, ``state_dict()`` and ``load_state_dict()`` wait for it
@@ -184,9 +218,11 @@ class RefitCycle:
             return self.adapter.reload(defer_optimizer=defer_optimizer).total.bytes
 
         # The engine releases its memory first, on every rank's device, before any rank's state comes back.
-        sleep_records = self._engine_phase("engine_sleep", "sleep_for_training", origin)
+        sleep_records = self._engine_phase("engine_sleep", "sleep_for_training", origin, stranded=NOT_RELOADED)
         reload_record = self._timed("reload", origin, lambda: _attempt(reload, failures))
-        barrier_record = self._timed("barrier", origin, lambda: self._settle("reload", failures))
+        barrier_record = self._timed(
+            "barrier", origin, lambda: self._settle("reload", failures, stranded=PART_RELOADED)
+        )
         return RefitReport(step=step, rank=self.ranks.rank, phases=(*sleep_records, reload_record, barrier_record))
 
     async def arefit(self, step: int) -> RefitReport:
@@ -230,6 +266,61 @@ class RefitCycle:
             raise error
         return moved + flight.finished.total.bytes
 
+    def _settle_offload(self, failures: list[BaseException]) -> None:
+        """The offload's exchange (the barrier). Where the offload or flush failed on any rank, every rank reloads what
+        it offloaded before raising, then a second exchange tells every rank whether that rollback worked everywhere:
+        if so the failed refit() leaves every rank ON_DEVICE and nothing is to be called; if not, every rank's error
+        names ``cycle.resume()`` on every rank (it reloads where the rollback failed, a no-op elsewhere)."""
+        mine = failures[0] if failures else None
+        try:
+            statuses = self.ranks.exchange("offload", mine, if_lost=NEW_CYCLE)
+        except RefitError as lost:  # some rank never came: nothing more can be exchanged, roll back alone
+            self._roll_back_alone(lost, mine)
+        if all(status.ok for status in statuses):
+            return
+        undo: list[BaseException] = []
+        _attempt(self._roll_back, undo)
+        own = mine if mine is not None else (undo[0] if undo else None)
+        try:
+            back = self.ranks.exchange(ROLLBACK, undo[0] if undo else None, if_lost=NEW_CYCLE_RESUME)
+        except RefitError as lost:  # which ranks are back is unknown: the resume of a new cycle reloads the rest
+            if mine is not None and undo and hasattr(lost, "add_note"):  # (Python 3.11+)
+                lost.add_note(f"refitkit: rolling back on this rank failed too: {undo[0]!r}")
+            if own is not None:
+                raise lost from own
+            raise
+        stranded = [status for status in back if not status.ok]
+        if stranded:
+            which = ", ".join(str(status.rank) for status in stranded)
+            outcome = (
+                f"rolling back (every rank reloading what it had offloaded) failed on rank(s) {which}, "
+                "which stay offloaded"
+            )
+            self.ranks.raise_failures("offload", statuses + stranded, own, recovery=RESUME, outcome=outcome)
+        self.ranks.raise_failures("offload", statuses, mine, outcome=ROLLED_BACK)
+
+    def _roll_back(self) -> int:
+        """Reload what a failed refit left offloaded on this rank (a no-op where nothing is)."""
+        return self.adapter.reload().total.bytes
+
+    def _roll_back_alone(self, lost: RefitError, mine: BaseException | None) -> NoReturn:
+        """After an offload exchange that some rank never came to: reload here, then raise ``lost``. Every rank that
+        gives up on that exchange does the same, so a new cycle is all that is needed, unless the reload failed."""
+        undo: list[BaseException] = []
+        _attempt(self._roll_back, undo)
+        if undo:
+            failed = undo[0]
+            said = f"{type(failed).__name__}: {failed}"
+            raise RecoveryNeeded(
+                f"{lost}; rolling back on rank {self.ranks.rank} failed too ({said}), its state stays offloaded: "
+                f"{NEW_CYCLE_RESUME}",
+                failures={self.ranks.rank: said},
+                recovery=NEW_CYCLE_RESUME,
+            ) from (mine if mine is not None else failed)
+        if mine is not None:
+            raise lost from mine
+        raise lost
+
     def _cancel(self, flight: "OffloadInFlight | BaseException | None", error: BaseException) -> None:
         """A phase failed: wait for the optimizer copies and keep the optimizer state on the device."""
         if flight is not None and not isinstance(flight, BaseException):
@@ -243,7 +334,7 @@ class RefitCycle:
         # Line up before the first gather: a rank that never calls refit() (it crashed in its step, or hangs)
         # then gives the others BarrierTimeout after barrier_timeout_s, not a wait inside the trainer's
         # (NCCL) all-gather until its watchdog kills the process. One small gloo exchange per refit.
-        self.ranks.settle(ARRIVAL, None)
+        self.ranks.settle(ARRIVAL, None, if_lost=NEW_CYCLE)
         failures: list[BaseException] = list(earlier)
         weights = _Weights(iter(self.adapter.named_weights()))
         if self.sender is None or failures:
@@ -263,24 +354,34 @@ class RefitCycle:
         self._settle("sync_weights", failures)
         return moved
 
-    def _engine_phase(self, name: str, method: str, origin: float) -> list[PhaseRecord]:
+    def _engine_phase(self, name: str, method: str, origin: float, *, stranded: str) -> list[PhaseRecord]:
         """The link's ``method`` on the sending rank (a link that drives the engine's memory; other senders have
-        none), then every rank learns its outcome in one bounded exchange; the phase's record where it ran."""
+        none), then every rank learns its outcome in one bounded exchange (``stranded`` as for ``_settle``); the
+        phase's record where it ran."""
         failures: list[BaseException] = []
         call = _memory_step(self.sender, method)
         if call is None:  # no engine memory to drive here; the sending rank may still have some
-            self._settle(name, failures)
+            self._settle(name, failures, stranded=stranded)
             return []
 
         def run() -> None:
             _attempt(call, failures)
-            self._settle(name, failures)
+            self._settle(name, failures, stranded=stranded)
 
         return [self._timed(name, origin, run)]
 
-    def _settle(self, phase: str, failures: list[BaseException]) -> None:
-        """Exchange this rank's outcome of ``phase``; raise on every rank if any rank failed."""
-        self.ranks.settle(phase, failures[0] if failures else None)
+    def _settle(self, phase: str, failures: list[BaseException], *, stranded: str | None = None) -> None:
+        """Exchange this rank's outcome of ``phase``; raise on every rank if any rank failed.
+
+        ``stranded``: what a failure of this phase leaves that only ``resume()`` brings back (None: nothing, every
+        rank is as the call found it); every rank's error then says it and names ``cycle.resume()`` on every rank
+        (a new cycle's, when the exchange itself failed).
+        """
+        error = failures[0] if failures else None
+        if stranded is None:
+            self.ranks.settle(phase, error, if_lost=NEW_CYCLE)
+        else:
+            self.ranks.settle(phase, error, recovery=RESUME, outcome=stranded, if_lost=NEW_CYCLE_RESUME)
 
     def _timed(self, name: str, origin: float, fn: Callable[[], int | None]) -> PhaseRecord:
         start = time.perf_counter()

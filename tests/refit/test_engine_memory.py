@@ -8,6 +8,7 @@ import torch
 
 from refitkit.engines.base import DeviceState
 from refitkit.engines.fsdp import FSDPAdapter
+from refitkit.errors import RecoveryNeeded
 from refitkit.refit import RefitCycle
 
 
@@ -87,8 +88,10 @@ def test_a_failed_wake_of_the_weights_fails_the_sync_and_offloads_nothing():
 
 def test_a_refused_kv_wake_is_raised_after_the_offload():
     _, adapter, link, cycle = cycle_with(fail="wake_for_rollout")
-    with cycle, pytest.raises(RuntimeError, match="the engine refused wake_for_rollout"):
+    with cycle, pytest.raises(RecoveryNeeded, match="the engine refused wake_for_rollout") as caught:
         cycle.refit(0)
+    assert caught.value.recovery == "call cycle.resume() on every rank" and str(caught.value).endswith(caught.value.recovery)
+    assert isinstance(caught.value.__cause__, RuntimeError)  # the link's own error
     assert adapter.state is DeviceState.OFFLOADED  # the trainer's memory is free; the wake can be retried
     link.fail = None
     link.wake_for_rollout()
