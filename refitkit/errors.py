@@ -19,11 +19,31 @@ class InvalidInput(RefitError, ValueError):
 
 
 class TransferError(RefitError):
-    """A weight transfer failed; carries the remote side's message when the peer reported it."""
+    """A weight transfer failed. When the peer reported why, it carries the peer's report (``remote_message``), the
+    type of the peer's own exception (``remote_type``, e.g. ``"RuntimeError"``) and the last frames of its traceback as
+    text (``remote_traceback``), and its ``__cause__`` is a ``RemoteError`` standing for that exception."""
 
-    def __init__(self, message: str, *, remote_message: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, remote_message: str | None = None, remote_type: str | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.remote_message = remote_message
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+class RemoteError(RefitError):
+    """The peer's own exception, rebuilt here from what its report carried as data (its type's name, its message and
+    its traceback's last frames as text: nothing executable crosses the wire). Never raised on its own: it is the
+    ``__cause__`` of the error the peer's report raised here, so a traceback shows the peer's failure first."""
+
+    def __init__(self, remote_type: str, remote_message: str, remote_traceback: str | None = None) -> None:
+        text = f"{remote_type}: {remote_message}"
+        if remote_traceback:
+            text += f"\n--- on the peer ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+        self.remote_type, self.remote_message, self.remote_traceback = remote_type, remote_message, remote_traceback
 
 
 class TransferTimeout(TransferError, TimeoutError):

@@ -30,7 +30,9 @@ Kinds and their fields (R = receiver, S = sender):
                     mapping were released (with a control segment, the receiver first posts one
                     ``CONSUMED`` more than the buckets before the last, after the same release:
                     the count reaching the number of buckets sent is the same ACK, seen sooner)
-- ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released)
+- ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released); with the
+                    exception that made it fail, also ``error_type``, ``error_message`` and ``traceback`` (its last
+                    frames as text, ``failure_fields``), which the sender raises as a ``RemoteError`` cause
 - ``abort``    S→R  ``session``, ``reason``: the sender gave up; the receiver releases and
                     answers ``released``
 """
@@ -41,6 +43,7 @@ import functools
 import os
 import reprlib
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -48,7 +51,7 @@ import msgpack
 import torch
 import zmq
 
-from refitkit.errors import ProtocolError, TransferTimeout
+from refitkit.errors import ProtocolError, RemoteError, TransferTimeout
 from refitkit.offload.device import ALIGN_BYTES, align_up  # noqa: F401 (re-exported: the wire's alignment)
 from refitkit.transfer.common import SessionPhase
 
@@ -78,6 +81,40 @@ _brief_repr.maxlevel, _brief_repr.maxlist, _brief_repr.maxstring, _brief_repr.ma
 def brief(value: Any) -> str:
     """A short repr of something that came off the wire (it may be huge or deeply nested)."""
     return _brief_repr.repr(value)
+
+
+# A failure report carries the last frames of the failing side's traceback (the loader's own, typically), and at most
+# this many characters of it and of the exception's message: enough to find the line, small enough to print.
+FAILURE_FRAMES = 8
+MAX_FAILURE_CHARS = 8000
+
+
+def failure_fields(exc: BaseException) -> dict[str, str]:
+    """What a failure report says about the exception behind it, as plain data: its type's name, its message and
+    the last ``FAILURE_FRAMES`` frames of its traceback as text (the end kept when longer than ``MAX_FAILURE_CHARS``)."""
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    lines = traceback.format_exception(kind, exc, exc.__traceback__, limit=-FAILURE_FRAMES)
+    return {
+        "error_type": name,
+        "error_message": str(exc)[:MAX_FAILURE_CHARS],
+        "traceback": "".join(lines)[-MAX_FAILURE_CHARS:],
+    }
+
+
+def remote_failure(fields: dict[str, Any]) -> RemoteError | None:
+    """The peer's exception as a report's ``failure_fields`` described it (None when it named none); a field that
+    is not text arrives as its brief repr, and none is longer than ``MAX_FAILURE_CHARS``."""
+    if fields.get("error_type") is None:
+        return None
+
+    def text(key: str) -> str | None:
+        value = fields.get(key)
+        if value is None:
+            return None
+        return (value if type(value) is str else brief(value))[-MAX_FAILURE_CHARS:]
+
+    return RemoteError(text("error_type") or "?", text("error_message") or "", text("traceback"))
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype

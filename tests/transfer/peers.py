@@ -240,7 +240,11 @@ def _server_main(conn: Any) -> None:
         try:
             result = {"ok": True, **_run_session(*command, notes)}
         except BaseException as exc:  # every failure goes back to the test as data
-            result = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+            cause = exc.__cause__
+            result = {
+                "ok": False, "type": type(exc).__name__, "message": str(exc),
+                "cause": None if cause is None else (type(cause).__name__, str(cause)),
+            }  # fmt: skip
         if not result["ok"]:  # measured once the exception (and views its frames kept) is gone
             result["segments_after"] = mapped_segments()
         result.update(notes)

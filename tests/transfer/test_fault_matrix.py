@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import socket
 import time
+import traceback
 
 import msgpack
 import pytest
 import torch
 import zmq
 
-from refitkit.errors import ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import ProtocolError, RefitError, RemoteError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
@@ -82,6 +84,30 @@ def test_receiver_raises_in_on_bucket(receiver_server, endpoint, case):
     assert not result["ok"] and result["type"] == "TransferError" and result["segments_after"] == []
     device_memory_given_back(result, baseline_free, case)
     fresh_session_works(receiver_server, endpoint, case)
+
+
+def test_a_loaders_exception_reaches_the_sender_with_its_type_and_frames(receiver_server, endpoint):
+    """The loader's exception travels as data (type, message, its last frames as text) and is the sender's error's
+    cause; on the receiver, the raised TransferError chains the loader's own exception."""
+    receiver_server.start_session(endpoint, timeout_s=TIMEOUT_S, mode="raise", arg=2)
+    error = send_expecting(endpoint, TransferError, "on_bucket raised RuntimeError: loader exploded at bucket 2")
+    assert type(error) is TransferError and error.remote_type == "RuntimeError"
+    assert error.remote_message == "on_bucket raised RuntimeError: loader exploded at bucket 2"
+    frames = error.remote_traceback
+    assert "tests/transfer/peers.py" in frames and "in on_bucket" in frames, frames
+    assert 'raise RuntimeError(f"loader exploded at bucket {arg}")' in frames
+    assert frames.rstrip().endswith("RuntimeError: loader exploded at bucket 2")
+    cause = error.__cause__
+    assert type(cause) is RemoteError and isinstance(cause, RefitError)
+    assert (cause.remote_type, cause.remote_message) == ("RuntimeError", "loader exploded at bucket 2")
+    assert cause.remote_traceback == frames and str(cause).startswith("RuntimeError: loader exploded at bucket 2\n")
+    shown = "".join(traceback.format_exception(error))
+    assert "The above exception was the direct cause of the following exception" in shown and "in on_bucket" in shown
+    result = receiver_server.result()
+    assert not result["ok"] and result["type"] == "TransferError" and result["segments_after"] == []
+    assert result["cause"] == ("RuntimeError", "loader exploded at bucket 2")  # raise ... from the loader's exception
+    assert re.search(r"failed \(streaming; \d+ buckets sent\): on_bucket raised", str(error))
+    fresh_session_works(receiver_server, endpoint)
 
 
 def test_receiver_raises_in_cleanup(receiver_server, endpoint, case):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,7 +47,7 @@ from refitkit.transfer.common import SessionPhase, TransferStats, checked_device
 from refitkit.transfer.protocol import (
     ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
     check_split_pieces, contiguous_strides, decode, direct_allocs, direct_header, encode, entries_from_wire, expect,
-    recv_frame, setup_exports, setup_fields,
+    failure_fields, recv_frame, setup_exports, setup_fields,
 )  # fmt: skip
 
 
@@ -101,28 +102,28 @@ class BucketedWeightReceiver:
             session.open()
             while True:
                 weights, last = session.next_bucket()
-                failure = interrupted = None
+                failure = cause = interrupted = None
                 began = time.perf_counter()
                 try:
                     on_bucket(weights, last)
-                except Exception as exc:  # reported to the sender; the traceback must not keep views alive
-                    failure = f"on_bucket raised {type(exc).__name__}: {exc}"
+                except Exception as exc:  # reported to the sender (with its type and frames), then chained here
+                    failure, cause = f"on_bucket raised {type(exc).__name__}: {exc}", _without_locals(exc)
                 except BaseException as exc:  # KeyboardInterrupt, SystemExit: report, release, then re-raise it
                     failure = f"on_bucket was interrupted by {type(exc).__name__}: {exc}"
-                    interrupted = exc.with_traceback(None)  # its frames hold the views
+                    cause = interrupted = exc.with_traceback(None)  # its frames hold the views
                 weights = None
                 session.timings["on_bucket"] += time.perf_counter() - began
                 if failure is not None:
-                    session.fail(failure)
+                    session.fail(failure, cause=cause)
                     if interrupted is not None:
                         raise interrupted
-                    raise TransferError(failure)
+                    raise TransferError(failure) from cause
                 session.bucket_consumed(last)
                 if last:
                     self.last_stats = session.stats()
                     return self.last_stats
         except BaseException as exc:  # also an interrupt while waiting: the sender must hear of it now
-            session.fail(f"receiver gave up: {type(exc).__name__}: {exc}")
+            session.fail(f"receiver gave up: {type(exc).__name__}: {exc}", cause=exc)
             raise
         finally:
             self._active = None
@@ -162,12 +163,24 @@ class BucketedWeightReceiver:
                 session.fail(f"iter_weights() was closed after {yielded} tensors, before the last bucket")
         except BaseException as exc:  # also KeyboardInterrupt / SystemExit thrown in at a yield
             name = tensor = weights = None  # type: ignore[assignment]
-            session.fail(f"receiver gave up after {yielded} tensors: {type(exc).__name__}: {exc}")
+            session.fail(f"receiver gave up after {yielded} tensors: {type(exc).__name__}: {exc}", cause=exc)
             raise
         finally:
             if self._active is session:
                 self._active = None
             session.close()
+
+
+def _without_locals(exc: BaseException) -> BaseException:
+    """``exc``, kept as a cause, with the locals of its finished frames (and its causes' and contexts') dropped: the
+    loader's frames hold views of the bucket, which must not outlive the release; their lines stay in the traceback."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)  # (a frame still running, ours, is left as it is)
+        current = current.__cause__ or current.__context__
+    return exc
 
 
 # -- One receiving session of a ``BucketedWeightReceiver``: map the bucket once, hand out views, release, ACK ---
@@ -599,8 +612,9 @@ class _ReceiveSession:
                 bell.close()  # after the posts queued on our streams ran
             self.timings["release"] += time.perf_counter() - began
 
-    def fail(self, message: str) -> None:
-        """Release, then tell the sender why this session failed (best effort; once per session)."""
+    def fail(self, message: str, *, cause: BaseException | None = None) -> None:
+        """Release, then tell the sender why this session failed, with ``cause``'s type, message and last frames
+        as data (best effort; once per session)."""
         if self.phase is SessionPhase.RELEASED:
             return
         try:
@@ -608,7 +622,8 @@ class _ReceiveSession:
         except TransferError as exc:
             message = f"{message}; and then {exc}"
         if self.session is not None:
-            self._send(encode("error", session=self.session, phase=self.phase.value, message=message), quiet=True)
+            fields = failure_fields(cause) if cause is not None else {}
+            self._send(encode("error", session=self.session, phase=self.phase.value, message=message, **fields), quiet=True)
         self.phase = SessionPhase.RELEASED
 
     def stats(self) -> TransferStats:

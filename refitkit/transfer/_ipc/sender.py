@@ -60,7 +60,8 @@ from refitkit.transfer.packing import (
 )  # fmt: skip
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, brief, decode, encode, entry_to_wire, expect, recv_frame, timeout_error,
+    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, brief, decode, encode, entry_to_wire, expect, recv_frame,
+    remote_failure, timeout_error,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -1090,9 +1091,16 @@ class _SendSession:
         if frame["kind"] == "error":
             message = str(frame.get("message"))
             self.state = self.state.to(SendState.PEER_FAILED)  # the receiver released before it reported
-            raise TransferError(
-                f"receiver on {self.endpoint!r} failed ({frame.get('phase')}): {message}", remote_message=message
-            )
+            remote, phase = remote_failure(frame), frame.get("phase")
+            error = TransferError(
+                f"receiver on {self.endpoint!r} failed ({phase if type(phase) is str else brief(phase)}; {self.seq} "
+                f"buckets sent): {message}",
+                remote_message=message,
+                remote_type=remote.remote_type if remote else None, remote_traceback=remote.remote_traceback if remote else None,
+            )  # fmt: skip
+            if remote is None:
+                raise error
+            raise error from remote
         expect(frame, "ready", "done", "released", session=self.session)
         kind, seq = frame["kind"], frame.get("seq")
         if kind == "ready" and self.state.setup_sent:
