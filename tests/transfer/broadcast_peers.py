@@ -5,7 +5,8 @@ seconds, digests, weights_version)`` where digests map each name to (dtype, shap
 "ok"; "kill" (SIGKILL itself inside ``on_bucket`` of bucket 1: dies mid-broadcast); "kill-last" (the same inside
 the last bucket's: the whole stream arrived, no status follows); "raise"
 (``on_bucket`` raises at bucket 1). One receiver object is kept per (rendezvous, secret, rank), so
-its weight version carries over from one command to the next, as in an engine.
+its weight version carries over from one command to the next, as in an engine. ``killed_sender_main`` is a
+sender that dies mid-stream.
 """
 
 from __future__ import annotations
@@ -92,3 +93,21 @@ class ReceiverProcess:
             self.process.kill()
             self.process.join(10)
         return self.process.exitcode
+
+
+def killed_sender_main(rendezvous: str, secret: str, bucket_bytes: int, kill_at_item: int, conn: Any) -> None:
+    """A broadcast sender to one receiver that SIGKILLs itself while pulling item ``kill_at_item`` (the group is
+    formed by then: the receiver is streaming)."""
+    from refitkit.transfer._broadcast.sender import BroadcastWeightSender
+
+    torch.set_num_threads(1)
+    sender = BroadcastWeightSender(rendezvous, secret=secret, receivers=1, bucket_bytes=bucket_bytes, timeout_s=30)
+    conn.send("up")
+
+    def weights():
+        for index in range(1000):
+            if index == kill_at_item:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield f"s{index}", torch.full((3000,), float(index))
+
+    sender.send(weights(), version=1)

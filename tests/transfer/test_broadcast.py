@@ -10,6 +10,7 @@ receiver answers its next command), and a fresh session then lands whole on both
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 import threading
 import time
 
@@ -18,12 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import InvalidInput, PeerGone, ProtocolError, RefitError, RemoteError, TransferError, TransferTimeout
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer import BroadcastWeightReceiver, WeightVersion
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from refitkit.transfer.protocol import SUPPORTED_DTYPES, encode
-from tests.transfer.broadcast_peers import ReceiverProcess
+from tests.transfer.broadcast_peers import ReceiverProcess, killed_sender_main
 from tests.transfer.peers import digest
 from tests.helpers.ports import free_port
 
@@ -147,10 +148,41 @@ def test_receiver_failure_reaches_sender_with_its_message(world):
     seconds, error = world.send(stream(count=12), expect=TransferError)
     assert seconds < BOUND_S
     assert "receiver rank 1 failed" in str(error) and "loader refused bucket 1 (test)" in error.remote_message
+    # the loader's exception travelled as data: its type, message and frames, as the cause of the sender's error
+    assert error.remote_type == "RuntimeError" and "broadcast_peers.py" in error.remote_traceback
+    assert 'raise RuntimeError("loader refused bucket 1 (test)")' in error.remote_traceback
+    assert type(error.__cause__) is RemoteError and error.__cause__.remote_message == "loader refused bucket 1 (test)"
     failed, other = world.receivers[1].result(), world.receivers[2].result()
     assert failed[0] == "RuntimeError" and failed[4] == (world.landed, world.version)
     assert other[0] in ("TransferError", "PeerGone") and other[2] < TIMEOUT_S - 1.0
     world.fresh_session_lands()
+
+
+def test_sender_killed_mid_broadcast_is_peer_gone_naming_rank_0():
+    """The receiver meets the sender's death as PeerGone (the group's connection or the sender's store broke, torch
+    says which), naming the sender's rank, the phase and timeout_s, with torch's error chained; long before timeout_s."""
+    kill_at_item = 8  # 4 buckets of 2 items went out: the receiver is streaming
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    url = f"tcp://127.0.0.1:{free_port()}"
+    victim = ctx.Process(target=killed_sender_main, args=(url, SECRET, BUCKET, kill_at_item, child))
+    victim.start()
+    try:
+        assert parent.poll(120) and parent.recv() == "up"
+        receiver = BroadcastWeightReceiver(url, secret=SECRET, rank=1, timeout_s=TIMEOUT_S)
+        landed: list[str] = []
+        began = time.monotonic()
+        with pytest.raises(PeerGone) as raised:
+            receiver.receive(lambda weights, last: landed.extend(name for name, _ in weights))
+        seconds = time.monotonic() - began
+    finally:
+        victim.join(30)
+    assert victim.exitcode == -9 and seconds < TIMEOUT_S
+    message = str(raised.value)
+    assert message.startswith("streaming: ") and "the sender (rank 0)" in message and f"timeout_s={TIMEOUT_S:g}" in message
+    cause = raised.value.__cause__
+    assert isinstance(cause, RuntimeError) and not isinstance(cause, RefitError), repr(cause)  # torch's own, chained
+    assert receiver.weights_version.incomplete == (1 if landed else None)
 
 
 def test_sender_generator_raising_mid_stream(world):

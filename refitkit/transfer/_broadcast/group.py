@@ -7,8 +7,9 @@ One session's group is formed like this, everything under ``refitkit/bcast/`` in
 - ``<session>/join/<rank>``     R: HMAC(secret, session, nonce, rank), written once (compare-and-set)
 - ``<session>/go`` | ``abort``  S: every join checked (tag of "go"), or why the session was called off
 - ``<session>/pg/...``          the dedicated process group's own rendezvous (a PrefixStore)
-- ``<session>/status/<rank>``   R: the receiver's outcome (msgpack ``{ok, message}`` + tag), posted at
-                                the end, or as soon as it fails so that the sender stops at once
+- ``<session>/status/<rank>``   R: the receiver's outcome (msgpack ``{ok, message}`` + tag; a failure also
+                                carries its exception's ``protocol.failure_fields``), posted at the end,
+                                or as soon as it fails so that the sender stops at once
 
 The secret itself never enters the store (anyone who reaches the port can list and read its keys).
 Every wait polls with a deadline; a wait for a collective also watches the store for the other
@@ -101,7 +102,7 @@ def open_signed(secret: bytes, label: str, raw: bytes, what: str) -> dict[str, A
     try:
         fields = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"{what} is undecodable ({type(exc).__name__})") from None
+        raise ProtocolError(f"{what} is undecodable ({type(exc).__name__})") from exc
     if type(fields) is not dict:
         raise ProtocolError(f"{what} is a {type(fields).__name__}, not a map")
     return fields
@@ -121,7 +122,7 @@ def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) ->
         raise TransferTimeout(
             f"handshake: could not {role} the broadcast rendezvous tcp://{host}:{port} within timeout_s={timeout_s:g} "
             f"({type(exc).__name__}: {brief(str(exc))}); is the sender up (receivers) / the port free (sender)?"
-        ) from None
+        ) from exc
 
 
 def has(store: Any, key: str) -> bool:
@@ -186,7 +187,7 @@ def form_group(store: Any, session: str, rank: int, world: int, backend: str, ti
         raise TransferTimeout(
             f"handshake: forming the {backend} group of session {session} (rank {rank} of {world}) failed or timed out "
             f"after timeout_s={timeout_s:g}: a peer did not arrive ({type(exc).__name__}: {brief(str(exc))})"
-        ) from None
+        ) from exc
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -230,8 +231,14 @@ def await_work(
         work.wait()
     except RuntimeError as exc:  # gloo: a pair's connection closed or reset
         abort_group()
-        gave_up(store)  # a peer that reported why it left is named with its own message
-        raise PeerGone(f"{where}: the connection to {peer} broke ({brief(str(exc))}); did it die?") from None
+        try:
+            gave_up(store)  # a peer that reported why it left is named with its own message
+        except PeerGone:  # the store went with it (it hosted the store): the broken connection says more
+            pass
+        raise PeerGone(
+            f"{where}: the connection to {peer} broke ({brief(str(exc))}); did it die? Nothing is left to wait "
+            f"for within timeout_s={timeout_s:g}"
+        ) from exc
 
 
 def abort(group: Any) -> None:

@@ -23,22 +23,23 @@ bucket leaves the weights, and the version, as they were.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import InvalidInput, PeerGone, ProtocolError, RefitError, TransferError, TransferTimeout
 from refitkit.offload.device import resolved_device
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer._broadcast.sender import checked_backend
 from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
     MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_fits, check_split_pieces, decode, entries_from_wire,
-    expect,
+    expect, failure_fields,
 )  # fmt: skip
 
 log = logging.getLogger("refitkit.transfer.broadcast")
@@ -144,15 +145,18 @@ class _BroadcastReceive:
         failed = True
         self.store = grp.connect_store(self.host, self.port, is_master=False, timeout_s=self.timeout_s)
         try:
-            offer = self._take_offer()
-            self._join(offer)
+            with self._sender_link("waiting for an offer"):
+                offer = self._take_offer()
+            with self._sender_link("joining"):
+                self._join(offer)
             self.group = grp.form_group(self.store, offer["session"], self.rank, offer["world"], self.backend, self.timeout_s)
             self.phase = SessionPhase.STREAMING
             total, count = self._stream(offer["half_bytes"])
             self.phase = SessionPhase.RELEASED
-            grp.put(self.store, f"{self.session}/status/{self.rank}", grp.sign(self.secret, "status", {
-                "session": self.session, "ok": True, "message": None,
-            }))  # fmt: skip
+            with self._sender_link("posting its success"):
+                grp.put(self.store, f"{self.session}/status/{self.rank}", grp.sign(self.secret, "status", {
+                    "session": self.session, "ok": True, "message": None,
+                }))  # fmt: skip
             failed = False
             return TransferStats(bytes=total, tensors=count, buckets=self.seq, seconds=time.perf_counter() - start, ack_wait_s=0.0)
         except BaseException as exc:  # reported before the group goes, so the sender learns why, not only that
@@ -221,7 +225,27 @@ class _BroadcastReceive:
         if not grp.hmac.compare_digest(grp.get(self.store, go), grp.tag(self.secret, "go", self.session)):
             raise ProtocolError(f"handshake: session {self.session}'s go failed the secret check")
 
+    @contextlib.contextmanager
+    def _sender_link(self, doing: str) -> Iterator[None]:
+        """Store calls inside: the store's host is the sender, so a store that stopped answering (torch's
+        ``DistNetworkError`` / ``DistStoreError``) means the sender died or closed: PeerGone naming it, chained."""
+        try:
+            yield
+        except RefitError:
+            raise
+        except (RuntimeError, OSError) as exc:
+            where = f"bucket {self.seq} of session {self.session}" if self.session else "before any session"
+            raise PeerGone(
+                f"{self.phase.value}: the sender (rank 0) stopped answering at tcp://{self.host}:{self.port} while "
+                f"receiver rank {self.rank} was {doing} ({where}): {type(exc).__name__}: {brief(str(exc))}; did it "
+                f"die or close? Nothing is left to wait for within timeout_s={self.timeout_s:g}"
+            ) from exc
+
     def _sender_gave_up(self, store: Any) -> None:
+        with self._sender_link("watching for the sender's abort"):
+            self._read_abort(store)
+
+    def _read_abort(self, store: Any) -> None:
         if grp.has(store, f"{self.session}/abort"):
             fields = grp.open_signed(self.secret, "abort", grp.get(store, f"{self.session}/abort"), "the sender's abort")
             reason = str(fields.get("reason"))
@@ -367,7 +391,7 @@ class _BroadcastReceive:
         try:
             message = f"{type(exc).__name__}: {exc}"[:4000]
             grp.put(self.store, f"{self.session}/status/{self.rank}", grp.sign(self.secret, "status", {
-                "session": self.session, "ok": False, "message": message,
+                "session": self.session, "ok": False, "message": message, **failure_fields(exc),
             }))  # fmt: skip
             self.store.add(f"{grp.PREFIX}{self.session}/failures", 1)
         except (RuntimeError, OSError) as late:

@@ -48,7 +48,7 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError, Transfer
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_version
-from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, encode
+from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, encode, remote_failure
 
 log = logging.getLogger("refitkit.transfer.broadcast")
 _END = object()  # the end of a generator of weights
@@ -306,10 +306,9 @@ class _BroadcastSend:
             if grp.has(store, key):
                 status = grp.open_signed(self.secret, "status", grp.get(store, key), f"receiver rank {rank}'s status")
                 if status.get("ok") is not True:
-                    message = str(status.get("message"))
-                    raise TransferError(
+                    _raise_reported(
                         f"{self.phase.value}: receiver rank {rank} failed in session {self.session} (version "
-                        f"{self.version}): {message}", remote_message=message,
+                        f"{self.version})", status,
                     )  # fmt: skip
 
     def _await_statuses(self) -> None:
@@ -331,8 +330,21 @@ class _BroadcastSend:
         for rank, key in enumerate(keys, 1):
             status = grp.open_signed(self.secret, "status", grp.get(self.store, key), f"receiver rank {rank}'s status")
             if status.get("ok") is not True or status.get("session") != self.session:
-                message = str(status.get("message"))
-                raise TransferError(f"draining: receiver rank {rank} failed: {message}", remote_message=message)
+                _raise_reported(f"draining: receiver rank {rank} failed", status)
+
+
+def _raise_reported(what: str, status: dict[str, Any]) -> None:
+    """TransferError for a receiver's failure report ``status``: ``what``, then the receiver's own message; its
+    exception's type and last frames as attributes, and a ``RemoteError`` standing for it as the cause."""
+    message = str(status.get("message"))
+    remote = remote_failure(status)
+    error = TransferError(
+        f"{what}: {message}", remote_message=message, remote_type=remote.remote_type if remote else None,
+        remote_traceback=remote.remote_traceback if remote else None,
+    )  # fmt: skip
+    if remote is None:
+        raise error
+    raise error from remote
 
 
 def _piece_ranges(entries: list[Any]) -> list[tuple[int, int]]:
