@@ -29,12 +29,19 @@ class SessionPhase(enum.Enum):
 
 _UNCHECKED: object = object()  # a knob this end does not have
 
+# The largest bucket_bytes a sender takes, and why: one piece of memory, mapped whole into the sender's and the
+# receiver's address space (shm) or allocated on one GPU (cuda_ipc); a bucket of a few GiB already saturates a copy.
+MAX_BUCKET_BYTES = 1 << 40
+BUCKET_LIMIT = "1 TiB, the most a transport maps or allocates as one bucket; a few GiB saturate the copies"
+
 
 def checked_knobs(
-    *, timeout_s: object, bucket_bytes: object = _UNCHECKED, transport: object = _UNCHECKED, min_bucket_bytes: int = 1
-) -> tuple[float, int | None, str | None]:
+    *, timeout_s: object, bucket_bytes: object = _UNCHECKED, transport: object = _UNCHECKED, min_bucket_bytes: int = 1,
+    max_bucket_bytes: tuple[int, str] = (MAX_BUCKET_BYTES, BUCKET_LIMIT),
+) -> tuple[float, int | None, str | None]:  # fmt: skip
     """``timeout_s`` as a float, ``bucket_bytes`` as an int, ``transport`` as is (None for a knob not
-    given), or InvalidInput naming the knob, the value and what is accepted. Both ends' constructors use it."""
+    given), or InvalidInput naming the knob, the value and what is accepted (``max_bucket_bytes``: the largest
+    bucket and why). Both ends' constructors use it."""
     seconds = checked_seconds(timeout_s, "timeout_s")
     size = None
     if bucket_bytes is not _UNCHECKED:
@@ -42,8 +49,11 @@ def checked_knobs(
             size = operator.index(bucket_bytes) if not isinstance(bucket_bytes, bool) else None
         except TypeError:
             size = None
-        if size is None or size < min_bucket_bytes:
-            raise InvalidInput(f"bucket_bytes={bucket_bytes!r}; need an int of at least {min_bucket_bytes}")
+        largest, why = max_bucket_bytes
+        if size is None or not min_bucket_bytes <= size <= largest:
+            raise InvalidInput(
+                f"bucket_bytes={bucket_bytes!r}; need an int of at least {min_bucket_bytes} and at most {largest} ({why})"
+            )
     if transport is _UNCHECKED:
         transport = None
     elif not isinstance(transport, str) or transport not in TRANSPORTS:

@@ -326,6 +326,18 @@ def test_bad_arguments_are_refused_up_front():
     assert WeightVersion().clean and not WeightVersion(3, 4).clean
 
 
+@pytest.mark.parametrize("bucket_bytes", [2**62, (128 << 30) + 2])
+def test_a_bucket_receivers_would_refuse_is_refused_by_the_sender_up_front(bucket_bytes):
+    """Receivers allocate the whole bucket and refuse an offer of halves over 64 GiB: the constructor says so, naming
+    the knob and the limit, before it hosts anything (no rendezvous is needed to refuse)."""
+    with pytest.raises(InvalidInput) as raised:
+        BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, bucket_bytes=bucket_bytes)
+    assert str(raised.value) == (
+        f"bucket_bytes={bucket_bytes}; need an int of at least 1024 and at most 137438953472 (128 GiB: receivers "
+        "allocate the whole bucket and refuse a larger one)"
+    )
+
+
 def test_bad_stream_is_refused_before_the_session(world):
     with pytest.raises(InvalidInput, match="version=-1"):
         world.sender.send(stream(), version=-1)

@@ -90,6 +90,56 @@ def test_a_2_mib_bucket_in_a_1_mib_dev_shm(segments, tmp_path):
         assert knob in message
 
 
+_SEND_WITH_LITTLE_ADDRESS_SPACE = """
+    import json, multiprocessing as mp, os, resource, torch
+    from refitkit.transfer import BucketedWeightSender
+    from tests.transfer.peers import one_shot_receiver_main
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        receiver = ctx.Process(target=one_shot_receiver_main, args=("narrow", "cpu", 20, "collect", None, child))
+        receiver.start()  # (before the limit: its interpreter is not ours)
+        with BucketedWeightSender("narrow", bucket_bytes=64 << 30, transport="shm", timeout_s=20, direct=False) as sender:
+            with open("/proc/self/status") as status:
+                mapped = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
+            # 1 GiB of address space left: a 64 GiB bucket can be sized (a memfd) or reserved, but never mapped
+            resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.RLIM_INFINITY))
+            outcome = {}
+            try:
+                outcome["tensors"] = sender.send(item for item in [("w", torch.ones(10))]).tensors
+            except Exception as exc:
+                chain, cause = [], exc.__cause__
+                while cause is not None:
+                    chain.append([type(cause).__name__, getattr(cause, "errno", None)])
+                    cause = cause.__cause__
+                outcome["error"] = [type(exc).__name__, str(exc), chain]
+            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        receiver.join(30)
+        if parent.poll(1):
+            parent.recv()  # "starting"
+        outcome["received"] = parent.recv() if parent.poll(1) else None
+        print(json.dumps(outcome, default=str))
+"""
+
+
+def test_a_bucket_larger_than_the_address_space_is_a_transfer_error_naming_size_and_knob(tmp_path):
+    """A bucket the process cannot map (here: RLIMIT_AS leaves 1 GiB; a sealed memfd is sized, never reserved, so
+    only the mapping fails) ends the session in a TransferError naming the bucket's size and bucket_bytes, with the
+    OSError chained, not in a raw OSError."""
+    if shm.pid_namespace() is None:
+        pytest.skip("needs memfd segments (a named one would reserve the 64 GiB in /dev/shm)")
+    run = run_script(_SEND_WITH_LITTLE_ADDRESS_SPACE, env={"REFITKIT_SOCKET_DIR": str(tmp_path)})
+    assert run.returncode == 0, f"the sender died (rc {run.returncode}): {run.stderr[-2000:]}"
+    outcome = json.loads(run.stdout.strip().splitlines()[-1])
+    kind, message, chain = outcome["error"]
+    assert kind == "TransferError", message
+    assert message.startswith("handshake: cannot allocate the session's bucket of 68719476736 bytes (shared memory")
+    assert "cannot map a shared-memory segment of 68719476736 bytes ([Errno 12]" in message
+    assert "bucket_bytes" in message
+    assert chain == [["TransferError", None], ["OSError", 12]]  # shm's own error, then the mmap's ENOMEM
+
+
 # -- item 8: liveness across PID namespaces -------------------------------------------------------
 
 _HOLD_A_SEGMENT = """

@@ -191,6 +191,10 @@ def test_bad_timeout_is_refused_by_both_ends(endpoint, timeout_s, match):
         ({"transport": "tcp"}, "transport='tcp'; expected one of"),
         ({"transport": None}, "transport=None"),
         ({"bucket_bytes": None}, "bucket_bytes=None"),
+        # more than any transport maps as one bucket: send() used to raise a raw OSError from mmap
+        ({"bucket_bytes": 2**62}, r"bucket_bytes=4611686018427387904; need an int of at least 1024 and at most "
+                                  r"1099511627776 \(1 TiB, the most a transport maps or allocates as one bucket"),
+        ({"bucket_bytes": (1 << 40) + 1}, r"bucket_bytes=1099511627777; .* at most 1099511627776"),
     ],
 )
 def test_bad_sender_knobs(endpoint, knobs, match):

@@ -187,7 +187,7 @@ class _BroadcastReceive:
         session, version, world, half = (offer.get(key) for key in ("session", "version", "world", "half_bytes"))
         if not (
             type(session) is str and session and type(version) is int and type(world) is int and type(half) is int
-            and 0 < half <= MAX_FRAME_BYTES << 10 and offer.get("backend") == self.backend
+            and 0 < half <= grp.MAX_HALF_BYTES and offer.get("backend") == self.backend
             and type(offer.get("nonce")) is bytes
         ):  # fmt: skip
             raise ProtocolError(f"handshake: malformed offer {brief(offer)} (or backend other than {self.backend!r})")
@@ -268,7 +268,14 @@ class _BroadcastReceive:
     def _stream(self, half_bytes: int) -> tuple[int, int]:
         device = self.device
         wire = torch.device("cpu") if self.backend == "gloo" else device
-        buffer = torch.empty(2 * half_bytes, dtype=torch.uint8, device=device)
+        try:
+            buffer = torch.empty(2 * half_bytes, dtype=torch.uint8, device=device)
+        except RuntimeError as exc:  # out of memory: name what could not be had, and whose knob sized it
+            raise TransferError(
+                f"streaming: receiver rank {self.rank} cannot allocate session {self.session}'s bucket of "
+                f"{2 * half_bytes} bytes on {device} ({type(exc).__name__}: {brief(str(exc))}); the sender's "
+                "bucket_bytes sizes it: pass a smaller one"
+            ) from exc
         progress: SplitProgress | None = None
         split: torch.Tensor | None = None  # the split tensor being reassembled
         total = count = 0

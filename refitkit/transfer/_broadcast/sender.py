@@ -48,7 +48,7 @@ from refitkit.errors import InvalidInput, ProtocolError, TransferError, Transfer
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_version
-from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, encode, remote_failure
+from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, brief, encode, remote_failure
 
 log = logging.getLogger("refitkit.transfer.broadcast")
 _END = object()  # the end of a generator of weights
@@ -70,7 +70,10 @@ class BroadcastWeightSender:
         bucket_bytes: int = 512 << 20, device: str | torch.device = "cpu", backend: str = "gloo",
         timeout_s: float = 120.0, per_tensor: bool = False,
     ) -> None:  # fmt: skip
-        self.timeout_s, size, _ = checked_knobs(timeout_s=timeout_s, bucket_bytes=bucket_bytes, min_bucket_bytes=4 * ALIGN_BYTES)
+        self.timeout_s, size, _ = checked_knobs(
+            timeout_s=timeout_s, bucket_bytes=bucket_bytes, min_bucket_bytes=4 * ALIGN_BYTES,
+            max_bucket_bytes=(2 * grp.MAX_HALF_BYTES, "128 GiB: receivers allocate the whole bucket and refuse a larger one"),
+        )  # fmt: skip
         self.half_bytes = (size or 0) // 2 // ALIGN_BYTES * ALIGN_BYTES
         self._secret = grp.checked_secret(secret)
         if isinstance(receivers, bool) or not isinstance(receivers, int) or receivers < 1:
@@ -241,7 +244,13 @@ class _BroadcastSend:
     # -- streaming --------------------------------------------------------------------------------
 
     def _stream(self) -> tuple[int, int]:
-        buffer = torch.empty(2 * self.half_bytes, dtype=torch.uint8, device=self.device)
+        try:
+            buffer = torch.empty(2 * self.half_bytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as exc:  # out of memory: name what could not be had, and the knob
+            raise TransferError(
+                f"streaming: cannot allocate session {self.session}'s bucket of {2 * self.half_bytes} bytes on "
+                f"{self.device} ({type(exc).__name__}: {brief(str(exc))}); pass a smaller bucket_bytes"
+            ) from exc
         self.packer = BucketPacker(buffer, self.half_bytes, send_bucket=self._ship, wait_free=self._wait_free, batch=self.batch)
         del buffer  # the packer holds it; detach() frees it at the end
         total = count = 0

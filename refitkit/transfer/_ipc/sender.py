@@ -668,7 +668,7 @@ class _SendSession:
         if not self.bucket_later or self.session_device is None or self.bucket is not None:
             raise TransferError("sender: a tensor to pack in a session without a bucket (a bug in refitkit)")
         began = time.perf_counter()
-        self.bucket = cuda_ipc.CudaIpcBucket(2 * self.half_bytes, device=self.session_device)
+        self.bucket = self._new_bucket(self.session_device)
         self._mark("late_bucket", began)
         self.announce_bucket = True
         self.packer = BucketPacker(
@@ -873,9 +873,9 @@ class _SendSession:
         self.session_device = first[1].device if first is not None else None
         self.bucket_later = self.bucket_later and transport == "cuda_ipc"
         if transport == "shm":
-            self.bucket = shm.ShmBucket(2 * half, session=self.session, peer_pidns=hello.get("pidns"))
+            self.bucket = self._new_bucket(None, peer_pidns=hello.get("pidns"))
         elif transport == "cuda_ipc" and first is not None and self.bucket is None and not self.bucket_later:
-            self.bucket = cuda_ipc.CudaIpcBucket(2 * half, device=first[1].device)
+            self.bucket = self._new_bucket(first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         control = None
         shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
@@ -899,6 +899,22 @@ class _SendSession:
             self.packer = BucketPacker(
                 self.bucket.tensor, half, send_bucket=self._send_bucket, wait_free=self._wait_free, batch=self.batch
             )
+
+    def _new_bucket(self, device: torch.device | None, *, peer_pidns: Any = None) -> shm.ShmBucket | cuda_ipc.CudaIpcBucket:
+        """The session's bucket, two halves of ``half_bytes``: shared memory (``device`` None) or CUDA IPC memory on
+        ``device``; one that cannot be had is a TransferError naming its size and the knob, the cause chained."""
+        nbytes = 2 * self.half_bytes
+        try:
+            if device is None:
+                return shm.ShmBucket(nbytes, session=self.session, peer_pidns=peer_pidns)
+            return cuda_ipc.CudaIpcBucket(nbytes, device=device)
+        except (OSError, RuntimeError) as exc:  # (a TransferError is a RuntimeError: its message says more)
+            where = "shared memory" if device is None else f"CUDA IPC memory on {device}"
+            knob = "" if "bucket_bytes" in str(exc) else "; pass a smaller bucket_bytes"
+            raise TransferError(
+                f"{self.state.phase.value}: cannot allocate the session's bucket of {nbytes} bytes ({where}, two halves "
+                f"of {self.half_bytes} from bucket_bytes) for the receiver on {self.endpoint!r}: {exc}{knob}"
+            ) from exc
 
     def _choose_transport(self, hello: dict[str, Any], first: CheckedItem | None) -> str:
         if first is None:

@@ -163,20 +163,27 @@ class Segment:
         self._fd: int | None = self._make_memfd() if self.memfd else self._make_named()
         try:
             self.mapping = mmap.mmap(self._fd, nbytes)
-        except BaseException:
+        except BaseException as exc:
             self.unlink()
+            if isinstance(exc, OSError):  # e.g. ENOMEM: more than the address space (or RLIMIT_AS) leaves room for
+                raise TransferError(f"cannot map a shared-memory segment of {nbytes} bytes ({exc}): {_KNOBS}") from exc
             raise
 
     def _make_memfd(self) -> int:
-        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise TransferError(f"cannot make a memfd for a shared-memory segment of {self.nbytes} bytes: {exc}") from exc
         try:
             # Sized, not reserved: a memfd is not bounded by /dev/shm (no SIGBUS from a full one), and taking
             # every page up front zeroed the whole bucket each session (a 2 GiB generator bucket cost ~1 s to
             # make and ~0.7 s to free on the CPU machine, for a stream that may use a few MiB of it).
             os.ftruncate(fd, self.nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
+            if isinstance(exc, OSError):  # e.g. EFBIG past the file size limit
+                raise TransferError(f"cannot size a memfd segment to {self.nbytes} bytes ({exc}): {_KNOBS}") from exc
             raise
         return fd
 
@@ -187,7 +194,7 @@ class Segment:
         try:
             fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise TransferError(f"cannot make a shared-memory segment in {SHM_DIR}: {exc}") from None
+            raise TransferError(f"cannot make a shared-memory segment in {SHM_DIR}: {exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while named: the stale sweep leaves it alone
             _reserve(fd, self.nbytes, where=SHM_DIR)
@@ -242,8 +249,8 @@ def _reserve(fd: int, nbytes: int, *, where: str) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise _no_room(nbytes, _free_bytes(SHM_DIR) if where == SHM_DIR else None) from None
-        raise TransferError(f"cannot reserve {nbytes} bytes of {where}: {exc}") from None
+            raise _no_room(nbytes, _free_bytes(SHM_DIR) if where == SHM_DIR else None) from exc
+        raise TransferError(f"cannot reserve {nbytes} bytes of {where}: {exc}") from exc
 
 
 def open_segment(handle: Any, *, what: str) -> mmap.mmap:
