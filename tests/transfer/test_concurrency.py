@@ -4,6 +4,7 @@ never race on the socket; a cancelled asend() aborts the receiver and frees ever
 from __future__ import annotations
 
 import asyncio
+import gc
 import subprocess
 import sys
 import textwrap
@@ -224,6 +225,45 @@ def test_cancelling_an_asend_that_waits_for_a_hello_frees_the_sender(receiver_se
         receiver_server.start_session(endpoint, timeout_s=10)
         assert sender.send(tensors(3)).tensors == 3  # the lock was released
     assert receiver_server.result()["ok"]
+
+
+def test_a_cancelled_asend_reports_nothing_but_the_cancellation(receiver_server, endpoint):
+    """Cancelled mid-stream (``wait_for``) or while waiting for a hello (``task.cancel()``), asend() raises the
+    caller's CancelledError / TimeoutError and nothing else: asyncio reports no "Future exception was never
+    retrieved" for the worker's stop, and the receiver's abort names no private class."""
+    reported: list[dict] = []
+
+    async def stalled():
+        for name, tensor in tensors(3):
+            yield name, tensor
+        await asyncio.Event().wait()  # a gather that never finishes
+        yield "never", torch.ones(1)
+
+    async def main(sender: BucketedWeightSender) -> list[str]:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        outcomes = []
+        try:  # (no pytest.raises: a kept exception would keep the worker's future alive past the check)
+            await asyncio.wait_for(sender.asend(stalled()), 1.0)
+        except asyncio.TimeoutError:
+            outcomes.append("timed out")
+        task = asyncio.ensure_future(sender.asend(tensors(3)))  # no receiver this time: it waits for a hello
+        await asyncio.sleep(0.3)  # lets the worker reach the hello wait; nothing is synchronised by it
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            outcomes.append("cancelled")
+        return outcomes
+
+    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, timeout_s=20, direct=False) as sender:
+        receiver_server.start_session(endpoint, timeout_s=20)
+        assert asyncio.run(main(sender)) == ["timed out", "cancelled"]
+        result = receiver_server.result()
+        assert own_segment_files() == [] and mapped_segments() == []
+    gc.collect()  # finalise now any future dropped in a cycle: asyncio reports an unretrieved exception only then
+    assert [context.get("message") for context in reported] == []
+    assert not result["ok"] and result["type"] == "TransferError" and "INCOMPLETE" in result["message"]
+    assert result["message"].endswith("): asend() was cancelled while waiting for the next item"), result["message"]
 
 
 def test_a_failed_rebind_neither_leaks_the_bucket_nor_hides_the_error(receiver_server, endpoint, monkeypatch):

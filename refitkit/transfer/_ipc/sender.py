@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import functools
 import logging
 import os
 import secrets
@@ -296,6 +297,9 @@ class BucketedWeightSender:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
             cancel.stop("asend() was cancelled")  # the worker aborts the receiver, frees the bucket, releases the lock
+            # The worker's outcome is taken here, whenever it comes (also should this wait be cancelled in turn): the
+            # caller gets the CancelledError, and no "Future exception was never retrieved" for its stop.
+            work.add_done_callback(functools.partial(_outcome_of_cancelled, self.endpoint))
             await asyncio.wait([work])  # bounded: every wait of the session looks at ``cancel`` each slice
             raise
 
@@ -440,6 +444,15 @@ def _bucket_range(seq: int) -> record_function | None:
     span = record_function("refitkit.sync.bucket", args=f"seq={seq}")
     span.__enter__()
     return span
+
+
+def _outcome_of_cancelled(endpoint: str, work: asyncio.Future) -> None:
+    """Take the outcome of a cancelled ``asend()``'s session: its stop, or a failure or success that came first."""
+    if work.cancelled():
+        return
+    failure = work.exception()
+    if failure is not None and not isinstance(failure, _Cancelled):
+        log.debug("sender on %r: asend() was cancelled; its session had ended with %r", endpoint, failure)
 
 
 def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
@@ -1145,7 +1158,7 @@ class _SendSession:
         if self.peer is None:
             return  # no receiver yet
         try:
-            self.sock.send_multipart([self.peer, encode("abort", session=self.session, reason=repr(exc))], flags=zmq.NOBLOCK)
+            self.sock.send_multipart([self.peer, encode("abort", session=self.session, reason=str(exc) if isinstance(exc, _Cancelled) else repr(exc))], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return
         if isinstance(exc, (TransferTimeout, ProtocolError)) or not setup_sent:
