@@ -138,6 +138,9 @@ class HostArena:
         self.resident_views: dict[int, ViewRecord] = {}
         self.resident_alive = 0  # how many of them were alive at the last sweep for dead ones
         self._dropped: dict[int, tuple[StorageWeakRef, int]] = {}  # freed without a copy: size to regrow
+        # per optimizer whose state offload_optimizer moved here: name -> the state tensor offloaded under it (weakly),
+        # so that reload_optimizer refuses a state entry swapped for another tensor meanwhile
+        self.optimizer_states: weakref.WeakKeyDictionary[object, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
         self.reserve_wait_s = checked_seconds(reserve_wait_s, "HostArena(reserve_wait_s)")
         self._pending: list[Reservation] = []  # background reservations not settled yet
         self._chunks_lock = threading.Lock()  # a background thread appends its chunk
@@ -382,6 +385,7 @@ class HostArena:
         self.resident_views.clear()
         self.resident_alive = 0
         self._dropped.clear()
+        self.optimizer_states.clear()
         _release_chunks(self._chunks, self.pinned)
 
     def __repr__(self) -> str:

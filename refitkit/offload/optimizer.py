@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -35,12 +36,48 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str,
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, arena: HostArena) -> MoveStats:
     """Offload all of an optimizer's state tensors (exp_avg, exp_avg_sq, momentum, ...)."""
-    return offload_tensors(optimizer_state_tensors(optimizer), arena)
+    named = optimizer_state_tensors(optimizer)
+    stats = offload_tensors(named, arena)
+    arena.optimizer_states[optimizer] = {name: weakref.ref(tensor) for name, tensor in named if _held(tensor, arena)}
+    return stats
 
 
 def reload_optimizer(optimizer: torch.optim.Optimizer, arena: HostArena) -> MoveStats:
-    """Restore an optimizer's state tensors in place."""
-    return reload_tensors(optimizer_state_tensors(optimizer), arena)
+    """Restore an optimizer's state tensors in place; refuses (restoring nothing) while a state tensor it offloaded
+    into ``arena`` was replaced in, or removed from, the optimizer's state and is still alive."""
+    named = optimizer_state_tensors(optimizer)
+    _refuse_replaced_state(optimizer, named, arena)
+    stats = reload_tensors(named, arena)
+    arena.optimizer_states.pop(optimizer, None)
+    return stats
+
+
+def _held(tensor: torch.Tensor, arena: HostArena) -> bool:
+    slot = arena.slot_of(local_tensor(tensor).untyped_storage())
+    return slot is not None and slot.holds_data
+
+
+def _refuse_replaced_state(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], arena: HostArena) -> None:
+    """InvalidInput naming each state tensor offloaded from ``optimizer`` that its state no longer holds under its
+    name while it is still alive (e.g. kept by the caller) and offloaded: restoring the rest would leave it at 0 bytes
+    with its bytes stranded in the arena. ``reload_tensors`` refuses a tensor whose storage was swapped
+    (``.data = ...``); this is the same refusal for a state entry swapped for another tensor (``state["exp_avg"] =
+    ...``). One that nothing references any more has nothing left to restore into: not refused."""
+    offloaded = arena.optimizer_states.get(optimizer)
+    if not offloaded:
+        return
+    current = {name: tensor for name, tensor in named}
+    replaced = [
+        name for name, ref in offloaded.items()
+        if (old := ref()) is not None and current.get(name) is not old and _held(old, arena)
+    ]  # fmt: skip
+    if replaced:
+        more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
+        raise InvalidInput(
+            f"{replaced[0]!r}{more} was replaced in or removed from the optimizer's state between offload and reload "
+            "(the tensor offloaded under that name still exists, at 0 bytes); its offloaded bytes were kept, nothing "
+            "was restored: put the original tensor back and call reload_optimizer() again"
+        )
 
 
 def offload_grads(params: NamedParams, arena: HostArena, *, keep: bool = False) -> MoveStats:

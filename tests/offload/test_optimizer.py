@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
+from refitkit.errors import InvalidInput
 from refitkit.offload import (
     HostArena,
     offload_grads,
@@ -137,3 +139,59 @@ def test_dropped_tensors_regrow_zeroed_in_place_without_host_bytes():
     assert regrow_tensors({"main_grad": view}, arena) == 256
     assert view.data_ptr() == flat.data_ptr() + 32 and not flat.any()
     assert regrow_tensors({"grad_data": flat}, arena) == 0  # already resident
+
+
+def _adam_after_a_step() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_step(model, optimizer, 0)
+    return model, optimizer
+
+
+def test_a_state_tensor_replaced_while_offloaded_is_refused_by_name_and_nothing_is_restored():
+    model, optimizer = _adam_after_a_step()
+    expected = {name: tensor.clone() for name, tensor in optimizer_state_tensors(optimizer)}
+    arena = HostArena()
+    offload_optimizer(optimizer, arena)
+    held = arena.held_bytes
+    state = optimizer.state[model[2].weight]
+    original = state["exp_avg"]
+    state["exp_avg"] = torch.zeros_like(expected["param_groups[0].params[2].exp_avg"])  # the old one is still alive
+
+    message = (
+        "'param_groups[0].params[2].exp_avg' was replaced in or removed from the optimizer's state between offload "
+        "and reload (the tensor offloaded under that name still exists, at 0 bytes); its offloaded bytes were kept, "
+        "nothing was restored: put the original tensor back and call reload_optimizer() again"
+    )
+    with pytest.raises(InvalidInput) as raised:
+        reload_optimizer(optimizer, arena)
+    assert str(raised.value) == message
+    assert arena.held_bytes == held
+    assert all(tensor.untyped_storage().nbytes() == 0 for name, tensor in optimizer_state_tensors(optimizer)
+               if name != "param_groups[0].params[2].exp_avg")  # fmt: skip
+    assert original.untyped_storage().nbytes() == 0
+    del state["exp_avg"]  # removed instead of replaced: the same refusal
+    with pytest.raises(InvalidInput, match=r"^'param_groups\[0\]\.params\[2\]\.exp_avg' was replaced in or removed"):
+        reload_optimizer(optimizer, arena)
+    assert arena.held_bytes == held
+
+    state["exp_avg"] = original  # recoverable: the same call then restores every byte
+    reload_optimizer(optimizer, arena)
+    assert arena.held_bytes == 0
+    restored = dict(optimizer_state_tensors(optimizer))
+    assert sorted(restored) == sorted(expected)
+    assert all(torch.equal(restored[name], expected[name]) for name in expected)
+
+
+def test_two_optimizers_sharing_an_arena_and_their_names_reload_each_alone():
+    """Both name their state ``param_groups[0].params[i]....``: the other optimizer's offloaded tensors under the same
+    names are not a replacement."""
+    (model_a, adam_a), (model_b, adam_b) = _adam_after_a_step(), _adam_after_a_step()
+    arena = HostArena()
+    offload_optimizer(adam_b, arena)
+    reload_optimizer(adam_a, arena)  # never offloaded: nothing to restore, nothing refused
+    offload_optimizer(adam_a, arena)
+    reload_optimizer(adam_b, arena)
+    assert all(tensor.untyped_storage().nbytes() == 0 for _, tensor in optimizer_state_tensors(adam_a))
+    reload_optimizer(adam_a, arena)
+    assert arena.held_bytes == 0
