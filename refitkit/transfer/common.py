@@ -102,7 +102,7 @@ def checked_device(device: object) -> torch.device:
     try:
         checked = torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError) as exc:
-        raise InvalidInput(f"device={device!r} is not a device ({exc}); use cpu or cuda") from None
+        raise InvalidInput(f"device={device!r} is not a device ({exc}); use cpu or cuda") from exc
     if checked.type not in ("cpu", "cuda"):
         raise InvalidInput(f"device={device!r}; use cpu or cuda")
     if checked.type == "cuda" and not torch.cuda.is_available():
@@ -116,8 +116,8 @@ def checked_version(version: object) -> int:
         raise InvalidInput(f"version={version!r}; need an int >= 0 (e.g. the training step)")
     try:
         value = operator.index(version)
-    except TypeError:
-        raise InvalidInput(f"version={version!r} is a {type(version).__name__}; need an int >= 0 (e.g. the training step)") from None
+    except TypeError as exc:
+        raise InvalidInput(f"version={version!r} is a {type(version).__name__}; need an int >= 0 (e.g. the training step)") from exc
     if not 0 <= value < 1 << 63:
         raise InvalidInput(f"version={version!r}; need an int >= 0 and below 2**63")
     return value

@@ -69,7 +69,7 @@ def check_item(index: int, item: Any, seen: set[str], *, need_cuda: bool, detach
         try:
             name.encode()
         except UnicodeEncodeError as exc:
-            raise InvalidInput(f"weights item #{index}: the name {name!r} is not valid UTF-8 ({exc.reason})") from None
+            raise InvalidInput(f"weights item #{index}: the name {name!r} is not valid UTF-8 ({exc.reason})") from exc
     if type(tensor) not in PLAIN_TENSOR_TYPES:  # subclasses (DTensor, ...) take the slow checks
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")

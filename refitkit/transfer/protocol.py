@@ -356,7 +356,7 @@ def decode(raw: bytes) -> dict[str, Any]:
     try:
         frame = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"undecodable frame ({type(exc).__name__}: {brief(str(exc))}); first bytes {raw[:16]!r}") from None
+        raise ProtocolError(f"undecodable frame ({type(exc).__name__}: {brief(str(exc))}); first bytes {raw[:16]!r}") from exc
     if not isinstance(frame, dict):
         raise ProtocolError(f"frame is a msgpack {type(frame).__name__}, not a map; first bytes {raw[:16]!r}")
     if frame.get("v") != WIRE_VERSION:

@@ -240,11 +240,7 @@ def _server_main(conn: Any) -> None:
         try:
             result = {"ok": True, **_run_session(*command, notes)}
         except BaseException as exc:  # every failure goes back to the test as data
-            cause = exc.__cause__
-            result = {
-                "ok": False, "type": type(exc).__name__, "message": str(exc),
-                "cause": None if cause is None else (type(cause).__name__, str(cause)),
-            }  # fmt: skip
+            result = {"ok": False, "type": type(exc).__name__, "message": str(exc), "cause": _described(exc.__cause__)}
         if not result["ok"]:  # measured once the exception (and views its frames kept) is gone
             result["segments_after"] = mapped_segments()
         result.update(notes)
@@ -252,6 +248,11 @@ def _server_main(conn: Any) -> None:
         result["events"] = list(events.events)
         result["session_id"] = session_id
         conn.send(result)
+
+
+def _described(error: BaseException | None) -> tuple[str, str] | None:
+    """(type, message) of an exception, kept by nothing (its frames may hold a mapping the test checks is gone)."""
+    return None if error is None else (type(error).__name__, str(error))
 
 
 class ReceiverServer:

@@ -160,6 +160,17 @@ def test_a_relative_xdg_runtime_dir_is_ignored_as_the_xdg_spec_says(monkeypatch,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_directory_that_takes_no_socket_is_a_transfer_error_naming_the_path_and_the_knob():
+    """/proc exists but takes no new file (as a read-only mount would not): the bind's OSError is chained under a
+    TransferError naming the path and what to change, not raised raw."""
+    with pytest.raises(TransferError) as raised:
+        BucketedWeightSender("ipc:///proc/refitkit-test-socket")
+    message, cause = str(raised.value), raised.value.__cause__
+    assert isinstance(cause, OSError)  # ENOENT as root, EACCES otherwise
+    assert message.startswith(f"cannot bind the sender's socket at /proc/refitkit-test-socket ({type(cause).__name__}: ")
+    assert message.endswith("(a name under REFITKIT_SOCKET_DIR, or ipc:///path)")
+
+
 def test_a_receivers_next_session_says_hello_on_a_connection_made_ahead_and_never_on_one_to_a_sender_gone(endpoint):
     import threading
 

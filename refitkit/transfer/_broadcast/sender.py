@@ -113,8 +113,8 @@ class BroadcastWeightSender:
         else:
             try:
                 iterator = iter(weights)
-            except TypeError:
-                raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
+            except TypeError as exc:
+                raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from exc
             listed, seen = None, set()
             counter = iter(range(1 << 62))
 

@@ -61,7 +61,7 @@ def _driver() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
-        raise TransferError(f"transport='cuda_ipc' needs the CUDA driver (libcuda.so.1): {exc}") from None
+        raise TransferError(f"transport='cuda_ipc' needs the CUDA driver (libcuda.so.1): {exc}") from exc
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
     lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
@@ -212,8 +212,8 @@ class CudaIpcMapping:
     def __init__(self, handle: dict[str, Any], device: torch.device) -> None:
         try:
             raw, nbytes, uuid = bytes(handle["ipc_handle"]), int(handle["nbytes"]), str(handle["device_uuid"])
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError("bad cuda_ipc handle fields") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad cuda_ipc handle fields ({type(exc).__name__}: {exc})") from exc
         if len(raw) != _IPC_HANDLE_BYTES:
             raise ProtocolError(f"cuda_ipc handle has {len(raw)} bytes, expected {_IPC_HANDLE_BYTES}")
         if nbytes <= 0:

@@ -61,7 +61,7 @@ def socket_dir() -> str:
         raise TransferError(
             f"socket dir {base} cannot be made or read by uid {os.getuid()} ({exc.strerror}); "
             "set REFITKIT_SOCKET_DIR to a directory of yours"
-        ) from None
+        ) from exc
     if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
         raise TransferError(
             f"socket dir {base} must be owned by uid {os.getuid()} with mode 0700 "
@@ -124,7 +124,7 @@ def _clear_leftover(path: str) -> None:
     except FileNotFoundError:
         pass  # its owner removed it meanwhile
     except OSError as exc:
-        raise TransferError(f"endpoint file {path} is a leftover this process cannot replace ({exc}); use another endpoint name") from None
+        raise TransferError(f"endpoint file {path} is a leftover this process cannot replace ({exc}); use another endpoint name") from exc
 
 
 def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
@@ -136,8 +136,13 @@ def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer that sends more is disconnected, never buffered
     try:
         _bind_private_then_link(sock, path)
-    except Exception:
+    except Exception as exc:
         sock.close(linger=0)
+        if isinstance(exc, (OSError, zmq.ZMQError)):  # e.g. a read-only directory, or one that takes no files
+            raise TransferError(
+                f"cannot bind the sender's socket at {path} ({type(exc).__name__}: {exc}); use an endpoint in a "
+                "directory this process can write (a name under REFITKIT_SOCKET_DIR, or ipc:///path)"
+            ) from exc
         raise
     return sock
 
@@ -161,8 +166,8 @@ def _bind_private_then_link(sock: zmq.Socket, path: str) -> None:
         os.chmod(staged, 0o600)
         try:
             os.link(staged, path)
-        except FileExistsError:
-            raise TransferError(f"endpoint {path} appeared while this sender bound it; use another endpoint name") from None
+        except FileExistsError as exc:
+            raise TransferError(f"endpoint {path} appeared while this sender bound it; use another endpoint name") from exc
     finally:
         try:
             os.unlink(staged)  # the listener keeps its inode, now named ``path``

@@ -521,7 +521,7 @@ class _ReceiveSession:
             try:
                 tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
             except RuntimeError as exc:  # out of memory, typically: name what could not be held
-                raise TransferError(f"{entry.name!r}: cannot allocate {entry.total} bytes on {self.device} to reassemble it: {exc}") from None
+                raise TransferError(f"{entry.name!r}: cannot allocate {entry.total} bytes on {self.device} to reassemble it: {exc}") from exc
         else:
             tensor = self.partial[1]  # type: ignore[index]
         tensor.view(-1).view(torch.uint8)[entry.start : entry.start + entry.nbytes].copy_(piece)
@@ -657,7 +657,7 @@ class _ReceiveSession:
             self.sock.send(payload, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if not quiet:
-                raise TransferError(f"{self.phase.value}: cannot reach the sender on {self.endpoint!r}: {exc}") from None
+                raise TransferError(f"{self.phase.value}: cannot reach the sender on {self.endpoint!r}: {exc}") from exc
 
     def _recv_now(self) -> dict[str, Any]:
         """A frame that poll() said is there."""

@@ -347,8 +347,8 @@ class BucketedWeightSender:
             return lambda: next(items, END), checked, all_cuda, True, False
         try:
             iterator = iter(weights)
-        except TypeError:
-            raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from None
+        except TypeError as exc:
+            raise InvalidInput(f"weights is a {type(weights).__name__}, not an iterable of (name, tensor)") from exc
         return lambda: next(iterator, END), None, False, held_unchanged(iterator), fresh_each(iterator)
 
     def _refuse_waiting(self, reason: str) -> None:
@@ -1062,7 +1062,7 @@ class _SendSession:
             raise PeerGone(
                 f"{self.state.phase.value}: receiver on {self.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
                 f"nothing left to wait for within timeout_s={self.timeout_s:g}"
-            ) from None
+            ) from exc
 
     def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]]:
         parts = recv_frame(

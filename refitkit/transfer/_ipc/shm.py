@@ -269,7 +269,7 @@ def open_segment(handle: Any, *, what: str) -> mmap.mmap:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            raise TransferError(f"setup: cannot open the {what} {path}: {exc}") from None
+            raise TransferError(f"setup: cannot open the {what} {path}: {exc}") from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != nbytes:
@@ -300,7 +300,7 @@ def _open_memfd(handle: dict[str, Any], *, what: str) -> int:
             f"setup: cannot open the {what} through {path} ({exc}); where the sender's /proc/<pid>/fd is closed "
             f"to the receiver (a non-dumpable or confined sender), set {NAMED_SEGMENTS_ENV}=1 in the receiver's "
             "environment for named segments in /dev/shm"
-        ) from None
+        ) from exc
     try:
         target, seals = os.readlink(f"/proc/self/fd/{fd}"), fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
@@ -326,12 +326,12 @@ class _Mapped:
             return
         try:
             mapping.close()
-        except BufferError:
+        except BufferError as exc:
             # The mapping is unmapped when the last view dies; say who kept it.
             raise TransferError(
                 f"{what}: a tensor view of the shared-memory bucket is still referenced "
                 "(tensors handed to on_bucket / iter_weights are valid only until the next one; copy them)"
-            ) from None
+            ) from exc
 
 
 class ShmBucket(_Mapped):
