@@ -128,8 +128,11 @@ class DeferredReload:
 
     def _failed(self) -> RefitError:
         """A fresh error per raise: re-raising one object would grow its traceback by every step's frames."""
+        note = f"refitkit: the deferred reload's worker failed with:\n{self._worker_trace}"
+        if not hasattr(BaseException, "add_note"):  # Python 3.10: the worker's trace goes in the message
+            return RefitError(f"{self._failure}\n{note}")
         failed = RefitError(self._failure)
-        failed.add_note(f"refitkit: the deferred reload's worker failed with:\n{self._worker_trace}")
+        failed.add_note(note)
         return failed
 
     def wait(self, timeout_s: float | None = None) -> MoveStats:

@@ -409,7 +409,8 @@ class BucketedWeightSender:
             self._reopen()
         except Exception as late:  # the sender is closed now; its next send() says so
             log.error("sender on %r could not rebind after %r (it is closed now): %s", self.endpoint, exc, late)
-            exc.add_note(f"refitkit: the sender could not rebind {self.endpoint!r} afterwards and is closed: {late!r}")
+            if hasattr(exc, "add_note"):  # Python 3.11+ (the log line above says it on 3.10)
+                exc.add_note(f"refitkit: the sender could not rebind {self.endpoint!r} afterwards and is closed: {late!r}")
 
 
 # -- One ``send()`` session of a ``BucketedWeightSender``: handshake, streaming, draining, release ---
