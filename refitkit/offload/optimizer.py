@@ -57,7 +57,9 @@ def _held(tensor: torch.Tensor, arena: HostArena) -> bool:
     return slot is not None and slot.holds_data
 
 
-def _refuse_replaced_state(optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], arena: HostArena) -> None:
+def _refuse_replaced_state(
+    optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], arena: HostArena
+) -> None:
     """InvalidInput naming each state tensor offloaded from ``optimizer`` that its state no longer holds under its
     name while it is still alive (e.g. kept by the caller) and offloaded: restoring the rest would leave it at 0 bytes
     with its bytes stranded in the arena. ``reload_tensors`` refuses a tensor whose storage was swapped

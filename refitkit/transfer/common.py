@@ -52,7 +52,8 @@ def checked_knobs(
         largest, why = max_bucket_bytes
         if size is None or not min_bucket_bytes <= size <= largest:
             raise InvalidInput(
-                f"bucket_bytes={bucket_bytes!r}; need an int of at least {min_bucket_bytes} and at most {largest} ({why})"
+                f"bucket_bytes={bucket_bytes!r}; need an int of at least {min_bucket_bytes} and at most {largest} "
+                f"({why})"
             )
     if transport is _UNCHECKED:
         transport = None

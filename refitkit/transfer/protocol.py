@@ -91,7 +91,7 @@ MAX_FAILURE_CHARS = 8000
 
 def failure_fields(exc: BaseException) -> dict[str, str]:
     """What a failure report says about the exception behind it, as plain data: its type's name, its message and
-    the last ``FAILURE_FRAMES`` frames of its traceback as text (the end kept when longer than ``MAX_FAILURE_CHARS``)."""
+    the last ``FAILURE_FRAMES`` frames of its traceback as text (its end, when longer than ``MAX_FAILURE_CHARS``)."""
     kind = type(exc)
     name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
     lines = traceback.format_exception(kind, exc, exc.__traceback__, limit=-FAILURE_FRAMES)

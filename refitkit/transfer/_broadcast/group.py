@@ -41,7 +41,8 @@ TAG_BYTES = 32  # HMAC-SHA256
 MIN_SECRET_BYTES = 16
 STORE_POLL_S = 0.02  # how often a wait for a collective asks the store whether the other side gave up
 MAX_OFFER_BYTES = 1 << 16
-# The largest bucket half a receiver accepts from an offer (it allocates two): a sender's bucket_bytes is at most twice it.
+# The largest bucket half a receiver accepts from an offer (it allocates two): a sender's bucket_bytes is at most
+# twice it.
 MAX_HALF_BYTES = 64 << 30
 BACKENDS = ("gloo", "nccl")
 NCCL_WATCHDOG_SLACK_S = 60.0

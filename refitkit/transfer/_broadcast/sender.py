@@ -72,7 +72,9 @@ class BroadcastWeightSender:
     ) -> None:  # fmt: skip
         self.timeout_s, size, _ = checked_knobs(
             timeout_s=timeout_s, bucket_bytes=bucket_bytes, min_bucket_bytes=4 * ALIGN_BYTES,
-            max_bucket_bytes=(2 * grp.MAX_HALF_BYTES, "128 GiB: receivers allocate the whole bucket and refuse a larger one"),
+            max_bucket_bytes=(
+                2 * grp.MAX_HALF_BYTES, "128 GiB: receivers allocate the whole bucket and refuse a larger one"
+            ),
         )  # fmt: skip
         self.half_bytes = (size or 0) // 2 // ALIGN_BYTES * ALIGN_BYTES
         self._secret = grp.checked_secret(secret)

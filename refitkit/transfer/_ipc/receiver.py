@@ -623,7 +623,8 @@ class _ReceiveSession:
             message = f"{message}; and then {exc}"
         if self.session is not None:
             fields = failure_fields(cause) if cause is not None else {}
-            self._send(encode("error", session=self.session, phase=self.phase.value, message=message, **fields), quiet=True)
+            frame = encode("error", session=self.session, phase=self.phase.value, message=message, **fields)
+            self._send(frame, quiet=True)
         self.phase = SessionPhase.RELEASED
 
     def stats(self) -> TransferStats:

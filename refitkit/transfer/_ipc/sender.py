@@ -914,7 +914,9 @@ class _SendSession:
                 self.bucket.tensor, half, send_bucket=self._send_bucket, wait_free=self._wait_free, batch=self.batch
             )
 
-    def _new_bucket(self, device: torch.device | None, *, peer_pidns: Any = None) -> shm.ShmBucket | cuda_ipc.CudaIpcBucket:
+    def _new_bucket(
+        self, device: torch.device | None, *, peer_pidns: Any = None
+    ) -> shm.ShmBucket | cuda_ipc.CudaIpcBucket:
         """The session's bucket, two halves of ``half_bytes``: shared memory (``device`` None) or CUDA IPC memory on
         ``device``; one that cannot be had is a TransferError naming its size and the knob, the cause chained."""
         nbytes = 2 * self.half_bytes
@@ -1125,8 +1127,8 @@ class _SendSession:
             error = TransferError(
                 f"receiver on {self.endpoint!r} failed ({phase if type(phase) is str else brief(phase)}; {self.seq} "
                 f"buckets sent): {message}",
-                remote_message=message,
-                remote_type=remote.remote_type if remote else None, remote_traceback=remote.remote_traceback if remote else None,
+                remote_message=message, remote_type=remote.remote_type if remote else None,
+                remote_traceback=remote.remote_traceback if remote else None,
             )  # fmt: skip
             if remote is None:
                 raise error
@@ -1159,7 +1161,9 @@ class _SendSession:
         if self.peer is None:
             return  # no receiver yet
         try:
-            self.sock.send_multipart([self.peer, encode("abort", session=self.session, reason=str(exc) if isinstance(exc, _Cancelled) else repr(exc))], flags=zmq.NOBLOCK)
+            reason = str(exc) if isinstance(exc, _Cancelled) else repr(exc)  # (the stop's own words, not its class)
+            frame = encode("abort", session=self.session, reason=reason)
+            self.sock.send_multipart([self.peer, frame], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return
         if isinstance(exc, (TransferTimeout, ProtocolError)) or not setup_sent:

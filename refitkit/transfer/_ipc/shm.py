@@ -173,7 +173,7 @@ class Segment:
         try:
             fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            raise TransferError(f"cannot make a memfd for a shared-memory segment of {self.nbytes} bytes: {exc}") from exc
+            raise TransferError(f"cannot make a memfd segment of {self.nbytes} bytes ({exc})") from exc
         try:
             # Sized, not reserved: a memfd is not bounded by /dev/shm (no SIGBUS from a full one), and taking
             # every page up front zeroed the whole bucket each session (a 2 GiB generator bucket cost ~1 s to
