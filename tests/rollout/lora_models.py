@@ -41,7 +41,7 @@ def add_lora(model: torch.nn.Module, *, seed: int, rank: int = 8, alpha: float =
 
 def lora_llama(base_seed: int, lora_seed: int, **kwargs: Any) -> torch.nn.Module:
     """The tiny test Llama of ``base_seed`` with a LoRA adapter of ``lora_seed``."""
-    from tests.engines.vllm.tiny_llama import random_llama
+    from examples.tiny_llama import random_llama
 
     return add_lora(random_llama(seed=base_seed), seed=lora_seed, **kwargs)
 

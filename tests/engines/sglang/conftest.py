@@ -29,7 +29,7 @@ def tiny(tmp_path_factory, plugin_path):
     import torch
 
     from tests.engines.sglang.sglang_engine import make_engine
-    from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
+    from examples.tiny_llama import random_llama, save_checkpoint
 
     if not torch.cuda.is_available():
         pytest.skip("SGLang needs a CUDA GPU")

@@ -12,7 +12,7 @@ def send_then_die(name: str, die_at: int, timeout_s: float, ready: Any) -> None:
     import torch
 
     from refitkit.transfer import BucketedWeightSender
-    from tests.engines.vllm.tiny_llama import random_llama
+    from examples.tiny_llama import random_llama
 
     model = random_llama(seed=7).to(device="cuda", dtype=torch.bfloat16)
     with BucketedWeightSender(name, bucket_bytes=64 << 10, transport="cuda_ipc", timeout_s=timeout_s) as sender:

@@ -21,7 +21,7 @@ from tests.engines.sglang.sglang_engine import (
     LOGPROB_TOLERANCE, PROMPT, TIMEOUT_S, assert_engine_holds, expected_fingerprints, greedy_tokens, make_engine,
     prompt_logprobs, reference_greedy, reference_logprobs,
 )  # fmt: skip
-from tests.engines.vllm.tiny_llama import random_llama
+from examples.tiny_llama import random_llama
 from tests.helpers.ports import free_port
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
@@ -165,7 +165,7 @@ def test_a_qwen3_0_6b_shaped_checkpoint_refits_bit_exact_for_several_steps(tmp_p
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
-    from tests.engines.vllm.tiny_llama import save_checkpoint
+    from examples.tiny_llama import save_checkpoint
 
     save_checkpoint(model, str(tmp_path))
     engine = make_engine(str(tmp_path), enable_memory_saver=True, mem_fraction_static=0.3)
@@ -221,7 +221,7 @@ def test_a_link_refuses_what_cannot_work(tiny):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
 def test_a_tensor_parallel_engine_refits_over_the_broadcast_every_rank_whole(tmp_path, plugin_path, monkeypatch):
     """TP=2: both schedulers join the broadcast, each loads its shard; every rank's outcome comes back through rank 0."""
-    from tests.engines.vllm.tiny_llama import save_checkpoint
+    from examples.tiny_llama import save_checkpoint
 
     # SGLang refuses a TP engine whose GPUs' free memory differs by over 10%: the suite's other engine sits on GPU 0
     monkeypatch.setenv("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "0")

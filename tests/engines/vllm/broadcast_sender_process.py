@@ -10,7 +10,7 @@ from typing import Any
 def send_then_die(port: int, secret: str, version: int, die_at: int, bucket_bytes: int, timeout_s: float, ready: Any) -> None:
     """Host the rendezvous on ``port``, then send version ``version``; SIGKILL ourselves when tensor ``die_at`` is asked for."""
     from refitkit.transfer import BroadcastWeightSender
-    from tests.engines.vllm.tiny_llama import random_llama
+    from examples.tiny_llama import random_llama
 
     model = random_llama(seed=7)
     sender = BroadcastWeightSender(("127.0.0.1", port), secret=secret, receivers=1, bucket_bytes=bucket_bytes, timeout_s=timeout_s)

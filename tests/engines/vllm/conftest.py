@@ -35,7 +35,7 @@ def engine(tmp_path_factory):
     import torch
     from vllm import LLM
 
-    from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
+    from examples.tiny_llama import random_llama, save_checkpoint
     from tests.engines.vllm.vllm_checks import prompt_logprobs
 
     path = str(tmp_path_factory.mktemp("tiny-llama"))

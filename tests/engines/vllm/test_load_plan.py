@@ -19,7 +19,7 @@ import torch
 from refitkit.rollout.vllm import stacked_digests
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from tests.engines.vllm.load_plan_peers import VllmModelProcess
-from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint, tiny_config
+from examples.tiny_llama import random_llama, save_checkpoint, tiny_config
 from tests.transfer.peers import digest
 
 pytestmark = pytest.mark.timeout(400)

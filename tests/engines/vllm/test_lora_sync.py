@@ -12,7 +12,7 @@ import pytest
 
 from refitkit.rollout.lora import LoraCollector, VllmLoraLoader
 from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
-from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
+from examples.tiny_llama import random_llama, save_checkpoint
 from tests.engines.vllm.vllm_checks import LOGPROB_TOLERANCE, PROMPT, reference_logprobs
 from tests.rollout.lora_models import lora_llama, start_sender
 

@@ -11,7 +11,7 @@ from refitkit.errors import InvalidInput, TransferError
 from refitkit.rollout import WeightVersion, clean_weight_version, push_weights_broadcast, weight_versions
 from refitkit.transfer import BroadcastWeightSender
 from tests.engines.vllm.broadcast_sender_process import send_then_die
-from tests.engines.vllm.tiny_llama import random_llama
+from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, SECRET, SMALL_BUCKET_BYTES, assert_engine_holds, broadcast_push, free_port,
     prompt_logprobs, reference_logprobs, worker_info,

@@ -9,7 +9,7 @@ import pytest
 
 from refitkit.transfer import BucketedWeightSender
 from refitkit.rollout.vllm import push_weights
-from tests.engines.vllm.tiny_llama import random_llama
+from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, TIMEOUT_S, assert_engine_holds, prompt_logprobs, reference_logprobs, worker_info,
 )  # fmt: skip

@@ -10,7 +10,7 @@ from refitkit.errors import InvalidInput
 from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
-from tests.engines.vllm.tiny_llama import random_llama
+from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, PROMPT, SECRET, SMALL_BUCKET_BYTES, TIMEOUT_S, assert_engine_holds, free_port, prompt_logprobs,
     reference_logprobs,

@@ -13,7 +13,7 @@ from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version, push_weights, weight_versions
 from refitkit.rollout.links import EngineMemory
 from refitkit.transfer import BucketedWeightSender
-from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
+from examples.tiny_llama import random_llama, save_checkpoint
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, PROMPT, TIMEOUT_S, engine_checksums, expected_engine_checksums, prompt_logprobs,
     reference_logprobs,

@@ -17,7 +17,7 @@ from refitkit.errors import EngineError, InvalidInput
 from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version, push_weights
 from refitkit.transfer import BucketedWeightSender
-from tests.engines.vllm.tiny_llama import random_llama, save_checkpoint
+from examples.tiny_llama import random_llama, save_checkpoint
 from tests.engines.vllm.vllm_checks import SMALL_BUCKET_BYTES, TIMEOUT_S, engine_checksums, expected_engine_checksums
 
 pytestmark = pytest.mark.timeout(300)

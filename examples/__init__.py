@@ -1,0 +1,1 @@
+"""Runnable examples; ``tiny_llama`` is shared with the engine tests."""
