@@ -282,8 +282,10 @@ class VllmLoraLoader:
             self._next_id += 1
         elif not self.llm.reset_prefix_cache():
             raise EngineError(
-                f"LoRA id {lora_id} now holds version {version}, but vLLM could not reset its prefix cache (requests "
-                "still running?): cached KV of the previous adapter could be reused. Load between rollouts"
+                f"LoRA id {lora_id} now holds version {version}, but vLLM refused to reset its prefix cache (a "
+                "request still holds KV blocks): cached KV of the previous adapter could be reused. The adapter needs "
+                "no second load: let those requests finish or abort them, then call llm.reset_prefix_cache(); load "
+                "between rollouts, or use VllmLoraLoader(llm, inplace=False) (a new LoRA id per version shares no KV)"
             )
         log.info("LoRA adapter of version %d loaded as vLLM LoRA id %d%s", version, lora_id, " in place" if self.inplace else "")
         return self.current

