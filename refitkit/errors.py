@@ -130,3 +130,30 @@ class EngineTimeout(EngineError, TimeoutError):
 class OffloadedStateError(RefitError):
     """A call that reads or saves training state ran while that state is offloaded (0-byte device storages):
     a forward, ``state_dict()`` or an optimizer step would crash the process or save garbage. Reload first."""
+
+
+class WeightRejected(EngineError):
+    """The engine refused a pushed weight once the push had begun (weights before it may have landed: the engine then
+    reports its weights incomplete until a full push lands).
+
+    ``weight``, its pushed ``shape``, the shape in the checkpoint the engine loaded (``expected_shape``; None where
+    unknown), which ``engine`` rank and ``phase``; ``remote_type`` and ``remote_message``: the engine's own error,
+    carried as data where it was raised in another process (None where refitkit refused the weight itself).
+    """
+
+    def __init__(
+        self, message: str, *, weight: str, shape: tuple[int, ...] | None, expected_shape: tuple[int, ...] | None,
+        engine: str, phase: str, remote_type: str | None = None, remote_message: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.weight, self.shape, self.expected_shape = weight, shape, expected_shape
+        self.engine, self.phase = engine, phase
+        self.remote_type, self.remote_message = remote_type, remote_message
+
+
+class UnknownWeight(WeightRejected):
+    """A pushed name the engine has no parameter for (its loader refused it; the checkpoint it loaded lacks it)."""
+
+
+class WeightShapeMismatch(WeightRejected):
+    """A pushed weight whose shape is not the one in the checkpoint the engine loaded (refused before loading it)."""

@@ -147,11 +147,12 @@ def recover_after_failed_reload(model: torch.nn.Module, vllm_config: Any) -> Non
         log.warning("could not restore vLLM's layers after a failed reload: %s", exc)
 
 
-def checkpoint_weight_names(vllm_config: Any) -> frozenset[str] | None:
-    """The Hugging Face names of the checkpoint vLLM loaded (``vllm_config.model_config.model``: a local directory,
-    or a hub id already in the local cache), ``lm_head.weight`` left out when the config ties it; None: unknown."""
+def checkpoint_weight_shapes(vllm_config: Any) -> dict[str, tuple[int, ...]] | None:
+    """The Hugging Face names and shapes of the checkpoint vLLM loaded (``vllm_config.model_config.model``: a local
+    directory, or a hub id already in the local cache), ``lm_head.weight`` left out when the config ties it; None:
+    unknown."""
     config = vllm_config.model_config
-    return checkpoint_names.checkpoint_weight_names(
+    return checkpoint_names.checkpoint_weight_shapes(
         str(config.model), revision=getattr(config, "revision", None),
         tied_embeddings=bool(getattr(config.hf_config, "tie_word_embeddings", False)),
     )  # fmt: skip

@@ -14,18 +14,22 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
 
-from refitkit.errors import EngineError, EngineTimeout, InvalidInput, RefitError, TransferError
+from refitkit.errors import (
+    EngineAsleep, EngineError, EngineTimeout, InvalidInput, PeerGone, ProtocolError, RefitError, TransferError,
+    TransferTimeout, UnknownWeight, WeightRejected, WeightShapeMismatch,
+)  # fmt: skip
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
-from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of
+from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of
 from refitkit.transfer import TransferStats
 from refitkit.transfer.packing import check_items
+from refitkit.transfer.protocol import failure_fields, remote_failure
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +43,114 @@ class SyncProgress:
     landed: LandedStats = field(default_factory=LandedStats)  # direct copies vs the model's loader (in place)
     loader_s: float = 0.0  # landing the buckets (issuing the copies; they run on the device behind)
     post_s: float = 0.0  # the engine's post-processing, once per in-place sync
+    handing: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # refused, or in the loader's hands
+    refusal: Exception | None = None  # a weight refused, or the loader's error (kept: the receiver sends only text)
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    """What an engine rank loaded from its checkpoint, to check pushed weights against and to name the weight a
+    loader refused: ``shapes`` by Hugging Face name (None: unknown), ``engine`` the rank in messages."""
+
+    shapes: Mapping[str, tuple[int, ...]] | None
+    engine: str
+
+    def refusal(
+        self, weights: Sequence[tuple[str, torch.Tensor]], progress: SyncProgress
+    ) -> WeightShapeMismatch | None:  # fmt: skip
+        """The refusal of the first of ``weights`` whose shape is not the checkpoint's, recorded in ``progress``, for
+        the caller to raise before the loader sees any of them: vLLM's loaders fail on some with an empty message, and
+        cut others to fit (a q_proj with a row too many loads silently)."""
+        if self.shapes is None:
+            return None
+        expected_of = self.shapes.get
+        for name, tensor in weights:  # (per weight of every sync: kept to a lookup and a compare)
+            expected = expected_of(name)
+            if expected is not None and tensor.shape != expected:
+                shape = tuple(tensor.shape)
+                break
+        else:
+            return None
+        progress.handing = [(name, shape)]
+        progress.refusal = WeightShapeMismatch(
+            f"{self.engine} refused weight {name!r}: pushed with shape {list(shape)}, but the checkpoint it loaded has "
+            f"{list(expected)} (phase: shape check, before loading it). {_AFTER_REFUSAL}",
+            weight=name, shape=shape, expected_shape=expected, engine=self.engine, phase="shape check",
+        )  # fmt: skip
+        return progress.refusal
+
+    def rejection(self, progress: SyncProgress, *, phase: str) -> WeightRejected | None:
+        """The refusal recorded in ``progress`` as a ``WeightRejected`` naming the weight in the loader's hands and both
+        shapes; None when no weight was refused (the stream itself failed: that error stands)."""
+        error, handing = progress.refusal, progress.handing
+        if error is None or isinstance(error, WeightRejected):
+            return error
+        if not handing:  # the loader had taken the whole stream (its post-processing failed): no weight to name
+            return None
+        unknown = [(name, shape) for name, shape in handing if self.shapes is not None and name not in self.shapes]
+        said = f"{type(error).__name__}: {error}"
+        fields = {
+            "engine": self.engine, "phase": phase, "remote_type": type(error).__name__, "remote_message": str(error),
+        }  # fmt: skip
+        if unknown:
+            name, shape = unknown[0]
+            return UnknownWeight(
+                f"{self.engine} has no parameter for pushed weight {name!r} (shape {list(shape)}; the checkpoint it "
+                f"loaded has no such name): its loader raised {said} (phase: {phase}). {_AFTER_REFUSAL}",
+                weight=name, shape=shape, expected_shape=None, **fields,
+            )  # fmt: skip
+        if len(handing) == 1:  # (layerwise: one weight at a time)
+            name, shape = handing[0]
+            expected = None if self.shapes is None else self.shapes.get(name)
+            return WeightRejected(
+                f"{self.engine}'s loader refused weight {name!r} (pushed shape {_listed(shape)}, the checkpoint's "
+                f"{_listed(expected)}): {said} (phase: {phase}). {_AFTER_REFUSAL}",
+                weight=name, shape=shape, expected_shape=expected, **fields,
+            )  # fmt: skip
+        names = [name for name, _ in handing]
+        shown = f"{names[:MISSING_SHOWN]}{' ...' if len(names) > MISSING_SHOWN else ''}"
+        return WeightRejected(
+            f"{self.engine}'s loader refused one of the weights {shown} ({_bucket_shapes(self.shapes)}): {said} "
+            f"(phase: {phase}). {_AFTER_REFUSAL}",
+            weight=", ".join(names), shape=None, expected_shape=None, **fields,
+        )  # fmt: skip
+
+
+_AFTER_REFUSAL = (
+    "The weights before it were loaded, so the engine reports its weights incomplete until a full push lands: push "
+    "the checkpoint's names and shapes (Hugging Face layout)"
+)
+
+
+def _bucket_shapes(shapes: Mapping[str, tuple[int, ...]] | None) -> str:
+    return "the checkpoint's shapes are unknown" if shapes is None else "their shapes are the checkpoint's"
+
+
+def _listed(shape: tuple[int, ...] | None) -> str:
+    return "unknown" if shape is None else str(list(shape))
 
 
 def land_in_place(
-    receive: Callable[[Callable[..., Any]], TransferStats], direct: DirectLoads, progress: SyncProgress
+    receive: Callable[[Callable[..., Any]], TransferStats], direct: DirectLoads, progress: SyncProgress,
+    check: WeightCheck | None = None,
 ) -> TransferStats:  # fmt: skip
-    """Run ``receive(on_bucket)`` with each bucket landed through ``direct`` (its views are valid during the call)."""
+    """Run ``receive(on_bucket)`` with each bucket landed through ``direct`` (its views are valid during the call),
+    every weight of a bucket checked by ``check`` before any of it lands."""
     direct.begin()
 
     def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
         began = time.perf_counter()
+        refused = None if check is None else check.refusal(weights, progress)
+        if refused is not None:
+            raise refused
         progress.names.update(name for name, _ in weights)
         progress.touched = progress.touched or bool(weights)
-        progress.landed += direct.land(weights)
+        try:
+            progress.landed += direct.land(weights)
+        except Exception as exc:  # kept for the rank's verdict (the receiver drops its frames' locals: bucket views)
+            progress.handing = [(name, tuple(tensor.shape)) for name, tensor in weights]
+            progress.refusal = exc
+            raise
         progress.loader_s += time.perf_counter() - began
 
     return receive(on_bucket)
@@ -72,6 +171,58 @@ def refuse_session(receiver: Any, error: EngineError) -> NoReturn:
         if type(error).__name__ not in str(exc):
             raise
     raise error
+
+
+# A rank's failure travels to the trainer as data (a refitkit type's name, message and fields, and its traceback's
+# last frames as text, as a transfer's failure report carries them), never as text to parse.
+_PLAIN_ERRORS: dict[str, type[RefitError]] = {
+    cls.__name__: cls
+    for cls in (
+        RefitError, EngineError, EngineAsleep, EngineTimeout, InvalidInput, TransferError, TransferTimeout, PeerGone,
+        ProtocolError,
+    )  # fmt: skip
+}
+_REJECTIONS: dict[str, type[WeightRejected]] = {
+    cls.__name__: cls for cls in (WeightRejected, UnknownWeight, WeightShapeMismatch)
+}
+
+
+def failure_data(error: Exception) -> dict[str, Any]:
+    """An engine rank's failure as plain values (``error_from_data`` rebuilds it in the trainer's process)."""
+    data: dict[str, Any] = {"type": type(error).__name__, "message": str(error), **failure_fields(error)}
+    if isinstance(error, WeightRejected):
+        data.update(
+            weight=error.weight, shape=_plain(error.shape), expected_shape=_plain(error.expected_shape),
+            engine=error.engine, phase=error.phase, remote_type=error.remote_type, remote_message=error.remote_message,
+        )  # fmt: skip
+    return data
+
+
+def error_from_data(data: Mapping[str, Any], *, where: str) -> RefitError:
+    """The refitkit error a rank reported as ``failure_data``, its cause a ``RemoteError`` standing for the rank's own
+    exception (its frames as text); another type (the engine's own) becomes an ``EngineError``. The message of all but
+    a ``WeightRejected`` (which names the rank already) says ``where`` (the rank and the call) raised which type."""
+    kind, message = str(data.get("type")), str(data.get("message"))
+    error: RefitError
+    if kind in _REJECTIONS:
+        error = _REJECTIONS[kind](
+            message, weight=str(data.get("weight")), shape=_shape(data.get("shape")),
+            expected_shape=_shape(data.get("expected_shape")), engine=str(data.get("engine", where)),
+            phase=str(data.get("phase")), remote_type=data.get("remote_type"),
+            remote_message=data.get("remote_message"),
+        )  # fmt: skip
+    else:
+        error = _PLAIN_ERRORS.get(kind, EngineError)(f"{where} raised {kind}: {message}")
+    error.__cause__ = remote_failure(dict(data))
+    return error
+
+
+def _plain(shape: tuple[int, ...] | None) -> list[int] | None:
+    return None if shape is None else list(shape)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(int(dim) for dim in value) if isinstance(value, list) else None
 
 
 def record_landing(weights: EngineWeights, version: int, names: set[str], expected: frozenset[str] | None) -> SyncCoverage:

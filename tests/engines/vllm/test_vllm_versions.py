@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refitkit.errors import InvalidInput, TransferError
+from refitkit.errors import InvalidInput, TransferError, UnknownWeight
 from refitkit.rollout import WeightVersion, clean_weight_version, weight_versions
 from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
@@ -61,7 +61,7 @@ def test_a_push_that_fails_part_way_is_incomplete_at_its_version(engine, trainer
     push(engine, engine.original.named_parameters(), version=60)
     weights = list(trainer.named_parameters())
     bogus = ("model.layers.1.self_attn.bogus.weight", weights[0][1])
-    with pytest.raises(TransferError, match="no module or parameter"):
+    with pytest.raises(UnknownWeight, match="no module or parameter"):
         push(engine, iter(weights[:12] + [bogus] + weights[12:]), version=61)
     assert weight_versions(engine.llm) == [WeightVersion(60, 61)]
 
