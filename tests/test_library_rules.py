@@ -1,10 +1,12 @@
 """Rules the whole library keeps, read from its source: no runtime assert (they vanish under
 ``python -O``), no ``gc.collect()`` call outside the watchdog's opt-in audit, and nothing imported or
-converted through numpy that setup.cfg's ``install_requires`` does not declare."""
+converted through numpy that setup.cfg's ``install_requires`` does not declare, and no API newer than the
+Python that ``setup.cfg`` declares."""
 
 from __future__ import annotations
 
 import ast
+import configparser
 import re
 import sys
 from pathlib import Path
@@ -12,6 +14,22 @@ from pathlib import Path
 import refitkit
 
 PACKAGE = Path(refitkit.__file__).parent
+ROOT = Path(__file__).resolve().parents[1]
+
+# APIs whose use needs a newer Python than some still-supported one: name -> the first Python that has it.
+# On an older Python each fails only when reached, often inside an error handler, where the AttributeError
+# then hides the failure being reported.
+NEWER_PYTHON_APIS = {
+    "add_note": (3, 11),  # BaseException.add_note
+    "ExceptionGroup": (3, 11),
+    "BaseExceptionGroup": (3, 11),
+    "except*": (3, 11),
+    "tomllib": (3, 11),
+    "StrEnum": (3, 11),  # enum.StrEnum
+    "TaskGroup": (3, 11),  # asyncio.TaskGroup
+    "Self": (3, 11),  # typing.Self
+    "UTC": (3, 11),  # datetime.UTC
+}
 
 
 def _modules() -> list[tuple[str, ast.Module]]:
@@ -173,3 +191,51 @@ def test_numpy_conversions_have_numpy_declared():
     ]
     assert uses, "the rule reads `.numpy()` calls: it found none, so it checks nothing"
     assert "numpy" in _install_requires(), f"these call .numpy() but setup.cfg's install_requires lacks numpy: {uses}"
+
+
+def _declared_python() -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """setup.cfg's ``python_requires`` floor and its ``Programming Language :: Python :: 3.N`` classifiers."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    requires = config["options"]["python_requires"].strip()
+    match = re.fullmatch(r">=\s*3\.(\d+)", requires)
+    assert match is not None, f"python_requires {requires!r}: expected the form >=3.N"
+    classifiers = re.findall(r"Programming Language :: Python :: 3\.(\d+)$", config["metadata"]["classifiers"], re.MULTILINE)
+    return (3, int(match[1])), sorted((3, int(minor)) for minor in classifiers)
+
+
+def _newer_apis_used() -> dict[str, list[str]]:
+    used: dict[str, list[str]] = {}
+    for name, tree in _modules():
+        for node in ast.walk(tree):
+            found: list[str] = []
+            if isinstance(node, ast.Attribute):
+                found = [node.attr]
+            elif isinstance(node, ast.Name):
+                found = [node.id]
+            elif isinstance(node, ast.Import):
+                found = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found = [node.module or ""] + [alias.name for alias in node.names]
+            elif type(node).__name__ == "TryStar":
+                found = ["except*"]
+            for api in found:
+                if api in NEWER_PYTHON_APIS:
+                    used.setdefault(api, []).append(f"{name}:{node.lineno}")
+    return used
+
+
+def test_the_declared_python_has_every_api_the_library_uses():
+    floor, _ = _declared_python()
+    too_new = {api: places for api, places in _newer_apis_used().items() if NEWER_PYTHON_APIS[api] > floor}
+    assert too_new == {}, (
+        f"setup.cfg declares python_requires >={floor[0]}.{floor[1]}, but refitkit uses APIs that Python lacks "
+        f"(declare the Python NEWER_PYTHON_APIS names for them): {too_new}"
+    )
+
+
+def test_python_requires_is_the_lowest_python_classifier_and_the_readme_names_no_other():
+    floor, classifiers = _declared_python()
+    assert classifiers and classifiers[0] == floor, f"python_requires >={floor[0]}.{floor[1]} but the classifiers list {classifiers}"
+    named = sorted({(3, int(minor)) for minor in re.findall(r"Python 3\.(\d+)", (ROOT / "README.md").read_text())})
+    assert set(named) <= set(classifiers), f"README.md names Python {named}, setup.cfg's classifiers {classifiers}"
