@@ -225,7 +225,7 @@ def bench_model(
                 after = llm.collective_rpc("refit_memory")[0]
                 row["kv_cache_back_gib"] = after["resident"].get("kv_cache", 0) / 2**30
                 row["kv_cache_was_asleep_gib"] = kv_asleep / 2**30
-                worker = link.last_push.workers[0] if link.last_push else {}
+                worker = link.last_push.ranks[0] if link.last_push else {}
                 row["load_path"] = worker.get("load_path")
                 row.update(worker_split(worker))
                 row["split"] = sender.last_split.__dict__ if sender.last_split else None
@@ -300,7 +300,7 @@ def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str
             Path(profile).mkdir(parents=True, exist_ok=True)
             _write_profile(trainer_profile, Path(profile) / "trainer_push.txt")
             llm.collective_rpc(_worker_profile_stop, args=(str(Path(profile).resolve() / "worker_push.txt"),))
-        row = {"push": index, "path": path, "sync_ms": wall_ms, **worker_split(link.last_push.workers[0])}
+        row = {"push": index, "path": path, "sync_ms": wall_ms, **worker_split(link.last_push.ranks[0])}
         row["sender_ms"] = {phase: round(seconds * 1e3, 2) for phase, seconds in link.sender.last_timings_s.items()}
         row["split"] = link.sender.last_split.__dict__ if link.sender.last_split else None
         reset_s = link.last_push.reset_s  # the reset queued behind the push: from the stream's end until it came back

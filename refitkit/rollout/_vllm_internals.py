@@ -158,6 +158,16 @@ def checkpoint_weight_shapes(vllm_config: Any) -> dict[str, tuple[int, ...]] | N
     )  # fmt: skip
 
 
+def engine_checkpoint_names(llm: Any) -> frozenset[str] | None:
+    """In the trainer's process: the Hugging Face names of the checkpoint the LLM's workers loaded, read from the LLM's
+    config (``llm.llm_engine.vllm_config`` in 0.25.0) as ``checkpoint_weight_shapes`` reads it; None: unknown."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    if config is None:
+        return None
+    shapes = checkpoint_weight_shapes(config)
+    return None if shapes is None else frozenset(shapes)
+
+
 def config_rank(vllm_config: Any) -> int:
     """A worker's global rank from its config (``parallel_config.rank``, set by ``WorkerBase`` in vLLM 0.25.0)."""
     return int(getattr(vllm_config.parallel_config, "rank", 0))

@@ -15,17 +15,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
-from refitkit._knobs import checked_seconds
+from refitkit._knobs import checked_seconds, renamed_knob
 from refitkit.errors import EngineError, InvalidInput, KVCacheWontFit
 from refitkit.rollout import _sglang_internals as sglang_internals
 from refitkit.rollout import _vllm_internals as internals
+from refitkit.rollout._push import PushStats
 from refitkit.rollout.sessions import bounded_call, checked_first_rank
-from refitkit.rollout.sglang import SglangPushStats, checked_broadcast_ranks, engine_state, weights_discarded
+from refitkit.rollout.sglang import checked_broadcast_ranks, checked_engine, engine_state, weights_discarded
 from refitkit.rollout.sglang import push_weights as sglang_push_weights
 from refitkit.rollout.sglang import push_weights_broadcast as sglang_push_weights_broadcast
-from refitkit.rollout.vllm import VllmPushStats, push_weights, push_weights_broadcast
+from refitkit.rollout.vllm import push_weights, push_weights_broadcast
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender, TransferStats
 from refitkit.transfer.common import checked_version
 
@@ -38,7 +39,89 @@ class EngineMemory(Enum):
     WEIGHTS_AWAKE = "weights awake"  # weights back for a sync, KV cache still released
 
 
-class VllmLink:
+class _EngineLink:
+    """What every engine's link shares: the sender (same host, or a broadcast whose ``secret`` is the job's secret and
+    whose engine ranks join as ``first_rank``..), the versions, ``send``, and the bounded engine calls; the memory steps
+    (``wake_for_sync``, ``wake_for_rollout``, ``sleep_for_training``) are each engine's."""
+
+    engine_name: ClassVar[str]  # in messages
+    push: ClassVar[Callable[..., PushStats]]  # the engine's two pushes (their knobs are the same on every engine)
+    push_broadcast: ClassVar[Callable[..., PushStats]]
+
+    def __init__(
+        self, link: str, engine: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None,
+        first_rank: int, first_version: int, timeout_s: float | None, sleep_level: int | None, engine_timeout_s: float,
+        kv_headroom_bytes: int,
+    ) -> None:  # fmt: skip
+        if sleep_level not in (None, 1, 2):
+            raise InvalidInput(f"{link}: sleep_level={sleep_level!r}; need 1 (weights kept on the host), 2 (discarded) or None")
+        self.broadcast = isinstance(sender, BroadcastWeightSender)
+        if not self.broadcast and not isinstance(sender, BucketedWeightSender):
+            raise InvalidInput(
+                f"{link}: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a {type(sender).__name__}"
+            )
+        if self.broadcast and secret is None:
+            raise InvalidInput(f"{link}: a BroadcastWeightSender needs secret= (the job's secret, as given to the sender)")
+        if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
+            raise InvalidInput(f"{link}: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
+        self.sender, self.secret, self.first_rank, self.timeout_s = sender, secret, checked_first_rank(first_rank), timeout_s
+        self.sleep_level, self._engine = sleep_level, engine
+        self.engine_timeout_s = checked_seconds(engine_timeout_s, "engine_timeout_s")
+        self.kv_headroom_bytes = kv_headroom_bytes
+        self.next_version = checked_version(first_version)
+        self.memory = EngineMemory.SERVING
+        self.last_push: PushStats | None = None
+        self.call_seconds: dict[str, float] = {}  # each engine call's latest duration, e.g. "wake_up(tags=['kv_cache'])"
+
+    @property
+    def drives_memory(self) -> bool:
+        """Whether ``RefitCycle`` should call the link's memory steps (it has a ``sleep_level``)."""
+        return self.sleep_level is not None
+
+    def send(self, weights: Any) -> TransferStats:
+        """Push ``weights`` into the engine as version ``next_version``; the sender's stats (the engine ranks' in
+        ``last_push``).
+
+        Weights the link put to sleep are woken first; a push into weights put to sleep by hand is refused
+        (``EngineAsleep``) before any byte lands. The prefix cache is reset after the push while the KV cache is
+        resident (a sleep emptied it already)."""
+        self.wake_for_sync()
+        version, self.next_version = self.next_version, self.next_version + 1
+        reset = self.memory is EngineMemory.SERVING  # cached KV of the old weights is stale (queued behind the push)
+        if self.broadcast:
+            pushed = self.push_broadcast(
+                self._engine, self.sender, weights, secret=self.secret, version=version,  # type: ignore[arg-type]
+                first_rank=self.first_rank, timeout_s=self.timeout_s, reset_prefix_cache=reset,
+            )  # fmt: skip
+        else:
+            pushed = self.push(
+                self._engine, self.sender, weights, version=version, timeout_s=self.timeout_s,
+                reset_prefix_cache=reset,
+            )  # fmt: skip
+        self.last_push = pushed
+        return pushed.sender
+
+    def wake_for_sync(self) -> None:
+        """Weights back on the device for a sync (each engine's own calls)."""
+        raise NotImplementedError
+
+    def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
+        return bounded_engine_call(
+            self.engine_name, what, call, timeout_s=self.engine_timeout_s, memory=self.memory, call_seconds=self.call_seconds
+        )  # fmt: skip
+
+    def _kv_cache_fits(self, needed: int, free: int, *, what: str, knob: str, kept: str) -> None:
+        """``KVCacheWontFit`` unless ``needed`` bytes plus ``kv_headroom_bytes`` fit in ``free``."""
+        if needed + self.kv_headroom_bytes > free:
+            raise KVCacheWontFit(
+                f"{what} needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes={self.kv_headroom_bytes / 2**20:.0f} MiB) but "
+                f"its device has {free / 2**20:.0f} MiB free: the trainer still holds memory (offload and flush_device "
+                f"first, or lower {knob}); {kept}",
+                needed_bytes=needed, free_bytes=free,
+            )  # fmt: skip
+
+
+class VllmLink(_EngineLink):
     """A vLLM ``LLM`` fed by a ``BucketedWeightSender`` (same host) or a ``BroadcastWeightSender`` (then ``secret`` is
     the job's secret and the workers join as ranks ``first_rank``..), and, with ``sleep_level``, its memory.
 
@@ -57,6 +140,10 @@ class VllmLink:
     engine core dies ("Cannot re-initialize CUDA in forked subprocess").
     """
 
+    engine_name = "vLLM"
+    push = staticmethod(push_weights)
+    push_broadcast = staticmethod(push_weights_broadcast)
+
     def __init__(
         self, llm: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None = None,
         first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None, sleep_level: int | None = None,
@@ -64,50 +151,14 @@ class VllmLink:
     ) -> None:  # fmt: skip
         if not callable(getattr(llm, "collective_rpc", None)):
             raise InvalidInput(f"VllmLink: llm must be a vllm.LLM (with collective_rpc), got a {type(llm).__name__}")
-        self.broadcast = isinstance(sender, BroadcastWeightSender)
-        if not self.broadcast and not isinstance(sender, BucketedWeightSender):
-            raise InvalidInput(
-                f"VllmLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a {type(sender).__name__}"
-            )
-        if self.broadcast and secret is None:
-            raise InvalidInput("VllmLink: a BroadcastWeightSender needs secret= (the job's secret, as given to the sender)")
-        if sleep_level not in (None, 1, 2):
-            raise InvalidInput(f"VllmLink: sleep_level={sleep_level!r}; need 1 (weights kept on the host), 2 (discarded) or None")
+        super().__init__(
+            "VllmLink", llm, sender, secret=secret, first_rank=first_rank, first_version=first_version,
+            timeout_s=timeout_s, sleep_level=sleep_level, engine_timeout_s=engine_timeout_s,
+            kv_headroom_bytes=kv_headroom_bytes,
+        )  # fmt: skip
         if sleep_level is not None and not internals.sleep_mode_enabled(llm):
             raise InvalidInput("VllmLink: sleep_level needs an engine made with enable_sleep_mode=True (or pass sleep_level=None)")
-        if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
-            raise InvalidInput(f"VllmLink: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
-        self.llm, self.sender, self.secret, self.first_rank, self.timeout_s = llm, sender, secret, first_rank, timeout_s
-        self.sleep_level, self.engine_timeout_s, self.kv_headroom_bytes = (
-            sleep_level, checked_seconds(engine_timeout_s, "engine_timeout_s"), kv_headroom_bytes
-        )
-        self.next_version = checked_version(first_version)
-        self.memory = EngineMemory.SERVING
-        self.last_push: VllmPushStats | None = None
-        self.call_seconds: dict[str, float] = {}  # each engine call's latest duration, e.g. "wake_up(tags=['kv_cache'])"
-
-    @property
-    def drives_memory(self) -> bool:
-        """Whether ``RefitCycle`` should call the link's memory steps (it has a ``sleep_level``)."""
-        return self.sleep_level is not None
-
-    def send(self, weights: Any) -> TransferStats:
-        """Push ``weights`` into the engine as version ``next_version``; the sender's stats (the workers' in ``last_push``).
-
-        A driven engine that sleeps gets its weights woken first; a push into an engine put to sleep by
-        hand is refused (``EngineAsleep``) before any byte lands."""
-        self.wake_for_sync()
-        version, self.next_version = self.next_version, self.next_version + 1
-        reset = self.memory is EngineMemory.SERVING  # cached KV of the old weights is stale (queued behind the push)
-        if self.broadcast:
-            pushed = push_weights_broadcast(
-                self.llm, self.sender, weights, secret=self.secret, version=version,  # type: ignore[arg-type]
-                first_rank=self.first_rank, timeout_s=self.timeout_s, reset_prefix_cache=reset,
-            )  # fmt: skip
-        else:
-            pushed = push_weights(self.llm, self.sender, weights, version=version, timeout_s=self.timeout_s, reset_prefix_cache=reset)
-        self.last_push = pushed
-        return pushed.sender
+        self.llm = llm
 
     # -- the engine's memory around a refit cycle -------------------------------------------------
 
@@ -130,15 +181,11 @@ class VllmLink:
         if self.memory is not EngineMemory.WEIGHTS_AWAKE:
             return
         for rank, state in enumerate(self._bounded("refit_memory", lambda: self.llm.collective_rpc("refit_memory"))):
-            needed = int(state["asleep"].get("kv_cache", 0))
-            if needed + self.kv_headroom_bytes > state["free_bytes"]:
-                raise KVCacheWontFit(
-                    f"waking vLLM worker {rank}'s KV cache needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes="
-                    f"{self.kv_headroom_bytes / 2**20:.0f} MiB) but its device has {state['free_bytes'] / 2**20:.0f} MiB free: "
-                    "the trainer still holds memory (offload and flush_device first, or lower gpu_memory_utilization); "
-                    "the engine's weights stay awake, its KV cache asleep",
-                    needed_bytes=needed, free_bytes=int(state["free_bytes"]),
-                )  # fmt: skip
+            self._kv_cache_fits(
+                int(state["asleep"].get("kv_cache", 0)), int(state["free_bytes"]),
+                what=f"waking vLLM worker {rank}'s KV cache", knob="gpu_memory_utilization",
+                kept="the engine's weights stay awake, its KV cache asleep",
+            )  # fmt: skip
         self._bounded("wake_up(tags=['kv_cache'])", lambda: self.llm.wake_up(tags=["kv_cache"]))
         self.memory = EngineMemory.SERVING
 
@@ -151,99 +198,67 @@ class VllmLink:
         if self.sleep_level == 2:  # the weights are gone until the next full sync
             self._bounded("refit_weights_discarded", lambda: self.llm.collective_rpc("refit_weights_discarded"))
 
-    def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
-        return bounded_engine_call(
-            "vLLM", what, call, timeout_s=self.engine_timeout_s, memory=self.memory, call_seconds=self.call_seconds
-        )  # fmt: skip
 
-
-class SglangLink:
+class SglangLink(_EngineLink):
     """An ``sglang.Engine`` (refitkit's plugin installed, one data-parallel replica) fed by a ``BucketedWeightSender``
     (same host, TP=1) or a ``BroadcastWeightSender`` (any TP size: every scheduler joins, as ranks ``first_rank`` ..
     ``first_rank + tp_size - 1`` of the sender's ``receivers``; then ``secret`` is the job's secret), and, with
-    ``release_memory``, its memory.
+    ``sleep_level``, its memory.
 
-    GPU-tested with SGLang 0.5.17 (``docs/sglang.md``). With ``release_memory=True`` (the engine made
-    with ``enable_memory_saver=True``) the link drives the engine's memory around a ``RefitCycle``, like ``VllmLink``:
+    GPU-tested with SGLang 0.5.17 (``docs/sglang.md``). With ``sleep_level`` (the engine made with
+    ``enable_memory_saver=True``) the link drives the engine's memory around a ``RefitCycle``, like ``VllmLink``:
     ``wake_for_sync`` resumes the weights before they stream, ``wake_for_rollout`` (after the cross-rank barrier)
     resumes the KV cache and CUDA graphs, refused with ``KVCacheWontFit`` when the device lacks the KV cache's bytes
     plus ``kv_headroom_bytes`` (which covers the CUDA graphs: SGLang does not report their size), and
     ``sleep_for_training`` releases everything, refused with ``EngineError`` while a request is in flight (SGLang's
-    release asserts idleness and would kill the engine). Without ``enable_weights_cpu_backup`` the released weights
-    are discarded: the engine reports them incomplete until a full sync lands. Every call is bounded by
+    release asserts idleness and would kill the engine). The level says what happens to the weights, as for vLLM, and
+    must be what the engine does: 1 keeps them on the host (``enable_weights_cpu_backup=True``), 2 discards them (no
+    backup: the engine reports them incomplete until a full sync lands). Every call is bounded by
     ``engine_timeout_s`` (``EngineTimeout``); no generation may be started while the memory is released.
+    ``release_memory=True`` is the former spelling of a ``sleep_level``, still taken for one release.
     """
+
+    engine_name = "SGLang"
+    push = staticmethod(sglang_push_weights)
+    push_broadcast = staticmethod(sglang_push_weights_broadcast)
 
     def __init__(
         self, engine: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None = None,
-        first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None, release_memory: bool = False,
-        engine_timeout_s: float = 120.0, kv_headroom_bytes: int = 256 << 20,
+        first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None, sleep_level: int | None = None,
+        engine_timeout_s: float = 120.0, kv_headroom_bytes: int = 256 << 20, release_memory: bool | None = None,
     ) -> None:  # fmt: skip
-        if not sglang_internals.is_engine(engine):
-            raise InvalidInput(
-                f"SglangLink: engine must be an sglang.Engine (with update_weights_from_ipc and the memory calls), got a "
-                f"{type(engine).__name__}"
-            )
-        self.broadcast = isinstance(sender, BroadcastWeightSender)
-        if not self.broadcast and not isinstance(sender, BucketedWeightSender):
-            raise InvalidInput(
-                f"SglangLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a {type(sender).__name__}"
-            )
-        if self.broadcast and secret is None:
-            raise InvalidInput("SglangLink: a BroadcastWeightSender needs secret= (the job's secret, as given to the sender)")
-        if not isinstance(release_memory, bool):
-            raise InvalidInput(f"SglangLink: release_memory={release_memory!r}; need a bool")
-        if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
-            raise InvalidInput(f"SglangLink: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
-        settings = sglang_internals.engine_settings(engine)
-        if settings["dp_size"] != 1 or settings["pp_size"] != 1:
-            raise InvalidInput(
-                f"SglangLink: dp_size={settings['dp_size']}, pp_size={settings['pp_size']}; the link drives one data-parallel "
-                "replica of one pipeline stage (SGLang's weight update from IPC serves dp_size=1): one link per replica"
-            )
+        settings = checked_engine(engine, "SglangLink")
+        kept = settings["weights_cpu_backup"]
+        if release_memory is not None and not isinstance(release_memory, bool):
+            raise InvalidInput(f"SglangLink: release_memory={release_memory!r}; need a bool (or, better, sleep_level=)")
+        sleep_level = renamed_knob(
+            "sleep_level", sleep_level, default=None, old="release_memory", old_value=release_memory,
+            converted=lambda release: (1 if kept else 2) if release else None,
+        )  # fmt: skip
+        super().__init__(
+            "SglangLink", engine, sender, secret=secret, first_rank=first_rank, first_version=first_version,
+            timeout_s=timeout_s, sleep_level=sleep_level, engine_timeout_s=engine_timeout_s,
+            kv_headroom_bytes=kv_headroom_bytes,
+        )  # fmt: skip
         if settings["tp_size"] != 1 and not self.broadcast:
             raise InvalidInput(
                 f"SglangLink: tp_size={settings['tp_size']} with a BucketedWeightSender, which feeds one scheduler; give "
                 f"a BroadcastWeightSender(receivers={settings['tp_size']}): every TP rank joins the broadcast"
             )
         if self.broadcast:
-            checked_broadcast_ranks(settings["tp_size"], checked_first_rank(first_rank), sender.receivers, "SglangLink")  # type: ignore[union-attr]
-        if release_memory and not settings["memory_saver"]:
+            checked_broadcast_ranks(settings["tp_size"], self.first_rank, sender.receivers, "SglangLink")  # type: ignore[union-attr]
+        if sleep_level is not None and not settings["memory_saver"]:
             raise InvalidInput(
-                "SglangLink: release_memory needs an engine made with enable_memory_saver=True (without it SGLang's "
-                "release frees nothing); or pass release_memory=False"
+                "SglangLink: sleep_level needs an engine made with enable_memory_saver=True (without it SGLang's "
+                "release frees nothing); or pass sleep_level=None"
             )
-        self.engine, self.sender, self.secret, self.first_rank, self.timeout_s = engine, sender, secret, first_rank, timeout_s
-        self.release_memory, self.weights_kept = release_memory, settings["weights_cpu_backup"]
-        self.engine_timeout_s, self.kv_headroom_bytes = checked_seconds(engine_timeout_s, "engine_timeout_s"), kv_headroom_bytes
-        self.next_version = checked_version(first_version)
-        self.memory = EngineMemory.SERVING
-        self.last_push: SglangPushStats | None = None
-        self.call_seconds: dict[str, float] = {}  # each engine call's latest duration, e.g. "resume_memory_occupation(['weights'])"
-
-    @property
-    def drives_memory(self) -> bool:
-        """Whether ``RefitCycle`` should call the link's memory steps (``release_memory``)."""
-        return self.release_memory
-
-    def send(self, weights: Any) -> TransferStats:
-        """Push ``weights`` into the engine as version ``next_version``; the sender's stats (the scheduler's in ``last_push``).
-
-        Released weights are resumed first when the link released them; a push into weights released by hand is
-        refused (``EngineAsleep``) before any byte lands. SGLang flushes its prefix cache after the sync while the
-        KV cache is resident (releasing it flushed it already)."""
-        self.wake_for_sync()
-        version, self.next_version = self.next_version, self.next_version + 1
-        flush = self.memory is EngineMemory.SERVING
-        if self.broadcast:
-            pushed = sglang_push_weights_broadcast(
-                self.engine, self.sender, weights, secret=self.secret, version=version,  # type: ignore[arg-type]
-                first_rank=self.first_rank, timeout_s=self.timeout_s, flush_cache=flush,
-            )  # fmt: skip
-        else:
-            pushed = sglang_push_weights(self.engine, self.sender, weights, version=version, timeout_s=self.timeout_s, flush_cache=flush)
-        self.last_push = pushed
-        return pushed.sender
+        if sleep_level is not None and (sleep_level == 1) != kept:
+            raise InvalidInput(
+                f"SglangLink: sleep_level={sleep_level} but this engine {'keeps' if kept else 'discards'} its released "
+                f"weights (enable_weights_cpu_backup={kept}): pass sleep_level={1 if kept else 2}, or make the engine "
+                f"with enable_weights_cpu_backup={not kept}"
+            )
+        self.engine = engine
 
     # -- the engine's memory around a refit cycle -------------------------------------------------
 
@@ -262,23 +277,18 @@ class SglangLink:
             return
         state = self._bounded("state query", lambda: engine_state(self.engine, timeout_s=self.engine_timeout_s))
         for rank, found in enumerate(state.get("tp_ranks", [state])):  # each TP rank's KV cache on its own device
-            needed, free = int(found["kv_cache_bytes"]), int(found["free_bytes"])
-            if needed + self.kv_headroom_bytes > free:
-                raise KVCacheWontFit(
-                    f"resuming SGLang's KV cache needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes="
-                    f"{self.kv_headroom_bytes / 2**20:.0f} MiB for CUDA graphs and slack) but the device of TP rank {rank} "
-                    f"({found['device']}) has {free / 2**20:.0f} MiB free: the trainer still holds memory (offload and "
-                    "flush_device first, or lower mem_fraction_static); the engine's weights stay resident, its KV cache "
-                    "released",
-                    needed_bytes=needed, free_bytes=free,
-                )  # fmt: skip
+            self._kv_cache_fits(
+                int(found["kv_cache_bytes"]), int(found["free_bytes"]),
+                what=f"resuming the KV cache of SGLang's TP rank {rank} ({found['device']}; the headroom covers CUDA graphs)",
+                knob="mem_fraction_static", kept="the engine's weights stay resident, its KV cache released",
+            )  # fmt: skip
         tags = ["kv_cache", "cuda_graph"]  # both released by sleep_for_training; the KV cache was flushed then
         self._bounded(f"resume_memory_occupation({tags})", lambda: sglang_internals.resume_memory(self.engine, tags))
         self.memory = EngineMemory.SERVING
 
     def sleep_for_training(self) -> None:
-        """Release the engine's memory before the trainer's state comes back (``release_memory``; a no-op without it)."""
-        if not self.release_memory or self.memory is EngineMemory.ASLEEP:
+        """Release the engine's memory before the trainer's state comes back (``sleep_level``; a no-op without it)."""
+        if self.sleep_level is None or self.memory is EngineMemory.ASLEEP:
             return
         if self.memory is EngineMemory.WEIGHTS_AWAKE:  # a cycle that failed before the rollout: KV cache still released
             tags = ["weights"]
@@ -293,13 +303,8 @@ class SglangLink:
             tags = ["weights", "kv_cache", "cuda_graph"]
         self._bounded(f"release_memory_occupation({tags})", lambda: sglang_internals.release_memory(self.engine, tags))
         self.memory = EngineMemory.ASLEEP
-        if not self.weights_kept:  # no host backup: the weights are garbage until the next full sync
+        if self.sleep_level == 2:  # no host backup: the weights are garbage until the next full sync
             self._bounded("weights_discarded", lambda: weights_discarded(self.engine, timeout_s=self.engine_timeout_s))
-
-    def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
-        return bounded_engine_call(
-            "SGLang", what, call, timeout_s=self.engine_timeout_s, memory=self.memory, call_seconds=self.call_seconds
-        )  # fmt: skip
 
 
 class BroadcastLink:

@@ -22,14 +22,13 @@ from typing import Any, NoReturn
 import torch
 
 from refitkit.errors import (
-    EngineAsleep, EngineError, EngineTimeout, InvalidInput, PeerGone, ProtocolError, RefitError, TransferError,
-    TransferTimeout, UnknownWeight, WeightRejected, WeightShapeMismatch,
+    EngineError, EngineTimeout, InvalidInput, RefitError, TransferError, UnknownWeight, WeightRejected,
+    WeightShapeMismatch,
 )  # fmt: skip
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of
 from refitkit.transfer import TransferStats
 from refitkit.transfer.packing import check_items
-from refitkit.transfer.protocol import failure_fields, remote_failure
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +156,8 @@ def land_in_place(
 
 
 def refuse_session(receiver: Any, error: EngineError) -> NoReturn:
-    """Open ``receiver``'s session and fail it with ``error`` before any byte lands (the sender hears why at once,
-    as a ``TransferError`` naming the error's type), then raise ``error`` here."""
+    """Open ``receiver``'s session and fail it with ``error`` before any byte lands (the sender hears why at once: its
+    ``TransferError``'s cause carries ``error`` as its code and fields), then raise ``error`` here."""
 
     def refuse(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
         raise error
@@ -167,62 +166,10 @@ def refuse_session(receiver: Any, error: EngineError) -> NoReturn:
         receiver.receive(refuse)
     except EngineError:
         pass
-    except TransferError as exc:  # the session failed with our refusal: the sender heard it
-        if type(error).__name__ not in str(exc):
+    except TransferError as exc:  # the session failed with our refusal (its cause): the sender heard it
+        if exc.__cause__ is not error:
             raise
     raise error
-
-
-# A rank's failure travels to the trainer as data (a refitkit type's name, message and fields, and its traceback's
-# last frames as text, as a transfer's failure report carries them), never as text to parse.
-_PLAIN_ERRORS: dict[str, type[RefitError]] = {
-    cls.__name__: cls
-    for cls in (
-        RefitError, EngineError, EngineAsleep, EngineTimeout, InvalidInput, TransferError, TransferTimeout, PeerGone,
-        ProtocolError,
-    )  # fmt: skip
-}
-_REJECTIONS: dict[str, type[WeightRejected]] = {
-    cls.__name__: cls for cls in (WeightRejected, UnknownWeight, WeightShapeMismatch)
-}
-
-
-def failure_data(error: Exception) -> dict[str, Any]:
-    """An engine rank's failure as plain values (``error_from_data`` rebuilds it in the trainer's process)."""
-    data: dict[str, Any] = {"type": type(error).__name__, "message": str(error), **failure_fields(error)}
-    if isinstance(error, WeightRejected):
-        data.update(
-            weight=error.weight, shape=_plain(error.shape), expected_shape=_plain(error.expected_shape),
-            engine=error.engine, phase=error.phase, remote_type=error.remote_type, remote_message=error.remote_message,
-        )  # fmt: skip
-    return data
-
-
-def error_from_data(data: Mapping[str, Any], *, where: str) -> RefitError:
-    """The refitkit error a rank reported as ``failure_data``, its cause a ``RemoteError`` standing for the rank's own
-    exception (its frames as text); another type (the engine's own) becomes an ``EngineError``. The message of all but
-    a ``WeightRejected`` (which names the rank already) says ``where`` (the rank and the call) raised which type."""
-    kind, message = str(data.get("type")), str(data.get("message"))
-    error: RefitError
-    if kind in _REJECTIONS:
-        error = _REJECTIONS[kind](
-            message, weight=str(data.get("weight")), shape=_shape(data.get("shape")),
-            expected_shape=_shape(data.get("expected_shape")), engine=str(data.get("engine", where)),
-            phase=str(data.get("phase")), remote_type=data.get("remote_type"),
-            remote_message=data.get("remote_message"),
-        )  # fmt: skip
-    else:
-        error = _PLAIN_ERRORS.get(kind, EngineError)(f"{where} raised {kind}: {message}")
-    error.__cause__ = remote_failure(dict(data))
-    return error
-
-
-def _plain(shape: tuple[int, ...] | None) -> list[int] | None:
-    return None if shape is None else list(shape)
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    return tuple(int(dim) for dim in value) if isinstance(value, list) else None
 
 
 def record_landing(weights: EngineWeights, version: int, names: set[str], expected: frozenset[str] | None) -> SyncCoverage:

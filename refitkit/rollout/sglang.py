@@ -22,36 +22,36 @@ sender feeds one scheduler (TP=1).
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import os
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from refitkit.errors import EngineAsleep, EngineError, InvalidInput, RefitError, TransferError, TransferTimeout
+from refitkit._knobs import renamed_knob
+from refitkit.errors import EngineAsleep, EngineError, InvalidInput, TransferError
 from refitkit.rollout import _sglang_internals as internals
+from refitkit.rollout._push import RPC_SLACK_S, EngineCall, PushStats, drive, raise_if_partial, rank_error
 from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, bounded_call, checked_first_rank, checked_timeout, checked_weights, helper_threads, land_in_place,
-    record_landing, refuse_session, sync_report,
+    SyncProgress, bounded_call, checked_first_rank, checked_timeout, checked_weights, land_in_place, record_landing,
+    refuse_session, sync_report,
 )  # fmt: skip
-from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, weight_version_of
+from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, coverage_of, weight_version_of
 from refitkit.rollout.vllm import tensor_fingerprint
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
 from refitkit.transfer.common import checked_version
+from refitkit.transfer.protocol import failure_fields
 
 log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "refitkit"  # the entry point's name in sglang.srt.plugins (SGLANG_PLUGINS may whitelist it)
-RPC_SLACK_S = 30.0  # on top of the receiver's timeout: the scheduler may still be loading when the sender finishes
-PROTOCOL = 1  # the "refitkit" field of every request and reply
+PROTOCOL = 2  # the "refitkit" field of every request and reply (2: a failure crosses as its code and fields)
 _UNREAD = object()
 
 
@@ -99,20 +99,19 @@ def decode_request(text: str) -> dict[str, Any]:
     return request
 
 
-def encode_reply(*, result: dict[str, Any] | None = None, error: BaseException | None = None) -> str:
-    """The scheduler's answer: ``result`` (plain values), or the error's type and message."""
+def encode_reply(
+    *, result: dict[str, Any] | None = None, error: BaseException | None = None, weights: dict[str, Any] | None = None
+) -> str:  # fmt: skip
+    """The scheduler's answer: ``result`` (plain values), or ``error`` as its code, fields and frames (``failure_fields``)
+    with the scheduler's weight state (``weights``: what a failed sync had handed over)."""
     if error is None:
         return json.dumps({"refitkit": PROTOCOL, "ok": True, "result": result or {}})
-    return _error_reply(type(error).__name__, str(error))
+    return json.dumps({"refitkit": PROTOCOL, "ok": False, "failure": failure_fields(error), "weights": weights})
 
 
-def _error_reply(error: str, message: str) -> str:
-    return json.dumps({"refitkit": PROTOCOL, "ok": False, "error": error, "message": message})
-
-
-def decode_reply(success: bool, message: str, *, what: str) -> dict[str, Any]:
-    """The result in SGLang's ``(success, message)`` for request ``what``; the scheduler's refusal or failure is
-    raised as a refitkit error, and a message that is not refitkit's means the plugin is not running there."""
+def reply_reports(success: bool, message: str, *, what: str) -> list[dict[str, Any]]:
+    """Each TP rank's report in SGLang's ``(success, message)`` for request ``what``: its result, or its failure as
+    ``{"failure": ..., "weights": ...}``; a message that is not refitkit's means the plugin is not running there."""
     try:
         reply = json.loads(message)
     except (TypeError, ValueError):
@@ -121,13 +120,33 @@ def decode_reply(success: bool, message: str, *, what: str) -> dict[str, Any]:
         raise InvalidInput(
             f"SGLang answered refitkit's {what} without refitkit's plugin (success={success}, message={str(message)[:300]!r}): "
             f"install refitkit in the engine's environment (its sglang.srt.plugins entry point {PLUGIN_NAME!r}), and "
-            f"if SGLANG_PLUGINS is set, list {PLUGIN_NAME!r} in it"
+            f"if SGLANG_PLUGINS is set, list {PLUGIN_NAME!r} in it; the trainer and the engine need the same refitkit "
+            f"(reply protocol {PROTOCOL})"
         )
-    if reply.get("ok") and success:
-        return dict(reply.get("result") or {})
-    error, text = str(reply.get("error", "EngineError")), str(reply.get("message", message))
-    raised = {"EngineAsleep": EngineAsleep, "InvalidInput": InvalidInput}.get(error, EngineError)
-    raise raised(f"SGLang's scheduler refused or failed refitkit's {what}: {error}: {text}")
+    if reply.get("ok"):
+        if not success:
+            raise EngineError(f"SGLang answered refitkit's {what} with success=False around refitkit's result")
+        result = dict(reply.get("result") or {})
+        return list(result.get("tp_ranks") or [result])
+    return [
+        dict(rank["result"]) if rank.get("ok")
+        else {"failure": dict(rank.get("failure") or {}), "weights": rank.get("weights")}
+        for rank in reply.get("ranks") or [reply]
+    ]
+
+
+def decode_reply(success: bool, message: str, *, what: str) -> dict[str, Any]:
+    """The result in SGLang's ``(success, message)`` for request ``what`` (TP rank 0's, every rank's under
+    ``tp_ranks``); a rank's refusal or failure is raised as its own type, rebuilt from its code and fields."""
+    reports = reply_reports(success, message, what=what)
+    failed = [rank for rank, report in enumerate(reports) if "failure" in report]
+    if failed:
+        raise rank_error(reports, failed, what=f"SGLang's {what}", rank_name=_tp_rank)
+    return dict(reports[0], tp_ranks=reports) if len(reports) > 1 else reports[0]
+
+
+def _tp_rank(rank: int) -> str:
+    return f"SGLang's TP rank {rank}"
 
 
 # -- inside each scheduler process ---------------------------------------------------------------------
@@ -181,7 +200,8 @@ class SchedulerReceiver:
             # SGLang's next forward runs on its forward stream after the scheduler's (scheduler.py:3565): our copies
             # were issued on the scheduler's current stream, so they are ordered before it without a sync.
         except BaseException:
-            self.weights.failed(number(), touched=progress.touched)  # what loaded stays: a mix of old and new
+            handed = coverage_of(progress.names, self._expected_names())
+            self.weights.failed(number(), touched=progress.touched, handed=handed)  # what loaded stays: a mix
             raise
         version = number()
         coverage = record_landing(self.weights, version, progress.names, self._expected_names())
@@ -197,7 +217,7 @@ class SchedulerReceiver:
         return EngineAsleep(
             f"SGLang scheduler (TP rank {self.rank})'s weights are released (release_memory_occupation): a copy into "
             "them would fault. Resume them first: engine.resume_memory_occupation(tags=['weights']), or let "
-            "SglangLink(release_memory=True) drive release and resume"
+            "SglangLink(sleep_level=...) drive release and resume"
         )
 
 
@@ -229,7 +249,7 @@ def handle_update(original: Callable[[Any, Any], Any], updater: Any, recv_req: A
         reply = encode_reply(result=_serve(updater, recv_req, decode_request(text)))
     except Exception as exc:
         log.error("refitkit request failed in the SGLang scheduler: %s: %s", type(exc).__name__, exc)
-        reply = encode_reply(error=exc)
+        reply = encode_reply(error=exc, weights=_weight_state(updater))
     try:  # under TP every rank's outcome reaches the trainer through TP rank 0's answer
         success, reply = merge_replies(internals.tp_replies(updater, reply, gather_replies))
     except Exception as exc:
@@ -260,14 +280,12 @@ def gather_replies(group: Any, reply: str) -> list[str]:
 
 def merge_replies(replies: list[str]) -> tuple[bool, str]:
     """One answer for the trainer from every TP rank's reply (rank order): rank 0's result with each rank's under
-    ``tp_ranks`` when all succeeded, else the failures, each named by its rank (the first one's error type)."""
+    ``tp_ranks`` when all succeeded, else every rank's reply under ``ranks`` (a failure with its code and fields)."""
     decoded = [json.loads(reply) for reply in replies]
     if len(decoded) == 1:
         return bool(decoded[0]["ok"]), replies[0]
-    failed = [(rank, reply) for rank, reply in enumerate(decoded) if not reply["ok"]]
-    if failed:
-        message = "; ".join(f"TP rank {rank}: {reply['error']}: {reply['message']}" for rank, reply in failed)
-        return False, _error_reply(failed[0][1]["error"], message)
+    if not all(reply["ok"] for reply in decoded):
+        return False, json.dumps({"refitkit": PROTOCOL, "ok": False, "ranks": decoded})
     result = dict(decoded[0]["result"], tp_ranks=[reply["result"] for reply in decoded])
     return True, encode_reply(result=result)
 
@@ -314,6 +332,15 @@ def _state(updater: Any, receiver: SchedulerReceiver, names: list[str] | None, *
     return state
 
 
+def _weight_state(updater: Any) -> dict[str, Any] | None:
+    """The scheduler's weight state for a failure's reply (None where no sync ran yet or the model is unreadable)."""
+    try:
+        receiver = _receivers.get(internals.scheduler_model(updater))
+    except Exception:  # (the reply must go out whatever the updater holds)
+        return None
+    return None if receiver is None else receiver.weights.as_dict()
+
+
 def register_with_sglang() -> None:
     """The ``sglang.srt.plugins`` entry point, run by SGLang in each of its processes: hooks the scheduler's
     ``update_weights_from_ipc`` so that refitkit's requests reach ``SchedulerReceiver``."""
@@ -323,32 +350,29 @@ def register_with_sglang() -> None:
 # -- in the trainer's process (the one that made the sglang.Engine) -----------------------------------------
 
 
-@dataclass(frozen=True)
-class SglangPushStats:
-    """One push as seen by the trainer (``sender``) and by SGLang's TP rank 0 scheduler (``scheduler``, plain values)."""
-
-    sender: TransferStats
-    scheduler: dict[str, Any]
+SglangPushStats = PushStats  # the name of one push's stats before SGLang's and vLLM's were one class (kept as an alias)
 
 
 def push_weights(
     engine: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
-    timeout_s: float | None = None, flush_cache: bool = True,
-) -> SglangPushStats:  # fmt: skip
+    timeout_s: float | None = None, reset_prefix_cache: bool = True, flush_cache: bool | None = None,
+) -> PushStats:  # fmt: skip
     """Send ``weights`` through a ``BucketedWeightSender`` into an ``sglang.Engine`` running refitkit's plugin.
 
     ``version`` (default: one above any the engine saw) tags the sync; ``timeout_s`` (default: the sender's) bounds
-    the scheduler's receiver, and SGLang's call gets ``RPC_SLACK_S`` more. ``flush_cache`` (default True): SGLang's
-    own flush of the prefix cache after a whole sync, so no request is served from KV of the old weights once the
-    push returns; pass False only where nothing can be served from it (the caller flushes before the next request,
+    the scheduler's receiver, and SGLang's call gets ``RPC_SLACK_S`` more. ``reset_prefix_cache`` (default True):
+    SGLang's own flush of the prefix cache after a whole sync, so no request is served from KV of the old weights once
+    the push returns; pass False only where nothing can be served from it (the caller flushes before the next request,
     or the KV cache was released since: ``SglangLink`` skips it then); an update while requests are paused in place
-    needs False (SGLang's flush would assert and kill the engine): flush once they finished. A push into released
-    weights is refused (``EngineAsleep``) before any byte lands; a failure raises the sender's ``TransferError`` with
-    the scheduler's reason; a push that did not deliver every weight raises ``InvalidInput`` naming the missing ones
-    (the engine then reports its weights incomplete).
-    One sender feeds one scheduler: an engine with ``tp_size`` > 1 takes ``push_weights_broadcast``.
+    needs False (SGLang's flush would assert and kill the engine): flush once they finished. ``flush_cache``: its
+    former name, still taken for one release (``DeprecationWarning``). A push into released weights is refused
+    (``EngineAsleep``) before any byte lands; a failure raises the sender's ``TransferError`` with the scheduler's
+    error named after it, a refusal as itself (``WeightRejected``...); a push that landed weights but not all of them
+    raises ``PartialPush`` as ``refitkit.rollout.vllm.push_weights`` describes (the engine then reports its weights
+    incomplete). One sender feeds one scheduler: an engine with ``tp_size`` > 1 takes ``push_weights_broadcast``.
     """
-    tp_size = _checked_engine(engine)["tp_size"]
+    reset = renamed_knob("reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache)
+    tp_size = checked_engine(engine, "push_weights")["tp_size"]
     if tp_size != 1:
         raise InvalidInput(
             f"push_weights: this SGLang engine runs tp_size={tp_size} schedulers and a BucketedWeightSender feeds one; "
@@ -358,21 +382,24 @@ def push_weights(
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     request = encode_request("receive", endpoint=f"ipc://{sender.path}", timeout_s=timeout_s, version=number)
-    pushed = _drive(engine, request, lambda: sender.send(weights), timeout_s, flush_cache=flush_cache)
-    _raise_if_partial(pushed)
-    return pushed
+    call = _receive_call(engine, request, reset=reset)
+    pushed = drive(call, lambda on_hello: sender.send(weights), timeout_s=timeout_s, version=number)
+    return _checked_push(pushed, call, reset=reset)
 
 
 def push_weights_broadcast(
     engine: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, secret: str | bytes, version: int,
-    first_rank: int = 1, timeout_s: float | None = None, flush_cache: bool = True,
-) -> SglangPushStats:  # fmt: skip
+    first_rank: int = 1, timeout_s: float | None = None, reset_prefix_cache: bool = True,
+    flush_cache: bool | None = None,
+) -> PushStats:  # fmt: skip
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into an ``sglang.Engine`` as weight ``version``; the
     schedulers join as ranks ``first_rank``... (one per TP rank: the sender's ``receivers`` must be the engine's
     ``tp_size``), each loading what its shard takes. The secret crosses SGLang's control path (pickled there, not
-    logged). ``flush_cache`` as in ``push_weights``."""
+    logged). ``reset_prefix_cache`` (and its deprecated name ``flush_cache``) as in ``push_weights``."""
+    reset = renamed_knob("reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache)
     first_rank = checked_first_rank(first_rank)
-    checked_broadcast_ranks(_checked_engine(engine)["tp_size"], first_rank, getattr(sender, "receivers", None), "push_weights_broadcast")
+    tp_size = checked_engine(engine, "push_weights_broadcast")["tp_size"]
+    checked_broadcast_ranks(tp_size, first_rank, getattr(sender, "receivers", None), "push_weights_broadcast")
     number = checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=False)
@@ -380,9 +407,9 @@ def push_weights_broadcast(
         "receive_broadcast", rendezvous=f"tcp://{sender.host}:{sender.port}", timeout_s=timeout_s, first_rank=first_rank,
         secret=secret if isinstance(secret, str) else secret.decode(), backend=sender.backend,
     )  # fmt: skip
-    pushed = _drive(engine, request, lambda: sender.send(weights, version=number), timeout_s, flush_cache=flush_cache)
-    _raise_if_partial(pushed)
-    return pushed
+    call = _receive_call(engine, request, reset=reset)
+    pushed = drive(call, lambda on_hello: sender.send(weights, version=number), timeout_s=timeout_s, version=number)
+    return _checked_push(pushed, call, reset=reset)
 
 
 def receive_from(engine: Any, endpoint: str, *, version: int | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -390,7 +417,7 @@ def receive_from(engine: Any, endpoint: str, *, version: int | None = None, time
     on ``endpoint`` (``ipc:///path``); the scheduler's result, bounded by ``timeout_s`` + ``RPC_SLACK_S``."""
     if not isinstance(endpoint, str):
         raise InvalidInput(f"endpoint must be a str (ipc:///path), got {type(endpoint).__name__}")
-    tp_size = _checked_engine(engine)["tp_size"]
+    tp_size = checked_engine(engine, "receive_from")["tp_size"]
     if tp_size != 1 and "{rank}" not in endpoint:
         raise InvalidInput(
             f"receive_from: this SGLang engine runs tp_size={tp_size} schedulers and one sender feeds one: put '{{rank}}' "
@@ -405,12 +432,13 @@ def engine_state(engine: Any, *, fingerprints: list[str] | None = None, timeout_
     """TP rank 0's state: ``weights`` (versions and coverage), ``released`` tags, ``idle``, ``free_bytes``,
     ``kv_cache_bytes``...; with ``fingerprints`` (names, or [] for every parameter) their ``tensor_fingerprint``."""
     request = encode_request("state", fingerprints=fingerprints)
-    return call_engine(engine, request, what="state query", timeout_s=timeout_s, flush_cache=False)
+    return call_engine(engine, request, what="state query", timeout_s=timeout_s, reset_prefix_cache=False)
 
 
 def weights_discarded(engine: Any, *, timeout_s: float = 120.0) -> dict[str, Any]:
     """Record that the engine's weights were released without a host backup: incomplete until a full sync."""
-    return call_engine(engine, encode_request("discarded"), what="discard record", timeout_s=timeout_s, flush_cache=False)
+    request = encode_request("discarded")
+    return call_engine(engine, request, what="discard record", timeout_s=timeout_s, reset_prefix_cache=False)
 
 
 def weight_version(engine: Any) -> WeightVersion:
@@ -437,12 +465,14 @@ def clean_weight_version(engine: Any) -> int | None:
     return found["weights"]["version"]
 
 
-def call_engine(engine: Any, request: str, *, what: str, timeout_s: float, flush_cache: bool = True) -> dict[str, Any]:
+def call_engine(
+    engine: Any, request: str, *, what: str, timeout_s: float, reset_prefix_cache: bool = True
+) -> dict[str, Any]:  # fmt: skip
     """One refitkit request through ``Engine.update_weights_from_ipc`` in a helper thread, at most ``timeout_s``
     (``EngineTimeout``; SGLang's own exception an ``EngineError``)."""
-    _checked_engine(engine)
+    checked_engine(engine, f"SGLang's {what}")
     success, message = bounded_call(
-        lambda: internals.call_update(engine, request, flush_cache=flush_cache), timeout_s=timeout_s,
+        lambda: internals.call_update(engine, request, flush_cache=reset_prefix_cache), timeout_s=timeout_s,
         what=f"SGLang's update_weights_from_ipc ({what})", within=f"{timeout_s:g} s",
     )  # fmt: skip
     return decode_reply(success, message, what=what)
@@ -459,68 +489,36 @@ def checked_broadcast_ranks(tp_size: int, first_rank: int, receivers: Any, what:
         )
 
 
-def _checked_engine(engine: Any) -> dict[str, Any]:
+def checked_engine(engine: Any, what: str) -> dict[str, Any]:
     """The engine's settings (``internals.engine_settings``) once it is known to be an ``sglang.Engine`` that refitkit
     can feed: one data-parallel replica (SGLang's IPC weight update serves dp_size=1) and one pipeline stage (every
-    stage would take the request, and their TP ranks would collide on the broadcast's ranks)."""
+    stage would take the request, and their TP ranks would collide on the broadcast's ranks); ``what`` names the
+    caller in the refusal."""
     if not internals.is_engine(engine):
-        raise InvalidInput(f"need an sglang.Engine (with update_weights_from_ipc), got a {type(engine).__name__}")
+        raise InvalidInput(
+            f"{what}: engine must be an sglang.Engine (with update_weights_from_ipc and the memory calls), got a "
+            f"{type(engine).__name__}"
+        )
     settings = internals.engine_settings(engine)
     if settings["dp_size"] != 1 or settings["pp_size"] != 1:
         raise InvalidInput(
-            f"SGLang engine with dp_size={settings['dp_size']}, pp_size={settings['pp_size']}: refitkit feeds one "
-            "data-parallel replica of one pipeline stage (dp_size=1, pp_size=1; tensor parallelism over the broadcast)"
+            f"{what}: dp_size={settings['dp_size']}, pp_size={settings['pp_size']}; refitkit feeds one data-parallel "
+            "replica of one pipeline stage (SGLang's weight update from IPC serves dp_size=1; tensor parallelism over "
+            "the broadcast): one link or push per replica"
         )
     return settings
 
 
-def _drive(engine: Any, request: str, send: Callable[[], TransferStats], timeout_s: float, *, flush_cache: bool) -> SglangPushStats:
-    """SGLang's ``update_weights_from_ipc`` (the scheduler receives) in a helper thread while ``send()`` runs here."""
-    bound_s = timeout_s + RPC_SLACK_S
-    with helper_threads() as pool:  # (a stuck call ends on its own; nothing waits past ours)
-        call = pool.submit(internals.call_update, engine, request, flush_cache=flush_cache)
-        try:
-            sent = send()
-        except TransferError as exc:  # the scheduler released and reported (or never connected): its reason
-            reason = _failure_of(call, wait_s=RPC_SLACK_S)
-            if reason is None:
-                raise
-            if isinstance(reason, EngineAsleep):
-                raise EngineAsleep(f"the push was refused: {reason}") from exc
-            raise type(exc)(f"{exc}; {reason}", remote_message=exc.remote_message) from exc
-        except BaseException:
-            _failure_of(call, wait_s=RPC_SLACK_S)  # bad input: the scheduler got an abort; return once it is idle
-            raise
-        done, _ = concurrent.futures.wait([call], timeout=bound_s)
-        if not done:
-            raise TransferTimeout(
-                f"SGLang's update_weights_from_ipc did not return within {bound_s:.0f} s after the sender finished "
-                f"(timeout_s={timeout_s} + {RPC_SLACK_S:.0f} s slack)"
-            )
-        return SglangPushStats(sender=sent, scheduler=decode_reply(*call.result(), what="receive"))
+def _receive_call(engine: Any, request: str, *, reset: bool) -> EngineCall:
+    """SGLang's ``update_weights_from_ipc`` with a receive request: each TP rank's report from its answer."""
+    return EngineCall(
+        what="SGLang's update_weights_from_ipc (receive)", rank_name=_tp_rank,
+        call=lambda: internals.call_update(engine, request, flush_cache=reset),
+        reports=lambda answer: reply_reports(*answer, what="receive"),
+    )  # fmt: skip
 
 
-def _failure_of(call: concurrent.futures.Future, *, wait_s: float) -> RefitError | None:
-    """The scheduler's refusal or failure once the call ended (bounded by ``wait_s``); None if it succeeded or runs on."""
-    done, _ = concurrent.futures.wait([call], timeout=wait_s)
-    if not done:
-        return None
-    if call.exception() is not None:
-        return EngineError(f"SGLang's update_weights_from_ipc raised {type(call.exception()).__name__}: {call.exception()}")
-    try:
-        decode_reply(*call.result(), what="receive")
-    except RefitError as exc:
-        return exc
-    return None
-
-
-def _raise_if_partial(pushed: SglangPushStats) -> None:
-    for rank, result in enumerate(pushed.scheduler.get("tp_ranks", [pushed.scheduler])):
-        if not result["complete"]:
-            missing = result["missing"]
-            raise InvalidInput(
-                f"the push delivered {result['expected'] - len(missing)} of the {result['expected']} weights SGLang's "
-                f"TP rank {rank} loads; missing {missing[:MISSING_SHOWN]}{' ...' if len(missing) > MISSING_SHOWN else ''}. "
-                f"The weights it did deliver were loaded, so the engine now reports version {result['version']} as "
-                "incomplete: push every weight"
-            )
+def _checked_push(pushed: PushStats, call: EngineCall, *, reset: bool) -> PushStats:
+    raise_if_partial(pushed, call)
+    # SGLang flushes inside its own call and asserts it did (a failed flush fails the call): reset, if asked for
+    return PushStats(sender=pushed.sender, ranks=pushed.ranks, prefix_cache_reset=True if reset else None)

@@ -57,6 +57,7 @@ class EngineWeights:
     def __init__(self) -> None:
         self.version = WeightVersion()
         self.coverage: SyncCoverage | None = None
+        self.failure: tuple[int, SyncCoverage | None] | None = None  # the last sync, when it failed after touching weights
 
     def next_version(self) -> int:
         """The version a sync gets when the caller names none: one above every version seen so far."""
@@ -65,16 +66,19 @@ class EngineWeights:
 
     def landed(self, version: int, coverage: SyncCoverage) -> None:
         """A sync's stream arrived whole: clean at ``version`` if it covered every weight, else incomplete."""
-        self.coverage = coverage
+        self.coverage, self.failure = coverage, None
         if coverage.complete:
             self.version = WeightVersion(version, None)
         else:
             self.version = WeightVersion(self.version.version, version)
 
-    def failed(self, version: int, *, touched: bool) -> None:
-        """A sync failed; ``touched``: it had handed at least one tensor to the loader (the weights are now a mix)."""
+    def failed(self, version: int, *, touched: bool, handed: SyncCoverage | None = None) -> None:
+        """A sync failed; ``touched``: it had handed at least one tensor to the loader (the weights are now a mix);
+        ``handed``: what it had handed over by then (None: unknown), reported as ``failed`` until a sync lands."""
+        self.failure = None
         if touched:
             self.version = WeightVersion(self.version.version, version)
+            self.failure = (version, handed)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values for ``collective_rpc`` (see ``weight_version_of``)."""
@@ -84,7 +88,15 @@ class EngineWeights:
             "received": None if coverage is None else coverage.received,
             "expected": None if coverage is None else coverage.expected,
             "missing": [] if coverage is None else list(coverage.missing),
+            "failed": None if self.failure is None else _failed_sync(*self.failure),
         }  # fmt: skip
+
+
+def _failed_sync(version: int, handed: SyncCoverage | None) -> dict[str, Any]:
+    """A sync that failed after it touched the weights, as plain values: its version and what it had handed over."""
+    if handed is None:
+        return {"version": version, "received": None, "expected": None, "missing": []}
+    return {"version": version, "received": handed.received, "expected": handed.expected, "missing": list(handed.missing)}
 
 
 def weight_version_of(state: dict[str, Any]) -> WeightVersion:

@@ -22,38 +22,35 @@ version only while every worker is clean. Everything of vLLM's beyond ``reload_w
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from refitkit.errors import (
-    EngineAsleep, EngineError, InvalidInput, RefitError, TransferError, TransferTimeout, WeightRejected,
+    EngineAsleep, EngineError, InvalidInput, PartialPush, RefitError, TransferError, WeightRejected,
 )  # fmt: skip
 from refitkit.rollout import _vllm_internals as internals
+from refitkit.rollout._push import RPC_SLACK_S, EngineCall, PushStats, drive, partial_push, raise_if_partial
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, WeightCheck, bounded_call, checked_first_rank, bounded_result, checked_timeout, checked_weights,
-    error_from_data, failure_data, helper_threads, land_in_place, record_landing, refuse_session, sync_report,
+    SyncProgress, WeightCheck, bounded_call, checked_first_rank, checked_timeout, checked_weights, land_in_place,
+    record_landing, refuse_session, sync_report,
 )  # fmt: skip
-from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, weight_version_of
+from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of, weight_version_of
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
 from refitkit.transfer.common import checked_version
+from refitkit.transfer.protocol import failure_fields
 
 log = logging.getLogger(__name__)
 
 EXTENSION_QUALNAME = "refitkit.rollout.vllm.RefitWorkerExtension"
 WEIGHT_TRANSFER_BACKEND = "refitkit"  # LLM(..., weight_transfer_config={"backend": "refitkit"})
-RPC_SLACK_S = 30.0  # on top of the receiver's timeout: the worker may still be loading when the sender finishes
-_WITHIN = "{:.0f} s (the push's timeout_s + RPC_SLACK_S)"
 _UNREAD = object()  # the checkpoint's names not read yet
 
 
@@ -105,17 +102,8 @@ class WorkerReceiver:
         if receiver is None or receiver.endpoint != endpoint or receiver.timeout_s != timeout_s:
             receiver = self._receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
         began = time.perf_counter()
-        self._refuse_if_asleep(receiver)
-        progress = SyncProgress()
-        try:
-            if self.load_path == "in_place":
-                stats = self._in_place(receiver.receive, progress)
-            else:
-                stats = self._layerwise_from(receiver, endpoint, progress)
-        except BaseException as exc:
-            self.weights.failed(number, touched=progress.touched)  # what loaded stays: a mix of old and new
-            self._raise_if_refused(progress, exc)
-            raise
+        layerwise = lambda progress: self._layerwise_from(receiver, endpoint, progress)  # noqa: E731
+        stats, progress = self._load(receiver, layerwise, lambda: number)
         coverage = self._landed(number, progress.names)
         report = sync_report(stats, number, coverage, progress, began)
         phases = {f"receiver_{phase}_s": seconds for phase, seconds in receiver.last_timings_s.items()}  # (plain values)
@@ -131,20 +119,14 @@ class WorkerReceiver:
             rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
         )  # fmt: skip
         began = time.perf_counter()
-        self._refuse_if_asleep(receiver)
-        progress = SyncProgress()
-        try:
-            if self.load_path == "in_place":
-                stats = self._in_place(receiver.receive, progress)
-            else:
-                stats = self._layerwise_broadcast(receiver, progress)
-        except BaseException as exc:
-            # The session's version: it broke part-way (incomplete), or it landed and vLLM failed after it.
+
+        def failed_version() -> int:  # the session's: it broke part-way (incomplete), or it landed and vLLM failed after
             landed = receiver.weights_version.version if receiver.last_stats is not None else None
             version = receiver.weights_version.incomplete if receiver.weights_version.incomplete is not None else landed
-            self.weights.failed(self.weights.next_version() if version is None else version, touched=progress.touched)
-            self._raise_if_refused(progress, exc)
-            raise
+            return self.weights.next_version() if version is None else version
+
+        layerwise = lambda progress: self._layerwise_broadcast(receiver, progress)  # noqa: E731
+        stats, progress = self._load(receiver, layerwise, failed_version)
         number = receiver.weights_version.version
         if number is None:  # the receiver records the session's version when it lands
             raise TransferError(f"broadcast session from {rendezvous} ended without a version (a bug in refitkit)")
@@ -156,6 +138,22 @@ class WorkerReceiver:
         self.weights.failed(self.weights.next_version(), touched=True)
 
     # -- loading -----------------------------------------------------------------------------------
+
+    def _load(
+        self, receiver: Any, layerwise: Callable[[SyncProgress], TransferStats], failed_version: Callable[[], int]
+    ) -> tuple[TransferStats, SyncProgress]:  # fmt: skip
+        """One session of ``receiver`` into the model, in place or ``layerwise``; a failure leaves the weights reported
+        incomplete at ``failed_version()`` (what loaded stays: a mix of old and new) with what the sync had handed."""
+        self._refuse_if_asleep(receiver)
+        progress = SyncProgress()
+        try:
+            if self.load_path == "in_place":
+                return self._in_place(receiver.receive, progress), progress
+            return layerwise(progress), progress
+        except BaseException as exc:
+            self.weights.failed(failed_version(), touched=progress.touched, handed=self._coverage(progress.names))
+            self._raise_if_refused(progress, exc)
+            raise
 
     def _in_place(self, receive: Callable[[Callable[..., Any]], TransferStats], progress: SyncProgress) -> TransferStats:
         """Each bucket straight into the params through ``model.load_weights`` (its views are valid during the call)."""
@@ -186,7 +184,7 @@ class WorkerReceiver:
             self.layerwise(iter(tracked))
         except BaseException as exc:
             _keep_loader_error(progress, exc)
-            weights.close()  # releases the bucket, then the sender gets an error frame (TransferError there)
+            _fail_stream(weights, self._rejection(progress) or exc)  # released; the sender hears why, as its type
             internals.recover_after_failed_reload(self.model, self.vllm_config)  # layers that got nothing keep their tensors
             raise
         weights.close()  # a no-op after the whole stream; a loader that stopped early fails the session here
@@ -204,10 +202,11 @@ class WorkerReceiver:
         except BaseException as exc:
             _keep_loader_error(progress, exc)
             internals.recover_after_failed_reload(self.model, self.vllm_config)
+            reason = self._rejection(progress) or exc
             try:
-                bridge.finish(loader_error=exc)  # the sender hears vLLM's reason
+                bridge.finish(loader_error=reason)  # the sender hears vLLM's reason (a refusal as its type)
             except BaseException as late:
-                if late is not exc:  # the stream's own error, raised through the loader: already the cause
+                if late is not exc and late is not reason:  # the stream's own error, raised through the loader: the cause
                     exc.add_note(f"refitkit: the broadcast receiver then failed too: {type(late).__name__}: {late}")
             raise
         return bridge.finish()  # the loader took the whole stream; the receiver's error (if any) is the news
@@ -232,16 +231,26 @@ class WorkerReceiver:
     def _raise_if_refused(self, progress: SyncProgress, error: BaseException) -> None:
         """A weight refused (by its shape, or by vLLM's loader) raises a ``WeightRejected`` naming it, from the loader's
         own exception; any other failure (the stream's) goes on as it is."""
-        in_place = self.load_path == "in_place"
-        phase = "loading in place (the model's load_weights)" if in_place else "vLLM's layerwise reload"
-        rejected = self._weight_check().rejection(progress, phase=phase)
+        rejected = self._rejection(progress)
         if rejected is None or rejected is error:
             return
         raise rejected from (None if rejected is progress.refusal else progress.refusal)
 
+    def _rejection(self, progress: SyncProgress) -> WeightRejected | None:
+        in_place = self.load_path == "in_place"
+        phase = "loading in place (the model's load_weights)" if in_place else "vLLM's layerwise reload"
+        return self._weight_check().rejection(progress, phase=phase)
+
     def _landed(self, version: int, names: set[str]) -> SyncCoverage:
+        return record_landing(self.weights, version, names, self._expected())
+
+    def _coverage(self, names: set[str]) -> SyncCoverage:
+        """What a sync that failed had handed to the loader, against the checkpoint's names."""
+        return coverage_of(names, self._expected())
+
+    def _expected(self) -> frozenset[str] | None:
         shapes = self._weight_check().shapes
-        return record_landing(self.weights, version, names, None if shapes is None else frozenset(shapes))
+        return None if shapes is None else frozenset(shapes)
 
 
 class RefitWorkerExtension:
@@ -266,9 +275,10 @@ class RefitWorkerExtension:
         model keeps serving, with the weights loaded so far (reported incomplete), until a push completes.
         A push while the weights are asleep is refused (``EngineAsleep``) before any byte lands; a weight
         whose shape is not the checkpoint's, or that vLLM's loader refuses, raises a ``WeightRejected``
-        naming it. ``failure_as_result``: return a failure as ``{"failure": ...}`` (its type, message and
-        fields as plain values, logged here with its traceback) instead of raising it: vLLM hands the
-        caller of ``collective_rpc`` only the text of a worker's exception (``push_weights`` asks for it).
+        naming it. ``failure_as_result``: return a failure as ``{"failure": ..., "weights": ...}`` (its code,
+        message and fields as plain values, logged here with its traceback, and the worker's weight state)
+        instead of raising it: vLLM hands the caller of ``collective_rpc`` only the text of a worker's
+        exception (``push_weights`` asks for it).
         """
         def receive() -> dict[str, Any]:
             if not isinstance(endpoint, str):
@@ -326,14 +336,15 @@ class RefitWorkerExtension:
         return {name: tensor_fingerprint(param) for name, param in self._refit_params(names)}
 
     def _refit_outcome(self, call: Callable[[], dict[str, Any]], failure_as_result: bool) -> dict[str, Any]:
-        """``call()``'s stats; with ``failure_as_result`` its failure as plain values (``failure_data``) instead."""
+        """``call()``'s stats; with ``failure_as_result`` its failure as plain values instead: its code, fields and
+        frames (``failure_fields``) and the worker's weight state (what a failed sync had handed over)."""
         if not failure_as_result:
             return call()
         try:
             return call()
         except Exception as exc:  # the caller raises it again, rebuilt from the data (vLLM would pass only its text)
             log.error("vLLM worker %d: refitkit sync failed", internals.worker_rank(self), exc_info=True)
-            return {"failure": failure_data(exc)}
+            return {"failure": failure_fields(exc), "weights": self._refit_receiver().weights.as_dict()}
 
     def _refit_params(self, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
         """The named parameters of the engine's model (all of them, sorted, by default); an unknown name is refused."""
@@ -360,35 +371,28 @@ class RefitWorkerExtension:
         return self._refit_own
 
 
-@dataclass(frozen=True)
-class VllmPushStats:
-    """One push as seen by the trainer (``sender``) and by each vLLM worker (``workers``, plain dicts); ``reset_s``:
-    from the end of the sender's stream until the prefix-cache reset asked for came back (None: none asked for);
-    ``prefix_cache_reset``: vLLM's answer to it (None: none asked for, or no answer from this vLLM)."""
-
-    sender: TransferStats
-    workers: list[dict[str, Any]]
-    reset_s: float | None = None
-    prefix_cache_reset: bool | None = None
+VllmPushStats = PushStats  # the name of one push's stats before SGLang's and vLLM's were one class (kept as an alias)
 
 
 def push_weights(
     llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
     timeout_s: float | None = None, reset_prefix_cache: bool = True,
-) -> VllmPushStats:  # fmt: skip
+) -> PushStats:  # fmt: skip
     """Send ``weights`` through a ``BucketedWeightSender`` into a vLLM ``LLM`` running ``RefitWorkerExtension``.
 
     The workers' ``refit_receive`` runs in a helper thread while this thread sends. ``version``
     (default: one above any the workers saw) tags the sync. ``timeout_s`` (default: the sender's)
     bounds the worker's receiver; the rpc gets ``RPC_SLACK_S`` more. A receiver failure raises the
-    sender's ``TransferError`` with vLLM's message appended; bad items raise ``InvalidInput`` naming
-    the tensor: a list or tuple before any worker waits (the engine's weights are untouched), a
-    generator's when it is reached (the engine then reports its weights incomplete until a push
-    completes). A push that did not deliver every weight the engine loads raises ``InvalidInput``
-    naming the missing ones (the weights it did deliver were loaded: the engine reports incomplete).
+    sender's ``TransferError`` with the worker's error named after it; bad items raise ``InvalidInput``
+    naming the tensor when nothing moved: a list or tuple is checked whole before any worker waits, a
+    generator's bad item in its first bucket. A push that landed weights but not all of them raises
+    ``PartialPush`` (how many of how many, the version, what to do): one that delivered only some of the
+    weights the engine loads (naming the missing ones), or whose generator broke (a bad item, its own
+    exception: the cause) after weights landed; the engine then reports its weights incomplete.
     A weight the engine refuses once bytes moved (a shape other than its checkpoint's, a name its
     model lacks) raises a ``WeightRejected`` (``WeightShapeMismatch``, ``UnknownWeight``) naming the
-    weight, both shapes, the worker and the phase; the engine then reports its weights incomplete.
+    weight, both shapes, the worker and the phase; the engine then reports its weights incomplete. A
+    push into asleep weights is refused (``EngineAsleep``) before any byte lands.
 
     ``reset_prefix_cache`` (default True): drop the engine's cached prefixes, whose KV was computed with the old
     weights, so that no request is served from them once the push returns. It is asked for as soon as the worker's
@@ -404,21 +408,19 @@ def push_weights(
     weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     endpoint = f"ipc://{sender.path}"  # absolute: the engine's processes may see another socket dir
     reset = _checked_reset(llm, reset_prefix_cache)
-    send = lambda on_hello: sender.send(weights, on_hello=on_hello)  # noqa: E731
-    if _route(llm) == "extension":
-        pushed = _drive(llm, "refit_receive", (endpoint, timeout_s, number, True), send, timeout_s, then=reset)
-    else:
+    if _route(llm) == "weight_transfer":
         info = {"endpoint": endpoint, "timeout_s": timeout_s, "version": number}
-        pushed = _drive_weight_transfer(llm, info, send, timeout_s, then=reset)
-    _raise_if_partial(pushed)
-    _raise_if_reset_refused(pushed)
-    return pushed
+        send_as = lambda weights, on_hello: sender.send(weights, on_hello=on_hello)  # noqa: E731
+        return _push_through_weight_transfer(llm, info, send_as, weights, timeout_s, number, reset)
+    call = _extension_call(llm, "refit_receive", (endpoint, timeout_s, number, True), timeout_s)
+    send = lambda on_hello: sender.send(weights, on_hello=on_hello)  # noqa: E731
+    return _checked_push(drive(call, send, timeout_s=timeout_s, version=number, then=reset), call)
 
 
 def push_weights_broadcast(
     llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, secret: str | bytes, version: int,
     first_rank: int = 1, timeout_s: float | None = None, reset_prefix_cache: bool = True,
-) -> VllmPushStats:  # fmt: skip
+) -> PushStats:  # fmt: skip
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into a vLLM ``LLM`` as weight ``version``.
 
     The LLM's workers join as ranks ``first_rank``.. (other receivers of the sender take the other
@@ -432,17 +434,15 @@ def push_weights_broadcast(
     reset = _checked_reset(llm, reset_prefix_cache)
     first_rank = checked_first_rank(first_rank)
     rendezvous = f"tcp://{sender.host}:{sender.port}"
-    send = lambda on_hello: sender.send(weights, version=number)  # noqa: E731  # (its receivers join as ranks: no hello)
-    if _route(llm) == "extension":
-        args = (rendezvous, secret, timeout_s, first_rank, sender.backend, True)
-        pushed = _drive(llm, "refit_receive_broadcast", args, send, timeout_s, then=reset)
-    else:
+    if _route(llm) == "weight_transfer":
         info = {"rendezvous": rendezvous, "secret": secret if isinstance(secret, str) else secret.decode(),
                 "timeout_s": timeout_s, "first_rank": first_rank, "backend": sender.backend}  # fmt: skip
-        pushed = _drive_weight_transfer(llm, info, send, timeout_s, then=reset)
-    _raise_if_partial(pushed)
-    _raise_if_reset_refused(pushed)
-    return pushed
+        send_as = lambda weights, on_hello: sender.send(weights, version=number)  # noqa: E731
+        return _push_through_weight_transfer(llm, info, send_as, weights, timeout_s, number, reset)
+    args = (rendezvous, secret, timeout_s, first_rank, sender.backend, True)
+    call = _extension_call(llm, "refit_receive_broadcast", args, timeout_s)
+    send = lambda on_hello: sender.send(weights, version=number)  # noqa: E731  # (its receivers join as ranks: no hello)
+    return _checked_push(drive(call, send, timeout_s=timeout_s, version=number, then=reset), call)
 
 
 def weight_versions(llm: Any) -> list[WeightVersion]:
@@ -534,6 +534,17 @@ class _Tracked:
         self.progress.handing = []  # the whole stream taken: what fails after it is no weight's refusal
 
 
+def _fail_stream(weights: Iterator[tuple[str, torch.Tensor]], error: BaseException) -> None:
+    """End a receiver's ``iter_weights()`` that the loader left part-way with ``error``: the receiver releases the
+    bucket and reports ``error`` to the sender as its failure's cause (its code and fields, for a refitkit error)."""
+    try:
+        weights.throw(error)
+    except BaseException as thrown:  # (it comes back out: it was already raised here)
+        if thrown is not error:
+            raise
+    weights.close()  # (a generator already finished or never started: nothing more)
+
+
 def _keep_loader_error(progress: SyncProgress, error: BaseException) -> None:
     """What vLLM's layerwise reload raised, kept as the refusal of the weight in its hands: refitkit's own errors came
     from the stream (or are the refusal already), anything else from vLLM's loaders."""
@@ -572,24 +583,100 @@ def _route(llm: Any) -> str:
     )
 
 
-def _drive_weight_transfer(
-    llm: Any, info: dict[str, Any], send: Callable[[Callable[[], Any]], TransferStats], timeout_s: float, *,
-    then: Callable[[], bool | None] | None = None,
-) -> VllmPushStats:  # fmt: skip
-    """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send()`` runs, finish;
-    ``then`` (the prefix-cache reset) after finish, bounded like the rpcs."""
+def _worker(rank: int) -> str:
+    return f"vLLM worker {rank}"
+
+
+def _extension_call(llm: Any, method: str, args: tuple[Any, ...], timeout_s: float) -> EngineCall:
+    """The workers' ``method`` of ``RefitWorkerExtension`` through ``collective_rpc``: each worker's stats, or its
+    failure as plain values (``failure_as_result``, the last argument)."""
+    return EngineCall(
+        what=f"vLLM's {method}", call=lambda: llm.collective_rpc(method, timeout=timeout_s + RPC_SLACK_S, args=args),
+        reports=list, rank_name=_worker,
+    )  # fmt: skip
+
+
+def _checked_push(pushed: PushStats, call: EngineCall) -> PushStats:
+    raise_if_partial(pushed, call)
+    if pushed.prefix_cache_reset is False:  # vLLM's BlockPool refuses while any request holds KV blocks
+        landed = f"version {pushed.ranks[0]['version']}" if pushed.ranks else "the new weights"
+        raise EngineError(
+            f"the push landed {landed} whole, but vLLM refused to reset its prefix cache (a request still holds KV "
+            "blocks): prompts may still be served from KV computed with the old weights. The weights need no second "
+            "push: let those requests finish or abort them, then call llm.reset_prefix_cache() (it answers True once "
+            "it worked) before the next request; to push while requests run on purpose, pass reset_prefix_cache=False "
+            "and reset once the engine is idle"
+        )
+    return pushed
+
+
+def _push_through_weight_transfer(
+    llm: Any, info: dict[str, Any], send: Callable[[Any, Callable[[], Any]], TransferStats], weights: Any,
+    timeout_s: float, version: int | None, reset: Callable[[], bool | None] | None,
+) -> PushStats:  # fmt: skip
+    """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send`` runs, finish;
+    then the prefix-cache reset, bounded like the rpcs.
+
+    vLLM's API returns nothing from its workers and passes their exceptions on as text, which refitkit does not parse:
+    a refusal in the session crosses as its type over refitkit's own wire (``peer_error``); whether the push was
+    partial the trainer judges itself, from the names it sent against the checkpoint the engine loaded."""
     bounded = timeout_s + RPC_SLACK_S
+    sent = _SentNames(weights)
+    call = EngineCall(
+        what="vLLM's update_weights", rank_name=lambda rank: "vLLM's workers", reports=lambda answer: [],
+        call=lambda: llm.collective_rpc("update_weights", timeout=bounded, kwargs={"update_info": info}),
+    )  # fmt: skip
     llm.collective_rpc("start_weight_update", timeout=bounded)
-    pushed = _drive(llm, "update_weights", {"update_info": info}, send, timeout_s)  # a failure ends vLLM's session
+    try:  # (a failure ends vLLM's update session: no finish then)
+        pushed = drive(call, lambda on_hello: send(sent.stream, on_hello), timeout_s=timeout_s, version=version)
+    except Exception as exc:
+        partial = sent.partial(internals.engine_checkpoint_names(llm), version, exc)
+        if partial is None:
+            raise
+        raise partial from exc
     llm.collective_rpc("finish_weight_update", timeout=bounded)
     reset_s = answer = None
-    if then is not None:
+    if reset is not None:
         began = time.perf_counter()
-        answer = bounded_call(then, timeout_s=bounded, what="vLLM's reset_prefix_cache after the weight update", within=_WITHIN.format(bounded))
+        within = f"{bounded:.0f} s (the push's timeout_s + RPC_SLACK_S)"
+        what = "vLLM's reset_prefix_cache after the weight update"
+        answer = bounded_call(reset, timeout_s=bounded, what=what, within=within)
         reset_s = time.perf_counter() - began
-    return VllmPushStats(  # (a partial sync raised in update_weights)
-        sender=pushed.sender, workers=[], reset_s=reset_s, prefix_cache_reset=answer,
-    )  # fmt: skip
+    return _checked_push(PushStats(sender=pushed.sender, ranks=[], reset_s=reset_s, prefix_cache_reset=answer), call)
+
+
+class _SentNames:
+    """The weights of a push through vLLM's weight-transfer API, the names the sender took from them recorded: that
+    route's only account of what reached the engine."""
+
+    def __init__(self, weights: Any) -> None:
+        listed = isinstance(weights, (list, tuple))  # (checked whole already: the sender takes it as it is)
+        self.names: set[str] = {name for name, _ in weights} if listed else set()
+        self.whole = listed
+        self.stream = weights if listed else self._taken(weights)
+
+    def _taken(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            self.names.add(name)
+            yield name, tensor
+        self.whole = True
+
+    def partial(self, expected: frozenset[str] | None, version: int | None, error: Exception) -> PartialPush | None:
+        """The ``PartialPush`` a failed push through the API was: its stream went whole but lacked some of the
+        checkpoint's names (the workers refused it, ``error``), or the trainer's stream broke after the sender had
+        taken weights (vLLM does not say how many landed); None for any other failure."""
+        if isinstance(error, (TransferError, WeightRejected)) or expected is None or not self.names:
+            return None
+        if self.whole:
+            missing = tuple(sorted(expected - self.names))
+            if not missing or not isinstance(error, EngineError):
+                return None
+            return partial_push("vLLM's workers", version=version, expected=len(expected), missing=missing)
+        if isinstance(error, RefitError) and not isinstance(error, InvalidInput):
+            return None
+        return partial_push(
+            "vLLM's workers", version=version, expected=len(expected), broke=f"{type(error).__name__}: {error}"
+        )  # fmt: skip
 
 
 def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], bool | None] | None:
@@ -604,108 +691,3 @@ def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], bool | Non
         return answer if isinstance(answer, bool) else None
 
     return reset
-
-
-def _drive(
-    llm: Any, method: str, args: tuple[Any, ...] | dict[str, Any], send: Callable[[Callable[[], Any]], TransferStats],
-    timeout_s: float, *, then: Callable[[], Any] | None = None,
-) -> VllmPushStats:  # fmt: skip
-    """Run the workers' ``method`` (positional ``args``, or keyword ones) in a helper thread while ``send(on_hello)``
-    runs here; both bounded. A refusal because the engine's weights are asleep is raised as ``EngineAsleep``. ``then``
-    (an engine call: the prefix-cache reset) is asked for as soon as the worker's receiver said hello (``on_hello``),
-    else once ``send`` returned: the engine core runs calls in the order they came and is inside the rpc by then, so
-    ``then`` waits in its queue and runs right after it, and the two replies come back together."""
-    rpc_timeout_s = timeout_s + RPC_SLACK_S
-    arguments = {"kwargs": args} if isinstance(args, dict) else {"args": args}
-    with helper_threads() as pool:  # (a stuck rpc ends on its own timeout; nothing waits past ours)
-        calling = threading.Event()
-
-        def rpc_call() -> Any:
-            calling.set()
-            return llm.collective_rpc(method, timeout=rpc_timeout_s, **arguments)
-
-        rpc = pool.submit(rpc_call)
-        # Let the helper take the interpreter first: the sender only waits for the worker's hello, which waits for
-        # this rpc (spinning for the hello, it kept the helper from sending the rpc for 0.2 ms)
-        calling.wait(RPC_SLACK_S)
-        queued: list[concurrent.futures.Future] = []
-
-        def ask_then() -> None:
-            if then is not None and not queued:
-                queued.append(pool.submit(then))
-
-        try:
-            sent = send(ask_then)
-        except TransferError as exc:
-            # The worker released and reported (or never connected); its own error says why.
-            engine_error = _error_of(rpc, method, wait_s=RPC_SLACK_S)
-            if engine_error is None:
-                raise
-            if isinstance(engine_error, (WeightRejected, EngineAsleep)):  # the worker's refusal, as data
-                raise engine_error from exc
-            if isinstance(engine_error, RefitError):
-                raise type(exc)(f"{exc}; {engine_error}", remote_message=exc.remote_message) from exc
-            if "EngineAsleep" in str(exc):  # vLLM's own API: the worker's refusal, only as the receiver reported it
-                raise EngineAsleep(f"the push was refused: {engine_error}") from exc
-            raise type(exc)(f"{exc}; vLLM's {method}: {engine_error}", remote_message=exc.remote_message) from exc
-        except BaseException:
-            _error_of(rpc, method, wait_s=RPC_SLACK_S)  # bad input: the worker got an abort; return once it is idle
-            raise
-        ended = time.perf_counter()
-        ask_then()  # (the sender had no hello to report: a broadcast)
-        done, _ = concurrent.futures.wait([rpc], timeout=rpc_timeout_s)
-        if not done:
-            raise TransferTimeout(
-                f"vLLM's {method} did not return within {rpc_timeout_s:.0f} s after the sender finished "
-                f"(timeout_s={timeout_s} + {RPC_SLACK_S:.0f} s slack)"
-            )
-        engine_error = _error_of(rpc, method, wait_s=0)
-        if isinstance(engine_error, RefitError):
-            raise engine_error
-        if engine_error is not None:
-            raise EngineError(f"vLLM's {method} failed after the sender finished: {engine_error}") from rpc.exception()
-        workers = list(rpc.result())
-        reset_s = answer = None
-        if queued:
-            answer = bounded_result(queued[0], timeout_s=rpc_timeout_s, what=f"vLLM's reset_prefix_cache after {method}", within=_WITHIN.format(rpc_timeout_s))
-            reset_s = time.perf_counter() - ended
-        return VllmPushStats(sender=sent, workers=workers, reset_s=reset_s, prefix_cache_reset=answer)
-
-
-def _raise_if_partial(pushed: VllmPushStats) -> None:
-    for rank, worker in enumerate(pushed.workers):
-        if not worker["complete"]:
-            missing = worker["missing"]
-            raise InvalidInput(
-                f"the push delivered {worker['expected'] - len(missing)} of the {worker['expected']} weights vLLM worker "
-                f"{rank} loads; missing {missing[:MISSING_SHOWN]}{' ...' if len(missing) > MISSING_SHOWN else ''}. The weights it did deliver were "
-                f"loaded, so the engine now reports version {worker['version']} as incomplete: push every weight"
-            )
-
-
-def _raise_if_reset_refused(pushed: VllmPushStats) -> None:
-    if pushed.prefix_cache_reset is False:  # vLLM's BlockPool refuses while any request holds KV blocks
-        landed = f"version {pushed.workers[0]['version']}" if pushed.workers else "the new weights"
-        raise EngineError(
-            f"the push landed {landed} whole, but vLLM refused to reset its prefix cache (a request still holds KV "
-            "blocks): prompts may still be served from KV computed with the old weights. The weights need no second "
-            "push: let those requests finish or abort them, then call llm.reset_prefix_cache() (it answers True once "
-            "it worked) before the next request; to push while requests run on purpose, pass reset_prefix_cache=False "
-            "and reset once the engine is idle"
-        )
-
-
-def _error_of(future: concurrent.futures.Future, method: str, *, wait_s: float) -> RefitError | str | None:
-    """Once the rpc ended (bounded by ``wait_s``): the first worker's failure it returned as data, rebuilt; the rpc's
-    own exception as text (vLLM passes a worker's exception on as text: its weight-transfer API, or its own failure);
-    None if it succeeded or still runs."""
-    done, _ = concurrent.futures.wait([future], timeout=wait_s)
-    if not done:
-        return None
-    exc = future.exception()
-    if exc is not None:
-        return f"{type(exc).__name__}: {exc}"
-    for rank, result in enumerate(future.result() or []):
-        if isinstance(result, dict) and isinstance(result.get("failure"), dict):
-            return error_from_data(result["failure"], where=f"vLLM worker {rank}'s {method}")
-    return None

@@ -32,7 +32,9 @@ Kinds and their fields (R = receiver, S = sender):
                     the count reaching the number of buckets sent is the same ACK, seen sooner)
 - ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released); with the
                     exception that made it fail, also ``error_type``, ``error_message`` and ``traceback`` (its last
-                    frames as text, ``failure_fields``), which the sender raises as a ``RemoteError`` cause
+                    frames as text, ``failure_fields``), which the sender raises as a ``RemoteError`` cause, and
+                    for a refitkit error that crosses as its type, ``error_code`` and ``error_fields``
+                    (``errors.error_record``: the cause's ``error``)
 - ``abort``    S→R  ``session``, ``reason``: the sender gave up; the receiver releases and
                     answers ``released``
 """
@@ -49,7 +51,7 @@ from typing import Any, NamedTuple
 import msgpack
 import torch
 
-from refitkit.errors import ProtocolError, RemoteError, TransferTimeout
+from refitkit.errors import ProtocolError, RemoteError, TransferTimeout, error_from_record, error_record
 from refitkit.offload.device import ALIGN_BYTES, align_up  # noqa: F401 (re-exported: the wire's alignment)
 from refitkit.transfer.common import SessionPhase
 
@@ -87,9 +89,10 @@ FAILURE_FRAMES = 8
 MAX_FAILURE_CHARS = 8000
 
 
-def failure_fields(exc: BaseException) -> dict[str, str]:
+def failure_fields(exc: BaseException) -> dict[str, Any]:
     """What a failure report says about the exception behind it, as plain data: its type's name, its message and
-    the last ``FAILURE_FRAMES`` frames of its traceback as text (its end, when longer than ``MAX_FAILURE_CHARS``)."""
+    the last ``FAILURE_FRAMES`` frames of its traceback as text (its end, when longer than ``MAX_FAILURE_CHARS``),
+    and for a refitkit error that crosses as its type, its code and fields (``errors.error_record``)."""
     kind = type(exc)
     name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
     lines = traceback.format_exception(kind, exc, exc.__traceback__, limit=-FAILURE_FRAMES)
@@ -97,12 +100,14 @@ def failure_fields(exc: BaseException) -> dict[str, str]:
         "error_type": name,
         "error_message": str(exc)[:MAX_FAILURE_CHARS],
         "traceback": "".join(lines)[-MAX_FAILURE_CHARS:],
+        **error_record(exc),
     }
 
 
 def remote_failure(fields: dict[str, Any]) -> RemoteError | None:
     """The peer's exception as a report's ``failure_fields`` described it (None when it named none); a field that
-    is not text arrives as its brief repr, and none is longer than ``MAX_FAILURE_CHARS``."""
+    is not text arrives as its brief repr, and none is longer than ``MAX_FAILURE_CHARS``. A refitkit error that
+    crosses as its type comes back rebuilt from its code and fields, as the ``RemoteError``'s ``error``."""
     if fields.get("error_type") is None:
         return None
 
@@ -112,7 +117,9 @@ def remote_failure(fields: dict[str, Any]) -> RemoteError | None:
             return None
         return (value if type(value) is str else brief(value))[-MAX_FAILURE_CHARS:]
 
-    return RemoteError(text("error_type") or "?", text("error_message") or "", text("traceback"))
+    message = text("error_message") or ""
+    error = error_from_record(fields.get("error_code"), message, fields.get("error_fields"))
+    return RemoteError(text("error_type") or "?", message, text("traceback"), error=error)
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype

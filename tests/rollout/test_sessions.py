@@ -1,10 +1,9 @@
 """What every engine's side of a push shares (``refitkit.rollout.sessions``): the driving side's helper threads for an
-engine's blocking calls, the check of pushed weights against the engine's checkpoint, and a rank's failure as data."""
+engine's blocking calls and the check of pushed weights against the engine's checkpoint."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import multiprocessing
 import threading
 
@@ -12,14 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from refitkit.errors import (
-    EngineAsleep, EngineError, EngineTimeout, RemoteError, TransferError, UnknownWeight, WeightRejected,
-    WeightShapeMismatch,
-)  # fmt: skip
+from refitkit.errors import EngineTimeout, TransferError, UnknownWeight, WeightRejected, WeightShapeMismatch
 from refitkit.rollout.load_plan import DirectLoads
-from refitkit.rollout.sessions import (
-    SyncProgress, WeightCheck, bounded_call, error_from_data, failure_data, land_in_place,
-)  # fmt: skip
+from refitkit.rollout.sessions import SyncProgress, WeightCheck, bounded_call, land_in_place
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,24 +124,3 @@ def test_a_loaders_refusal_names_the_weight_and_keeps_no_bucket_view():
         "engine rank 0's loader refused one of the weights ['a', 'zz'] (the checkpoint's shapes are unknown): "
         "AttributeError"
     )  # fmt: skip
-
-
-def test_a_ranks_failure_travels_as_plain_values_and_comes_back_as_its_type():
-    mismatch = WeightShapeMismatch(
-        "refused", weight="w", shape=(3, 2), expected_shape=(2, 2), engine="vLLM worker 1", phase="shape check",
-    )  # fmt: skip
-    rebuilt = error_from_data(json.loads(json.dumps(failure_data(mismatch))), where="vLLM worker 1's refit_receive")
-    assert type(rebuilt) is WeightShapeMismatch and str(rebuilt) == "refused"
-    assert isinstance(rebuilt.__cause__, RemoteError)  # the rank's own exception, as its report described it
-    cause = rebuilt.__cause__
-    assert (cause.remote_type, cause.remote_message) == ("refitkit.errors.WeightShapeMismatch", "refused")
-    assert (rebuilt.weight, rebuilt.shape, rebuilt.expected_shape, rebuilt.engine, rebuilt.phase) == (
-        "w", (3, 2), (2, 2), "vLLM worker 1", "shape check"
-    )  # fmt: skip
-
-    asleep = error_from_data(failure_data(EngineAsleep("weights asleep")), where="vLLM worker 0's refit_receive")
-    assert type(asleep) is EngineAsleep
-    assert str(asleep) == "vLLM worker 0's refit_receive raised EngineAsleep: weights asleep"
-    other = error_from_data(failure_data(KeyError("x")), where="vLLM worker 0's refit_receive")
-    assert type(other) is EngineError and str(other) == "vLLM worker 0's refit_receive raised KeyError: 'x'"
-    assert other.__cause__.remote_type == "KeyError"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from refitkit.errors import EngineAsleep, EngineError, InvalidInput
+from refitkit.errors import EngineAsleep, EngineError, InvalidInput, WeightShapeMismatch
 from refitkit.rollout.links import SglangLink
 from refitkit.rollout.sglang import (
     PROTOCOL, call_engine, decode_reply, decode_request, encode_reply, encode_request, gather_replies, handle_update,
@@ -28,11 +28,11 @@ def test_a_receive_request_round_trips_as_plain_json():
     [
         ("not json", "not JSON"),
         ('{"op": "receive"}', "without protocol"),
-        ('{"refitkit": 1, "op": "exec"}', "op 'exec'"),
-        ('{"refitkit": 1, "op": "discarded", "code": "x"}', r"unknown fields \['code'\]"),
-        ('{"refitkit": 1, "op": "receive", "endpoint": 3, "timeout_s": 1, "version": null}', "endpoint=3"),
-        ('{"refitkit": 1, "op": "receive", "endpoint": "e", "timeout_s": true, "version": null}', "timeout_s=True"),
-        ('{"refitkit": 1, "op": "state", "fingerprints": [1]}', "list of parameter names"),
+        ('{"refitkit": 2, "op": "exec"}', "op 'exec'"),
+        ('{"refitkit": 2, "op": "discarded", "code": "x"}', r"unknown fields \['code'\]"),
+        ('{"refitkit": 2, "op": "receive", "endpoint": 3, "timeout_s": 1, "version": null}', "endpoint=3"),
+        ('{"refitkit": 2, "op": "receive", "endpoint": "e", "timeout_s": true, "version": null}', "timeout_s=True"),
+        ('{"refitkit": 2, "op": "state", "fingerprints": [1]}', "list of parameter names"),
     ],
 )
 def test_a_malformed_request_is_refused_naming_what_is_wrong(text, message):
@@ -42,10 +42,30 @@ def test_a_malformed_request_is_refused_naming_what_is_wrong(text, message):
 
 def test_replies_carry_results_and_the_schedulers_refusals_as_refitkit_errors():
     assert decode_reply(True, encode_reply(result={"version": 3}), what="receive") == {"version": 3}
-    with pytest.raises(EngineAsleep, match="EngineAsleep: released"):
+    with pytest.raises(EngineAsleep) as asleep:
         decode_reply(False, encode_reply(error=EngineAsleep("released")), what="receive")
-    with pytest.raises(EngineError, match="RuntimeError: boom"):
+    assert str(asleep.value) == "SGLang's TP rank 0 in SGLang's receive raised EngineAsleep: released"
+    with pytest.raises(EngineError) as other:
         decode_reply(False, encode_reply(error=RuntimeError("boom")), what="receive")
+    assert type(other.value) is EngineError and str(other.value).endswith("raised RuntimeError: boom")
+    assert other.value.__cause__.remote_type == "RuntimeError"  # the scheduler's own exception, as data
+
+
+def test_a_schedulers_refusal_crosses_as_its_code_and_fields_not_as_text():
+    """A refusal with fields (which weight, both shapes) comes back as its own type with every field, through the JSON
+    SGLang carries; the reply names the type as a code, and its message is never read for it."""
+    refused = WeightShapeMismatch(
+        "SGLang scheduler (TP rank 0) refused weight 'w': shape [3, 2], checkpoint [2, 2]", weight="w", shape=(3, 2),
+        expected_shape=(2, 2), engine="SGLang scheduler (TP rank 0)", phase="shape check",
+    )  # fmt: skip
+    reply = json.loads(encode_reply(error=refused, weights={"version": 1, "failed": None}))
+    assert reply["failure"]["error_code"] == "WeightShapeMismatch" and reply["weights"]["version"] == 1
+    reply["failure"]["error_message"] = "words that say EngineAsleep"  # the text says nothing about the type
+    with pytest.raises(WeightShapeMismatch) as caught:
+        decode_reply(False, json.dumps(reply), what="receive")
+    rebuilt = caught.value
+    assert (rebuilt.weight, rebuilt.shape, rebuilt.expected_shape, rebuilt.phase) == ("w", (3, 2), (2, 2), "shape check")
+    assert not isinstance(rebuilt, EngineAsleep)
 
 
 def test_an_answer_that_is_not_refitkits_says_the_plugin_is_missing():
@@ -70,17 +90,17 @@ def test_the_hook_hands_other_requests_to_sglang_and_answers_bad_ones_without_ra
     assert handle_update(original, "updater", Request({"GPU-1": "ipc:///ce"})) == ("sglang's own", {"GPU-1": "ipc:///ce"})
     assert barriers == []  # SGLang's own handler runs its own barrier
 
-    success, message = handle_update(original, "updater", Request({"refitkit": '{"refitkit": 1, "op": "nope"}'}))
-    assert success is False and json.loads(message)["error"] == "InvalidInput" and barriers == ["updater"]
+    success, message = handle_update(original, "updater", Request({"refitkit": '{"refitkit": 2, "op": "nope"}'}))
+    assert success is False and json.loads(message)["failure"]["error_code"] == "InvalidInput" and barriers == ["updater"]
 
 
 def test_the_link_and_push_refuse_an_object_that_is_not_an_sglang_engine():
     with BucketedWeightSender("sglang-codec", transport="shm", timeout_s=5.0) as sender:
         with pytest.raises(InvalidInput, match="SglangLink: engine must be an sglang.Engine .* got a dict"):
             SglangLink({}, sender)
-        with pytest.raises(InvalidInput, match="need an sglang.Engine .* got a str"):
+        with pytest.raises(InvalidInput, match="push_weights: engine must be an sglang.Engine .* got a str"):
             push_weights("engine", sender, [])
-    with pytest.raises(InvalidInput, match="need an sglang.Engine"):
+    with pytest.raises(InvalidInput, match="must be an sglang.Engine"):
         call_engine(object(), encode_request("discarded"), what="x", timeout_s=1.0)
 
 
@@ -88,7 +108,8 @@ class FakeEngine:
     """Only the shape SglangLink checks (its calls are never made here)."""
 
     def __init__(self, **server_args):
-        self.server_args = type("Args", (), {"tp_size": 1, "dp_size": 1, "enable_memory_saver": False, **server_args})()
+        defaults = {"tp_size": 1, "dp_size": 1, "enable_memory_saver": False, "enable_weights_cpu_backup": False}
+        self.server_args = type("Args", (), {**defaults, **server_args})()
 
     def update_weights_from_ipc(self, zmq_handles, flush_cache=True):
         raise AssertionError("not called in these tests")
@@ -100,9 +121,14 @@ class FakeEngine:
     "server_args,kwargs,message",
     [
         ({"tp_size": 2}, {}, r"tp_size=2 with a BucketedWeightSender, which feeds one scheduler; give a BroadcastWeightSender\(receivers=2\)"),
-        ({"dp_size": 2}, {}, "dp_size=2, pp_size=1; the link drives one data-parallel replica of one pipeline stage"),
-        ({"pp_size": 2}, {}, "dp_size=1, pp_size=2; the link drives one data-parallel replica of one pipeline stage"),
-        ({}, {"release_memory": True}, "release_memory needs an engine made with enable_memory_saver=True"),
+        ({"dp_size": 2}, {}, "dp_size=2, pp_size=1; refitkit feeds one data-parallel replica of one pipeline stage"),
+        ({"pp_size": 2}, {}, "dp_size=1, pp_size=2; refitkit feeds one data-parallel replica of one pipeline stage"),
+        ({}, {"sleep_level": 1}, "sleep_level needs an engine made with enable_memory_saver=True"),
+        ({}, {"release_memory": True}, "sleep_level needs an engine made with enable_memory_saver=True"),
+        ({"enable_memory_saver": True}, {"sleep_level": 3}, "sleep_level=3; need 1"),
+        ({"enable_memory_saver": True}, {"sleep_level": 1}, r"sleep_level=1 but this engine discards .* pass sleep_level=2"),
+        ({"enable_memory_saver": True, "enable_weights_cpu_backup": True}, {"sleep_level": 2},
+         r"sleep_level=2 but this engine keeps .* \(enable_weights_cpu_backup=True\): pass sleep_level=1"),
         ({}, {"release_memory": 1}, "release_memory=1; need a bool"),
         ({}, {"kv_headroom_bytes": -1}, "kv_headroom_bytes=-1"),
         ({}, {"engine_timeout_s": 0}, "engine_timeout_s"),
@@ -121,7 +147,20 @@ def test_a_link_without_memory_release_does_not_drive_memory():
         link.sleep_for_training()  # no-ops: nothing is called on the engine
         link.wake_for_sync()
         link.wake_for_rollout()
-        assert SglangLink(FakeEngine(enable_memory_saver=True), sender, release_memory=True).drives_memory is True
+        assert SglangLink(FakeEngine(enable_memory_saver=True), sender, sleep_level=2).drives_memory is True
+
+
+@pytest.mark.parametrize("backup,level", [(False, 2), (True, 1)])
+def test_the_former_release_memory_still_works_for_a_release_and_says_sleep_level(backup, level):
+    engine = FakeEngine(enable_memory_saver=True, enable_weights_cpu_backup=backup)
+    with BucketedWeightSender("sglang-codec", transport="shm", timeout_s=5.0) as sender:
+        with pytest.warns(DeprecationWarning, match=r"release_memory= is deprecated: use sleep_level="):
+            link = SglangLink(engine, sender, release_memory=True)
+        assert link.sleep_level == level and link.drives_memory is True
+        with pytest.warns(DeprecationWarning, match="use sleep_level="):
+            assert SglangLink(engine, sender, release_memory=False).drives_memory is False
+        with pytest.warns(DeprecationWarning), pytest.raises(InvalidInput, match="release_memory is sleep_level's former name"):
+            SglangLink(engine, sender, release_memory=True, sleep_level=level)
 
 
 def _gather_from_every_rank(rank: int, world_size: int) -> list[str]:
@@ -138,7 +177,7 @@ def test_every_tp_ranks_reply_reaches_rank_0_in_rank_order_over_gloo():
     assert gathered[0] == gathered[1] == gathered[2]
     replies = [json.loads(text) for text in gathered[0]]
     assert [reply.get("result", {}).get("rank") for reply in replies] == [0, None, 2]
-    assert replies[2]["result"]["note"] == "é" * 1401 and replies[1]["error"] == "EngineAsleep"
+    assert replies[2]["result"]["note"] == "é" * 1401 and replies[1]["failure"]["error_code"] == "EngineAsleep"
 
 
 def test_tp_replies_merge_into_one_answer_naming_every_failed_rank():
@@ -150,7 +189,7 @@ def test_tp_replies_merge_into_one_answer_naming_every_failed_rank():
     failed = [ok[0], encode_reply(error=EngineAsleep("weights released")), encode_reply(error=RuntimeError("boom"))]
     success, merged = merge_replies(failed)
     assert success is False
-    with pytest.raises(EngineAsleep, match="TP rank 1: EngineAsleep: weights released; TP rank 2: RuntimeError: boom"):
+    with pytest.raises(EngineAsleep, match="TP rank 1 in SGLang's receive raised EngineAsleep: weights released; SGLang's TP rank 2: RuntimeError: boom"):
         decode_reply(success, merged, what="receive")
     assert merge_replies(ok[:1]) == (True, ok[0])  # one TP rank: its reply as it is
 
@@ -162,7 +201,7 @@ def test_a_tensor_parallel_engine_takes_the_broadcast_with_one_receiver_per_tp_r
             push_weights(FakeEngine(tp_size=2), sender, [])
     with pytest.raises(InvalidInput, match=r"receive_from: this SGLang engine runs tp_size=2 schedulers .* put '\{rank\}' in the endpoint"):
         receive_from(FakeEngine(tp_size=2), "ipc:///tmp/one-sender")
-    with pytest.raises(InvalidInput, match=r"dp_size=1, pp_size=2: refitkit feeds one data-parallel replica of one pipeline stage"):
+    with pytest.raises(InvalidInput, match=r"receive_from: dp_size=1, pp_size=2; refitkit feeds one data-parallel replica of one pipeline stage"):
         receive_from(FakeEngine(pp_size=2), "ipc:///tmp/one-sender")
     with BroadcastWeightSender(("127.0.0.1", free_port()), secret=secret, receivers=2, timeout_s=5.0) as sender:
         message = r"2 scheduler\(s\) join the broadcast as rank\(s\) 2..3 but the sender expects receivers=2 \(ranks 1..2\)"
@@ -190,7 +229,7 @@ def _hook_on_a_tp_group(rank: int, world_size: int) -> tuple[bool, str]:
         tp_worker=SimpleNamespace(model_runner=SimpleNamespace(ps=SimpleNamespace(tp_rank=rank, tp_size=world_size))),
         tp_cpu_group=dist.new_group(backend="gloo"),
     )
-    texts = ['{"refitkit": 1, "op": "nope"}', "not json", '{"refitkit": 1, "op": "discarded", "code": "x"}']
+    texts = ['{"refitkit": 2, "op": "nope"}', "not json", '{"refitkit": 2, "op": "discarded", "code": "x"}']
     request = SimpleNamespace(zmq_handles={"refitkit": texts[rank]})
     return handle_update(lambda updater, req: None, updater, request)
 
@@ -200,5 +239,5 @@ def test_the_hook_answers_for_every_tp_rank_through_rank_0():
     assert len({message for _, message in outcomes}) == 1  # every rank merged the same answer
     success, message = outcomes[0]
     assert success is False
-    with pytest.raises(InvalidInput, match=r"TP rank 0: InvalidInput: refitkit request op 'nope'.*; TP rank 1: InvalidInput: refitkit request is not JSON.*; TP rank 2: InvalidInput: .*unknown fields \['code'\]"):
+    with pytest.raises(InvalidInput, match=r"TP rank 0 in SGLang's receive raised InvalidInput: refitkit request op 'nope'.*; SGLang's TP rank 1: InvalidInput: refitkit request is not JSON.*; SGLang's TP rank 2: InvalidInput: .*unknown fields \['code'\]"):
         decode_reply(success, message, what="receive")

@@ -24,7 +24,9 @@ def test_a_whole_sync_makes_the_weights_clean_at_its_version():
     state.landed(5, coverage_of(set(NAMES), NAMES))
     assert state.version == WeightVersion(5, None) and state.version.clean
     assert state.next_version() == 6
-    assert state.as_dict() == {"version": 5, "incomplete": None, "clean": True, "received": 21, "expected": 21, "missing": []}
+    assert state.as_dict() == {
+        "version": 5, "incomplete": None, "clean": True, "received": 21, "expected": 21, "missing": [], "failed": None,
+    }  # fmt: skip
 
 
 def test_a_partial_sync_is_incomplete_and_names_what_it_missed():
@@ -48,8 +50,13 @@ def test_a_failed_sync_marks_incomplete_only_when_it_touched_the_weights():
     state.landed(0, coverage_of(set(NAMES), NAMES))
     state.failed(1, touched=False)  # nothing reached the loader: the weights are still version 0
     assert state.version == WeightVersion(0, None)
-    state.failed(2, touched=True)
+    assert state.as_dict()["failed"] is None
+    state.failed(2, touched=True, handed=coverage_of(set(sorted(NAMES)[:4]), NAMES))
     assert state.version == WeightVersion(0, 2) and state.next_version() == 3
+    failed = state.as_dict()["failed"]  # what the broken sync had handed over, for the trainer's PartialPush
+    assert (failed["version"], failed["received"], failed["expected"], len(failed["missing"])) == (2, 4, 21, 17)
+    state.landed(3, coverage_of(set(NAMES), NAMES))
+    assert state.as_dict()["failed"] is None  # a sync that landed: nothing failed since
 
 
 def test_unknown_engine_names_leave_coverage_to_the_stream():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from refitkit.engines.fsdp import FSDPAdapter
-from refitkit.errors import EngineAsleep, EngineError, InvalidInput, KVCacheWontFit, TransferError
+from refitkit.errors import EngineAsleep, InvalidInput, KVCacheWontFit, PartialPush, TransferError
 from refitkit.refit import RefitCycle
 from refitkit.rollout import SglangLink
 from refitkit.rollout.links import EngineMemory
@@ -47,7 +47,7 @@ def test_the_cycle_refits_several_steps_bit_exact_with_memory_released_and_resum
     model = trainer_model(seed=20)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with BucketedWeightSender("sglang-cycle", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
-        link = SglangLink(tiny, sender, release_memory=True, first_version=10, engine_timeout_s=60.0)
+        link = SglangLink(tiny, sender, sleep_level=2, first_version=10, engine_timeout_s=60.0)
         phase_free: dict[str, int] = {}  # the device's free bytes after each phase (this process sees the whole device)
         with RefitCycle(FSDPAdapter(model, optimizer), link, on_phase=lambda phase: phase_free.__setitem__(phase, free_bytes())) as cycle:
             serving_free = free_bytes()
@@ -71,7 +71,7 @@ def test_the_cycle_refits_several_steps_bit_exact_with_memory_released_and_resum
                                   "phase_ms": {phase.name: round(phase.seconds * 1e3, 1) for phase in report.phases}}))
                 assert engine_state(tiny)["released"] == [] and link.memory is EngineMemory.SERVING
                 assert clean_weight_version(tiny) == 10 + step
-                assert link.last_push.scheduler["complete"] and link.last_push.scheduler["tensors"] == tensors
+                assert link.last_push.ranks[0]["complete"] and link.last_push.ranks[0]["tensors"] == tensors
                 assert_engine_holds(tiny, held)  # bit for bit what the trainer held
                 assert prompt_logprobs(tiny) == pytest.approx(expected_logprobs, abs=LOGPROB_TOLERANCE)
                 assert greedy_tokens(tiny) == expected_greedy
@@ -100,6 +100,22 @@ def test_a_push_into_released_weights_is_refused_and_the_engine_still_serves(tin
     assert len(prompt_logprobs(tiny)) == len(PROMPT) - 1  # still serving
 
 
+def test_a_push_of_some_weights_is_a_partial_push_naming_how_many_landed(tiny):
+    trainer = trainer_model(seed=35)
+    weights = list(trainer.named_parameters())
+    with BucketedWeightSender("sglang-partial", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+        push_weights(tiny, sender, weights, version=45)
+        with pytest.raises(PartialPush) as caught:
+            push_weights(tiny, sender, weights[:3], version=46)
+        partial = caught.value
+        assert (partial.version, partial.delivered, partial.expected) == (46, 3, len(weights))
+        assert partial.engine == "SGLang's TP rank 0" and len(partial.missing) == len(weights) - 3
+        assert "the push of version 46 delivered 3 of the" in str(partial) and "push every weight" in str(partial)
+        assert weight_version(tiny) == WeightVersion(45, 46)
+        push_weights(tiny, sender, weights, version=47)
+    assert clean_weight_version(tiny) == 47
+
+
 def test_a_killed_sender_leaves_the_engine_incomplete_until_a_full_sync(tiny):
     trainer = trainer_model(seed=50)
     with BucketedWeightSender("sglang-full", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
@@ -112,8 +128,8 @@ def test_a_killed_sender_leaves_the_engine_incomplete_until_a_full_sync(tiny):
     try:
         path = ready.get(timeout=120)
         began = time.monotonic()
-        with pytest.raises(EngineError, match=r"TransferTimeout|PeerGone|TransferError"):
-            receive_from(tiny, f"ipc://{path}", version=51, timeout_s=kill_timeout_s)
+        with pytest.raises(TransferError, match=r"SGLang's TP rank 0 in SGLang's receive raised (TransferTimeout|PeerGone|TransferError)"):
+            receive_from(tiny, f"ipc://{path}", version=51, timeout_s=kill_timeout_s)  # (its own type, across)
         assert time.monotonic() - began < kill_timeout_s + 30.0
         process.join(timeout=30)
         assert process.exitcode == -9
@@ -136,7 +152,7 @@ def test_a_killed_sender_leaves_the_engine_incomplete_until_a_full_sync(tiny):
 def test_a_kv_cache_that_cannot_fit_is_refused_with_the_bytes(tiny):
     trainer = trainer_model(seed=60)
     with BucketedWeightSender("sglang-kv", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
-        link = SglangLink(tiny, sender, release_memory=True, first_version=60, engine_timeout_s=60.0)
+        link = SglangLink(tiny, sender, sleep_level=2, first_version=60, engine_timeout_s=60.0)
         link.sleep_for_training()
         link.send(trainer.named_parameters())  # resumes the weights first
         state = engine_state(tiny)
@@ -172,14 +188,14 @@ def test_a_qwen3_0_6b_shaped_checkpoint_refits_bit_exact_for_several_steps(tmp_p
     try:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         with BucketedWeightSender("sglang-qwen3", transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
-            link = SglangLink(engine, sender, release_memory=True, engine_timeout_s=120.0)
+            link = SglangLink(engine, sender, sleep_level=2, engine_timeout_s=120.0)
             with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
                 link.sleep_for_training()
                 for step in range(3):
                     train_step(model, optimizer)
                     held = expected_fingerprints(model)
                     cycle.refit(step)
-                    assert clean_weight_version(engine) == step and link.last_push.scheduler["complete"]
+                    assert clean_weight_version(engine) == step and link.last_push.ranks[0]["complete"]
                     assert_engine_holds(engine, held)
                     assert len(greedy_tokens(engine)) == 4  # it serves on the pushed weights
                     cycle.resume(step)
@@ -193,14 +209,14 @@ def test_the_cycle_refits_over_the_broadcast_bit_exact(tiny):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 20, timeout_s=TIMEOUT_S) as sender:
-        link = SglangLink(tiny, sender, secret=SECRET, release_memory=True, first_version=70, engine_timeout_s=60.0)
+        link = SglangLink(tiny, sender, secret=SECRET, sleep_level=2, first_version=70, engine_timeout_s=60.0)
         with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
             link.sleep_for_training()
             for step in range(2):
                 train_step(model, optimizer)
                 expected_greedy, held = reference_greedy(model), expected_fingerprints(model)
                 cycle.refit(step)
-                assert clean_weight_version(tiny) == 70 + step and link.last_push.scheduler["complete"]
+                assert clean_weight_version(tiny) == 70 + step and link.last_push.ranks[0]["complete"]
                 assert_engine_holds(tiny, held)
                 assert greedy_tokens(tiny) == expected_greedy
                 cycle.resume(step)
@@ -232,7 +248,7 @@ def test_a_tensor_parallel_engine_refits_over_the_broadcast_every_rank_whole(tmp
         with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=2, timeout_s=TIMEOUT_S) as sender:
             link = SglangLink(engine, sender, secret=SECRET, first_version=80)
             link.send(model.named_parameters())
-        ranks = link.last_push.scheduler["tp_ranks"]
+        ranks = link.last_push.ranks
         assert [rank["version"] for rank in ranks] == [80, 80] and all(rank["complete"] for rank in ranks)
         assert clean_weight_version(engine) == 80
         assert [state["rank"] for state in engine_state(engine)["tp_ranks"]] == [0, 1]

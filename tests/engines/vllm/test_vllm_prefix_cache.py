@@ -112,7 +112,7 @@ def test_a_push_told_not_to_keeps_the_prefix_cache_and_one_by_default_drops_it(s
 
         dropped = push_weights(llm, sender, trainer.named_parameters())
         assert dropped.reset_s is not None and dropped.reset_s < TIMEOUT_S and dropped.prefix_cache_reset is True
-        assert dropped.workers[0]["complete"]
+        assert dropped.ranks[0]["complete"]
         assert _cached_tokens(llm) == 0  # recomputed with the new weights
         with pytest.raises(InvalidInput, match=r"reset_prefix_cache='yes'; need True or False"):
             push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache="yes")

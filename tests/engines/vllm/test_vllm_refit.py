@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from refitkit.errors import EngineError, InvalidInput, RemoteError, TransferError, UnknownWeight, WeightShapeMismatch
+from refitkit.errors import EngineError, InvalidInput, PartialPush, TransferError, UnknownWeight, WeightShapeMismatch
+from refitkit.rollout._push import peer_error
 from refitkit.transfer import BucketedWeightSender
 from refitkit.rollout.vllm import push_weights
 from examples.tiny_llama import random_llama
@@ -38,7 +39,7 @@ def test_push_replaces_the_weights_vllm_computes_with(engine, trainer):
     sent_bytes = sum(param.nbytes for param in trainer.parameters())
     assert stats.sender.tensors == len(list(trainer.parameters())) and stats.sender.bytes == sent_bytes
     assert stats.sender.buckets > 4  # the small bucket really was reused many times
-    [worker] = stats.workers
+    [worker] = stats.ranks
     assert (worker["tensors"], worker["bytes"], worker["buckets"]) == (stats.sender.tensors, sent_bytes, stats.sender.buckets)
     assert all(isinstance(value, (int, float, bool, list, str)) or value is None for value in worker.values())  # plain values crossed the rpc
     assert worker["load_path"] in ("in_place", "layerwise")
@@ -77,14 +78,13 @@ def test_unknown_name_fails_naming_it_and_the_engine_recovers(engine, trainer, p
     assert error.phase == ("loading in place (the model's load_weights)" if in_place else "vLLM's layerwise reload")
     assert error.remote_type == "ValueError"
     assert "no module or parameter named 'layers.0.self_attn.bogus'" in error.remote_message
-    if position is None and not torch.cuda.is_available():  # the layerwise reload took the whole stream
-        assert isinstance(error.__cause__, RemoteError)  # only the worker's report tells: its exception, its frames
-        assert error.__cause__.remote_type == "refitkit.errors.UnknownWeight"
-        assert "in load_weights" in error.__cause__.remote_traceback  # vLLM's loader, where it refused the name
-    else:  # the trainer's own exception: the sender's, from the receiver's report (the generator closed, or on_bucket)
-        assert isinstance(error.__cause__, TransferError)
-        heard = str(error.__cause__)
-        assert ("iter_weights() was closed after 9 tensors" in heard) != ("on_bucket raised ValueError" in heard)
+    assert isinstance(error.__cause__, TransferError)  # the sender heard it first, from the receiver's report
+    if torch.cuda.is_available():  # in place: vLLM's loader raised inside on_bucket
+        assert "on_bucket raised ValueError" in str(error.__cause__)
+    else:  # layerwise: the receiver's stream ended with the refusal, which crossed as its code and fields
+        assert type(peer_error(error.__cause__)) is UnknownWeight
+        assert peer_error(error.__cause__).weight == bogus[0]
+        assert "receiver gave up after" in str(error.__cause__)
     assert mapped_segments(worker_info(engine.llm)["pid"]) == []  # the worker unmapped the bucket
     assert worker_info(engine.llm)["weights_consistent"] is False  # half old, half new: flagged
     assert len(prompt_logprobs(engine.llm)) == len(engine.baseline_logprobs)  # the engine still serves
@@ -139,12 +139,14 @@ def test_a_bad_item_in_a_list_is_refused_before_the_engine_sees_a_byte(engine, t
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # not one weight changed
 
 
-def test_a_bad_item_mid_stream_raises_invalid_input_naming_it(engine, trainer):
+def test_a_bad_item_mid_stream_is_a_partial_push_from_the_invalid_input_naming_it(engine, trainer):
     weights = list(trainer.named_parameters())
     began = time.monotonic()
-    with pytest.raises(InvalidInput, match="'model.layers.1.mlp.up_proj.weight' is a list, not a torch.Tensor"):
+    with pytest.raises(PartialPush, match="broke after weights landed") as caught:  # earlier buckets had landed
         push(engine, iter(weights[:10] + [("model.layers.1.mlp.up_proj.weight", [1.0, 2.0])] + weights[10:]))
     assert time.monotonic() - began < TIMEOUT_S
+    assert isinstance(caught.value.__cause__, InvalidInput)
+    assert "'model.layers.1.mlp.up_proj.weight' is a list, not a torch.Tensor" in str(caught.value.__cause__)
     info = worker_info(engine.llm)
     assert info["weights_consistent"] is False and mapped_segments(info["pid"]) == []
 

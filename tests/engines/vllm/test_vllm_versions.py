@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refitkit.errors import InvalidInput, TransferError, UnknownWeight
+from refitkit.errors import EngineError, InvalidInput, PartialPush, TransferError, UnknownWeight
 from refitkit.rollout import WeightVersion, clean_weight_version, weight_versions
 from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
@@ -23,7 +23,7 @@ def trainer():
 
 def test_a_whole_push_is_clean_at_the_version_it_carried(engine, trainer):
     stats = push(engine, trainer.named_parameters(), version=40)
-    assert (stats.workers[0]["version"], stats.workers[0]["complete"], stats.workers[0]["expected"]) == (40, True, HF_NAMES)
+    assert (stats.ranks[0]["version"], stats.ranks[0]["complete"], stats.ranks[0]["expected"]) == (40, True, HF_NAMES)
     assert weight_versions(engine.llm) == [WeightVersion(40, None)]
     assert clean_weight_version(engine.llm) == 40
 
@@ -31,17 +31,22 @@ def test_a_whole_push_is_clean_at_the_version_it_carried(engine, trainer):
     assert clean_weight_version(engine.llm) == 41
 
 
-def test_a_partial_push_of_3_of_21_tensors_is_refused_as_incomplete(engine, trainer):
+def test_a_partial_push_of_3_of_21_tensors_is_a_partial_push_not_bad_input(engine, trainer):
     push(engine, trainer.named_parameters(), version=50)
     first_three = list(trainer.named_parameters())[:3]  # embed_tokens, layers.0 q_proj and k_proj: what a new user tries
 
-    with pytest.raises(InvalidInput) as caught:
+    with pytest.raises(PartialPush) as caught:
         push(engine, first_three, version=51)
 
-    message = str(caught.value)
-    assert "the push delivered 3 of the 21 weights vLLM worker 0 loads" in message
+    partial = caught.value  # bytes landed: not InvalidInput ("before anything moved")
+    assert not isinstance(partial, InvalidInput) and isinstance(partial, EngineError)
+    assert (partial.version, partial.delivered, partial.expected, partial.engine) == (51, 3, HF_NAMES, "vLLM worker 0")
+    assert len(partial.missing) == 18 and "lm_head.weight" in partial.missing
+    assert "model.layers.0.self_attn.q_proj.weight" not in partial.missing
+    message = str(partial)
+    assert "the push of version 51 delivered 3 of the 21 weights vLLM worker 0 loads" in message
     assert "'lm_head.weight'" in message and "model.layers.0.self_attn.v_proj.weight" not in message.split("missing")[0]
-    assert "reports version 51 as incomplete" in message
+    assert "reports version 51 as incomplete" in message and "push every weight of the checkpoint" in message
     assert weight_versions(engine.llm) == [WeightVersion(50, 51)]
     state = engine.llm.collective_rpc("refit_weight_version")[0]
     assert (state["clean"], state["received"], state["expected"], len(state["missing"])) == (False, 3, HF_NAMES, 18)
@@ -55,6 +60,33 @@ def test_a_partial_push_of_3_of_21_tensors_is_refused_as_incomplete(engine, trai
     assert clean_weight_version(engine.llm) == 52 and worker_info(engine.llm)["weights_consistent"] is True
     assert prompt_logprobs(engine.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
     assert_engine_holds(engine, trainer)
+
+
+def test_a_generator_that_breaks_after_weights_landed_is_a_partial_push_naming_the_bad_item(engine, trainer):
+    push(engine, engine.original.named_parameters(), version=55)
+    weights = list(trainer.named_parameters())
+
+    def stream():  # twelve good weights (several buckets of 64 KiB: they land), then a bad item
+        yield from weights[:12]
+        yield "model.layers.1.mlp.up_proj.weight", [1.0]
+
+    with pytest.raises(PartialPush) as caught:
+        push(engine, stream(), version=56)
+    partial = caught.value
+    assert (partial.version, partial.expected, partial.engine) == (56, HF_NAMES, "vLLM worker 0")
+    assert 0 < partial.delivered <= 12  # what reached the loader before the stream broke
+    assert f"vLLM worker 0 loaded {partial.delivered} of the 21 weights it loads" in str(partial)
+    assert "the push of version 56 broke after weights landed (InvalidInput: " in str(partial)
+    assert isinstance(partial.__cause__, InvalidInput)  # the bad item, named
+    assert "'model.layers.1.mlp.up_proj.weight' is a list, not a torch.Tensor" in str(partial.__cause__)
+    assert weight_versions(engine.llm) == [WeightVersion(55, 56)]
+
+    norm = dict(weights)["model.norm.weight"]
+    with pytest.raises(InvalidInput, match="is a list, not a torch.Tensor"):  # in the first bucket: nothing moved
+        push(engine, iter([("model.norm.weight", norm), ("model.layers.0.input_layernorm.weight", [1.0])]), version=57)
+    assert weight_versions(engine.llm) == [WeightVersion(55, 56)]  # untouched by 57
+    push(engine, engine.original.named_parameters(), version=58)
+    assert weight_versions(engine.llm) == [WeightVersion(58, None)]
 
 
 def test_a_push_that_fails_part_way_is_incomplete_at_its_version(engine, trainer):

@@ -7,12 +7,29 @@ import concurrent.futures
 
 import pytest
 
+from refitkit.errors import EngineError, InvalidInput, PartialPush, TransferError, WeightShapeMismatch
 from refitkit.rollout import clean_weight_version
 from refitkit.transfer import BucketedWeightSender
 from examples.tiny_llama import random_llama
+from tests.engines.vllm.conftest import Engine, start_llm
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, SMALL_BUCKET_BYTES, TIMEOUT_S, assert_engine_holds, prompt_logprobs, push, reference_logprobs,
+    LOGPROB_TOLERANCE, SMALL_BUCKET_BYTES, TIMEOUT_S, assert_engine_holds, broadcast_push, prompt_logprobs, push,
+    reference_logprobs,
 )  # fmt: skip
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def api_only(engine):
+    """A second engine on the same checkpoint, started with refitkit's weight-transfer backend only (no worker
+    extension): ``push_weights`` goes through vLLM's own API, which returns nothing from the workers and hands their
+    exceptions on as text only."""
+    llm = start_llm(engine.checkpoint, extension=False)
+    try:
+        yield Engine(llm=llm, checkpoint=engine.checkpoint, original=engine.original, baseline_logprobs=prompt_logprobs(llm))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def sync_through_vllms_api(llm, weights, *, version: int) -> None:
@@ -42,8 +59,8 @@ def test_vllms_weight_transfer_api_lands_a_refitkit_session(engine):
 
 def test_a_partial_session_fails_update_weights_and_leaves_the_engine_incomplete(engine):
     weights = list(random_llama(seed=8).named_parameters())
-    with pytest.raises(Exception, match=r"refitkit: the sync of version 78 delivered 10 of the 21 weights"):
-        sync_through_vllms_api(engine.llm, weights[:10], version=78)
+    with pytest.raises(Exception, match=r"the push of version 78 delivered 10 of the 21 weights vLLM worker 0 loads; missing \['lm_head.weight'"):
+        sync_through_vllms_api(engine.llm, weights[:10], version=78)  # (vLLM hands on the worker's error as text)
     with pytest.raises(Exception, match="sync of version 78 did not land whole"):
         clean_weight_version(engine.llm)
 
@@ -59,3 +76,44 @@ def test_bad_update_info_is_refused_naming_the_field(engine):
     engine.llm.start_weight_update()  # the failed update ended vLLM's session: a new one starts
     with pytest.raises(Exception, match="give exactly one of endpoint= .* or rendezvous="):
         engine.llm.update_weights({"update_info": {}})
+
+
+def test_push_weights_through_vllms_own_api_lands_and_a_partial_one_is_a_partial_push(api_only):
+    trainer = random_llama(seed=9)
+    stats = push(api_only, trainer.named_parameters(), version=90)
+    assert stats.ranks == [] and stats.sender.tensors == 21  # vLLM's API returns nothing from its workers
+    assert prompt_logprobs(api_only.llm) == pytest.approx(reference_logprobs(trainer), abs=LOGPROB_TOLERANCE)
+
+    with pytest.raises(PartialPush) as caught:  # judged from the names sent against the checkpoint: no text is read
+        push(api_only, list(trainer.named_parameters())[:3], version=91)
+    partial = caught.value
+    assert not isinstance(partial, InvalidInput)
+    assert (partial.version, partial.delivered, partial.expected, partial.engine) == (91, 3, 21, "vLLM's workers")
+    assert len(partial.missing) == 18 and "lm_head.weight" in partial.missing
+    assert isinstance(partial.__cause__, EngineError)  # vLLM's update_weights failed (the worker's PartialPush, as text)
+
+    push(api_only, api_only.original.named_parameters(), version=92)
+    assert prompt_logprobs(api_only.llm) == api_only.baseline_logprobs
+
+
+@pytest.mark.parametrize("route", ["ipc", "broadcast"])
+def test_a_workers_refusal_crosses_vllms_own_api_as_its_type_and_fields(api_only, route):
+    """vLLM hands the trainer only the text of a worker's exception: the refusal crosses refitkit's own wire instead,
+    as its code and fields, and comes back as a WeightShapeMismatch naming the weight and both shapes."""
+    weights = list(random_llama(seed=10).named_parameters())
+    name = "model.layers.1.mlp.down_proj.weight"
+    index = [key for key, _ in weights].index(name)
+    right = tuple(weights[index][1].shape)
+    weights[index] = (name, weights[index][1][:, :-1].contiguous())  # one column short of the checkpoint's
+    with pytest.raises(WeightShapeMismatch) as caught:
+        if route == "ipc":
+            push(api_only, weights, version=95)
+        else:
+            broadcast_push(api_only, weights, version=95)
+    refused = caught.value
+    assert (refused.weight, refused.shape, refused.expected_shape) == (name, (right[0], right[1] - 1), right)
+    assert (refused.engine, refused.phase) == ("vLLM worker 0", "shape check")
+    assert isinstance(refused.__cause__, TransferError)  # the sender's view of the failed session
+
+    push(api_only, api_only.original.named_parameters(), version=96)
+    assert prompt_logprobs(api_only.llm) == api_only.baseline_logprobs

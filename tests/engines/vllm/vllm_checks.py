@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from refitkit.transfer import BucketedWeightSender
-from refitkit.rollout.vllm import VllmPushStats, push_weights, stacked_digests, tensor_sha256
+from refitkit.rollout import PushStats
+from refitkit.rollout.vllm import push_weights, stacked_digests, tensor_sha256
 from tests.transfer.harness import own_segment_files
 from tests.helpers.ports import free_port
 
@@ -58,7 +59,7 @@ def worker_info(llm: Any) -> dict[str, Any]:
 
 def push(
     engine: Any, weights: Any, *, bucket_bytes: int = SMALL_BUCKET_BYTES, endpoint: str = "vllm-refit", version: int | None = None
-) -> VllmPushStats:
+) -> PushStats:
     """One push over shm with a fresh sender; checks the sender kept no bucket memory."""
     with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="shm", timeout_s=TIMEOUT_S) as sender:
         stats = push_weights(engine.llm, sender, weights, version=version)
@@ -85,7 +86,7 @@ def assert_engine_holds(engine: Any, model: torch.nn.Module) -> None:
 SECRET = "vllm-broadcast-secret-0123456789"
 
 
-def broadcast_push(engine: Any, weights: Any, *, version: int, bucket_bytes: int = SMALL_BUCKET_BYTES) -> VllmPushStats:
+def broadcast_push(engine: Any, weights: Any, *, version: int, bucket_bytes: int = SMALL_BUCKET_BYTES) -> PushStats:
     """One push over a gloo broadcast with a fresh sender on a fresh port (the LLM's worker is rank 1)."""
     from refitkit.rollout.vllm import push_weights_broadcast
     from refitkit.transfer import BroadcastWeightSender
