@@ -12,13 +12,13 @@ CORE_TEST_DIRS := tests/offload tests/refit tests/rollout tests/watchdog tests/t
 ENGINE_ENVS := megatron torchtitan automodel vllm
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-core test-engines test-install test-gpu bench audit clean
+.PHONY: demo lint test test-core test-engines test-install test-gpu bench audit clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip setuptools wheel
 	$(PY) -m pip install $(PIP_FLAGS) torch==2.13.0
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,plot]'
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[test,plot,lint]'
 	touch $@
 
 .venv-%/.installed: envs/%.txt setup.cfg pyproject.toml constraints.txt
@@ -36,7 +36,13 @@ demo: $(VENV)/.installed
 # Two suites at a time (the CI box has 2 cores; most of a suite's time is spawned processes starting
 # and waiting on each other), so the whole run stays near 12 minutes; a suite's own runs are serial.
 test:
-	$(MAKE) -j2 --output-sync=target test-core test-engines test-install
+	$(MAKE) -j2 --output-sync=target lint test-core test-engines test-install
+
+# One formatter and linter (ruff, configured in pyproject.toml) over the library, its tests, benchmarks and examples.
+LINT_DIRS := refitkit tests benchmarks examples
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check $(LINT_DIRS)
+	$(VENV)/bin/ruff check $(LINT_DIRS)
 
 # Under -O: the library's checks must not be asserts (they would vanish); pytest keeps the tests' own.
 test-core: $(VENV)/.installed

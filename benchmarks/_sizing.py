@@ -66,7 +66,9 @@ def free_gpu_bytes(timeout_s: float = 120.0) -> int:
         return 0
     code = "import json, torch; print(json.dumps(torch.cuda.mem_get_info(0)))"
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, check=True
+        )
         return int(json.loads(done.stdout.strip().splitlines()[-1])[0])
     except (subprocess.SubprocessError, ValueError, IndexError):
         return 0  # a GPU that cannot be queried is treated as absent: GPU benchmarks are skipped, not crashed
@@ -126,11 +128,18 @@ def plan_fsdp_offload(machine: Machine) -> BenchPlan:
         vocab = max((v for v in range(FSDP_FULL_VOCAB // 1024 * 1024, 0, -1024) if fits(1, v)), default=0)
     if vocab < FSDP_MIN_VOCAB:
         smallest, _ = fsdp_offload_peak(1, FSDP_MIN_VOCAB, gpu=gpu)
-        return BenchPlan(script, skip=f"even 1 layer with a {FSDP_MIN_VOCAB}-row vocabulary needs ~{_gib(smallest)}; "
-                         f"budget {_gib(machine.host_bytes)} host (raise --host-memory-gib if more is free)")  # fmt: skip
+        return BenchPlan(
+            script,
+            skip=f"even 1 layer with a {FSDP_MIN_VOCAB}-row vocabulary needs ~{_gib(smallest)}; "
+            f"budget {_gib(machine.host_bytes)} host (raise --host-memory-gib if more is free)",
+        )
     args = (*device_args, "--layers", str(layers), "--vocab-size", str(vocab))
-    return BenchPlan(script, args, note=f"sized to the machine: {layers} of {FSDP_FULL_LAYERS} layers, vocabulary "
-                     f"{vocab} of {FSDP_FULL_VOCAB} ({need}; budget {_gib(machine.host_bytes)} host)")  # fmt: skip
+    return BenchPlan(
+        script,
+        args,
+        note=f"sized to the machine: {layers} of {FSDP_FULL_LAYERS} layers, vocabulary "
+        f"{vocab} of {FSDP_FULL_VOCAB} ({need}; budget {_gib(machine.host_bytes)} host)",
+    )
 
 
 def plan_offload(machine: Machine) -> BenchPlan:
@@ -142,7 +151,10 @@ def plan_offload(machine: Machine) -> BenchPlan:
         if CUDA_BASE_BYTES + 2 * nbytes <= machine.host_bytes and GIB + 2 * nbytes <= machine.gpu_bytes:
             note = "full size" if config is QWEN3_8B else f"sized to the machine: {config.name} instead of Qwen3-8B"
             return BenchPlan("offload.py", ("--model", config.name), note=note)
-    return BenchPlan("offload.py", skip=f"even the tiny model does not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU")
+    return BenchPlan(
+        "offload.py",
+        skip=f"even the tiny model does not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU",
+    )
 
 
 def plan_pinning(machine: Machine) -> BenchPlan:
@@ -151,7 +163,9 @@ def plan_pinning(machine: Machine) -> BenchPlan:
         return BenchPlan("pinning.py", skip="needs a CUDA GPU")
     gib = min(4, (machine.host_bytes - CUDA_BASE_BYTES) // GIB)
     if gib < 1:
-        return BenchPlan("pinning.py", skip=f"needs ~{_gib(CUDA_BASE_BYTES + GIB)} host, budget {_gib(machine.host_bytes)}")
+        return BenchPlan(
+            "pinning.py", skip=f"needs ~{_gib(CUDA_BASE_BYTES + GIB)} host, budget {_gib(machine.host_bytes)}"
+        )
     note = "full size" if gib == 4 else f"sized to the machine: {gib} GiB buffers instead of 4"
     return BenchPlan("pinning.py", ("--gib", str(gib)), note=note)
 
@@ -160,8 +174,12 @@ def plan_weight_sync(machine: Machine) -> BenchPlan:
     """benchmarks/weight_sync.py: sender and receiver copies of the weights on one GPU, plus the bucket."""
     if not machine.has_gpu:
         if machine.host_bytes < 2 * GIB:
-            return BenchPlan("weight_sync.py", skip=f"--cpu-overhead needs ~2.0 GiB host, budget {_gib(machine.host_bytes)}")
-        return BenchPlan("weight_sync.py", ("--cpu-overhead",), note="no GPU: the per-tensor CPU cost only (--cpu-overhead)")
+            return BenchPlan(
+                "weight_sync.py", skip=f"--cpu-overhead needs ~2.0 GiB host, budget {_gib(machine.host_bytes)}"
+            )
+        return BenchPlan(
+            "weight_sync.py", ("--cpu-overhead",), note="no GPU: the per-tensor CPU cost only (--cpu-overhead)"
+        )
     bucket_and_contexts = 5 * GIB  # a 2 GiB bucket, the 2 x 2 GiB D2D probe before it, two CUDA contexts
     for models in (("0.6b", "8b"), ("0.6b",)):
         need = bucket_and_contexts + 2 * max(total_bytes(QWEN3_8B if m == "8b" else QWEN3_0_6B) for m in models)
@@ -176,7 +194,11 @@ def plan_sync_floor(machine: Machine) -> BenchPlan:
     if not machine.has_gpu:
         return BenchPlan("sync_floor.py", skip="needs a CUDA GPU")
     sync = plan_weight_sync(machine)
-    return BenchPlan("sync_floor.py", sync.args, note=sync.note) if sync.runs else BenchPlan("sync_floor.py", skip=sync.skip)
+    return (
+        BenchPlan("sync_floor.py", sync.args, note=sync.note)
+        if sync.runs
+        else BenchPlan("sync_floor.py", skip=sync.skip)
+    )
 
 
 MEGATRON_HIDDEN, MEGATRON_LAYERS, MEGATRON_VOCAB = 2048, 8, 32000
@@ -187,14 +209,25 @@ def plan_megatron_offload(machine: Machine) -> BenchPlan:
     script = "megatron_offload.py"
     if not machine.has_gpu:
         return BenchPlan(script, skip="needs a CUDA GPU")
-    if importlib.util.find_spec("megatron") is None or not (ROOT / "tests" / "engines" / "megatron" / "tiny_gpt.py").is_file():
-        return BenchPlan(script, skip="needs megatron-core (pip install refitkit[megatron]) and the source checkout's tests/")
+    if (
+        importlib.util.find_spec("megatron") is None
+        or not (ROOT / "tests" / "engines" / "megatron" / "tiny_gpt.py").is_file()
+    ):
+        return BenchPlan(
+            script, skip="needs megatron-core (pip install refitkit[megatron]) and the source checkout's tests/"
+        )
     for layers in range(MEGATRON_LAYERS, 0, -1):
         params = 2 * MEGATRON_VOCAB * MEGATRON_HIDDEN + layers * 12 * MEGATRON_HIDDEN**2
         if CUDA_BASE_BYTES + 24 * params <= machine.host_bytes and GIB + 32 * params <= machine.gpu_bytes:
-            note = "full size" if layers == MEGATRON_LAYERS else f"sized to the machine: {layers} of {MEGATRON_LAYERS} layers"
+            note = (
+                "full size"
+                if layers == MEGATRON_LAYERS
+                else f"sized to the machine: {layers} of {MEGATRON_LAYERS} layers"
+            )
             return BenchPlan(script, ("--num-layers", str(layers)), note=note)
-    return BenchPlan(script, skip=f"1 layer does not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU")
+    return BenchPlan(
+        script, skip=f"1 layer does not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU"
+    )
 
 
 # refit_cycle.py: bf16 params (P bytes), AdamW's two states, grads, the step's temporaries and the receiver's
@@ -214,15 +247,23 @@ def plan_refit_cycle(machine: Machine) -> BenchPlan:
     script = "refit_cycle.py"
     if not machine.has_gpu:
         if machine.host_bytes < REFIT_CYCLE_CPU_BYTES:
-            return BenchPlan(script, skip=f"the CPU smoke run needs ~{_gib(REFIT_CYCLE_CPU_BYTES)} host, budget {_gib(machine.host_bytes)}")
-        return BenchPlan(script, ("--preset", "tiny", "--device", "cpu", "--rounds", "1"),
-                         note="no GPU: tiny shapes on CPU (a smoke run, not the table's figures)")  # fmt: skip
+            return BenchPlan(
+                script,
+                skip=f"the CPU smoke run needs ~{_gib(REFIT_CYCLE_CPU_BYTES)} host, budget {_gib(machine.host_bytes)}",
+            )
+        return BenchPlan(
+            script,
+            ("--preset", "tiny", "--device", "cpu", "--rounds", "1"),
+            note="no GPU: tiny shapes on CPU (a smoke run, not the table's figures)",
+        )
     for models in (("8b", "0.6b"), ("0.6b",), ("tiny",)):
         host, gpu = refit_cycle_peak(models)
         if host <= machine.host_bytes and gpu <= machine.gpu_bytes:
             note = "full size" if len(models) == 2 else f"sized to the machine: {models[0]} shapes only"
             return BenchPlan(script, ("--models", ",".join(models)), note=note)
-    return BenchPlan(script, skip=f"even tiny shapes do not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU")
+    return BenchPlan(
+        script, skip=f"even tiny shapes do not fit {_gib(machine.host_bytes)} host / {_gib(machine.gpu_bytes)} GPU"
+    )
 
 
 PLANNERS: dict[str, Callable[[Machine], BenchPlan]] = {

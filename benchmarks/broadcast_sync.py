@@ -120,9 +120,11 @@ def flat_broadcast(args: argparse.Namespace, rank: int, port: int, nbytes: int) 
     if rank:
         grp.put(store, f"flat/done/{rank}", b"1")
     else:
-        grp.wait_until(lambda: all(grp.has(store, f"flat/done/{r}") for r in range(1, args.receivers + 1)),
-                       deadline=time.monotonic() + args.timeout_s,
-                       on_timeout=lambda: TimeoutError("a receiver did not finish the flat broadcast"))  # fmt: skip
+        grp.wait_until(
+            lambda: all(grp.has(store, f"flat/done/{r}") for r in range(1, args.receivers + 1)),
+            deadline=time.monotonic() + args.timeout_s,
+            on_timeout=lambda: TimeoutError("a receiver did not finish the flat broadcast"),
+        )
     group.shutdown()
     return {"group_s": first_s, "seconds": statistics.median(times)}
 
@@ -147,8 +149,8 @@ def peer_copy(device: torch.device, nbytes: int) -> dict[str, Any]:
 
 
 def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any) -> None:
-    from refitkit.errors import TransferError
     from benchmarks.shapes import make_weights
+    from refitkit.errors import TransferError
     from refitkit.transfer import BroadcastWeightSender
 
     args = argparse.Namespace(**config)
@@ -158,9 +160,15 @@ def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any
     weights = make_weights(MODELS[args.model], device=device)
     nbytes = sum(tensor.nbytes for tensor in weights.values())
     sender = BroadcastWeightSender(
-        url, secret=secret, receivers=args.receivers, bucket_bytes=int(args.bucket_mib * MIB), device=device,
-        backend=args.backend, timeout_s=args.timeout_s, per_tensor=args.direct,
-    )  # fmt: skip
+        url,
+        secret=secret,
+        receivers=args.receivers,
+        bucket_bytes=int(args.bucket_mib * MIB),
+        device=device,
+        backend=args.backend,
+        timeout_s=args.timeout_s,
+        per_tensor=args.direct,
+    )
     answers.put({"bytes": nbytes, "tensors": len(weights), "half_bytes": sender.half_bytes})
     while (command := commands.get()) is not None:
         if command[0] == "floor":
@@ -182,7 +190,15 @@ def sender_main(config: dict, url: str, secret: str, commands: Any, answers: Any
         except Exception as exc:  # the kill case: reported, not raised
             error, buckets = [type(exc).__name__, str(exc), isinstance(exc, TransferError)], None
         seconds = time.perf_counter() - start
-        answers.put({"seconds": seconds, "group_s": sender.last_timings_s.get("group"), "digest": want, "error": error, "buckets": buckets})
+        answers.put(
+            {
+                "seconds": seconds,
+                "group_s": sender.last_timings_s.get("group"),
+                "digest": want,
+                "error": error,
+                "buckets": buckets,
+            }
+        )
 
 
 def receiver_main(config: dict, rank: int, url: str, secret: str, commands: Any, answers: Any) -> None:
@@ -192,9 +208,14 @@ def receiver_main(config: dict, rank: int, url: str, secret: str, commands: Any,
     device = device_of(args, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    params = {name: torch.zeros(shape, dtype=torch.bfloat16, device=device) for name, shape in weight_shapes(MODELS[args.model])}
+    params = {
+        name: torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        for name, shape in weight_shapes(MODELS[args.model])
+    }
     nbytes = sum(tensor.nbytes for tensor in params.values())
-    receiver = BroadcastWeightReceiver(url, secret=secret, rank=rank, device=device, backend=args.backend, timeout_s=args.timeout_s)
+    receiver = BroadcastWeightReceiver(
+        url, secret=secret, rank=rank, device=device, backend=args.backend, timeout_s=args.timeout_s
+    )
     answers.put({"pid": os.getpid()})
     while (command := commands.get()) is not None:
         if command[0] == "floor":
@@ -220,11 +241,15 @@ def receiver_main(config: dict, rank: int, url: str, secret: str, commands: Any,
         synchronize(device)
         seconds = time.perf_counter() - start
         split = receiver.last_direct
-        answers.put({
-            "seconds": seconds, "error": error, "digest": digest(list(params.values())),
-            "version": [receiver.weights_version.version, receiver.weights_version.incomplete],
-            "direct_share": split.direct_share if split is not None else 0.0,
-        })  # fmt: skip
+        answers.put(
+            {
+                "seconds": seconds,
+                "error": error,
+                "digest": digest(list(params.values())),
+                "version": [receiver.weights_version.version, receiver.weights_version.incomplete],
+                "direct_share": split.direct_share if split is not None else 0.0,
+            }
+        )
 
 
 class Peer:
@@ -244,7 +269,9 @@ class Peer:
                 return self.answers.get(timeout=0.5)
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RuntimeError(f"{self.name} (pid {self.process.pid}) died with exit code {self.process.exitcode}") from None
+                    raise RuntimeError(
+                        f"{self.name} (pid {self.process.pid}) died with exit code {self.process.exitcode}"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.name} gave no answer within {timeout_s:g} s") from None
 
@@ -278,7 +305,9 @@ class Run:
         self.answer_s = 3 * args.timeout_s + 120  # a session's waits are bounded by timeout_s each
 
     def spawn_receiver(self, rank: int) -> None:
-        self.receivers[rank] = Peer(self.ctx, f"receiver rank {rank}", receiver_main, self.config, rank, self.url, self.secret)
+        self.receivers[rank] = Peer(
+            self.ctx, f"receiver rank {rank}", receiver_main, self.config, rank, self.url, self.secret
+        )
 
     def close(self) -> None:
         for peer in (self.sender, *self.receivers.values()):
@@ -290,7 +319,11 @@ class Run:
             peer.commands.put(("sync", self.version, kill_at if rank == 1 else None))
         self.sender.commands.put(("sync", self.version))
         sent = self.sender.answer(self.answer_s)
-        got = {rank: peer.answer(self.answer_s) for rank, peer in self.receivers.items() if not (kill_at is not None and rank == 1)}
+        got = {
+            rank: peer.answer(self.answer_s)
+            for rank, peer in self.receivers.items()
+            if not (kill_at is not None and rank == 1)
+        }
         seconds = sent["seconds"]
         record: dict[str, Any] = {"version": self.version, "ms": 1e3 * seconds, "gbps": self.nbytes / seconds / 1e9}
         if sent["group_s"] is not None:
@@ -298,9 +331,18 @@ class Run:
             record["stream_gbps"] = self.nbytes / max(seconds - sent["group_s"], 1e-9) / 1e9
         record["buckets"] = sent["buckets"]
         record["error"] = sent["error"]
-        record["receivers"] = {rank: {"ms": 1e3 * a["seconds"], "error": a["error"], "version": a["version"],
-                                      "direct_share": a["direct_share"]} for rank, a in got.items()}  # fmt: skip
-        record["intact"] = sent["error"] is None and all(a["error"] is None and a["digest"] == sent["digest"] for a in got.values())
+        record["receivers"] = {
+            rank: {
+                "ms": 1e3 * a["seconds"],
+                "error": a["error"],
+                "version": a["version"],
+                "direct_share": a["direct_share"],
+            }
+            for rank, a in got.items()
+        }
+        record["intact"] = sent["error"] is None and all(
+            a["error"] is None and a["digest"] == sent["digest"] for a in got.values()
+        )
         return record
 
     def floor(self) -> dict[str, Any]:
@@ -320,11 +362,15 @@ class Run:
         error = failed["error"] or ["none", "send() succeeded: the receiver did not die (fewer buckets than K?)", False]
         bound_s = args.timeout_s + args.slack_s
         kill = {
-            "bucket": bucket, "error_type": error[0], "message": error[1], "seconds": failed["ms"] / 1e3, "bound_s": bound_s,
+            "bucket": bucket,
+            "error_type": error[0],
+            "message": error[1],
+            "seconds": failed["ms"] / 1e3,
+            "bound_s": bound_s,
             "victim_exitcode": victim.exitcode,
             "others": {rank: r["error"][0] if r["error"] else None for rank, r in failed["receivers"].items()},
             "others_version": {rank: r["version"] for rank, r in failed["receivers"].items()},
-        }  # fmt: skip
+        }
         kill["names_phase_bucket_peer"] = all(word in error[1] for word in ("bucket", "receiver rank")) and any(
             phase in error[1] for phase in ("handshake", "streaming", "draining")
         )
@@ -345,33 +391,49 @@ def summarize(result: dict[str, Any]) -> None:
         r["vs_flat_bcast"] = r["gbps"] / floor["flat_bcast_gbps"]
         r["vs_copy"] = r["gbps"] / floor["copy_gbps"]
     steady = rounds[1:] or rounds
-    result["steady"] = {key: statistics.median(r[key] for r in steady) for key in ("ms", "gbps", "vs_flat_bcast", "vs_copy")}
+    result["steady"] = {
+        key: statistics.median(r[key] for r in steady) for key in ("ms", "gbps", "vs_flat_bcast", "vs_copy")
+    }
 
 
 def print_table(result: dict[str, Any]) -> None:
     a, floor = result["args"], result["floor"]
-    print(f"broadcast_sync: {result['model']} shapes, {result['bytes'] / 1e9:.2f} GB bf16 in {result['tensors']} tensors, "
-          f"{a['backend']}, sender on {result['sender_device']} -> {a['receivers']} receiver(s), bucket halves of "
-          f"{result['half_bytes'] / MIB:g} MiB{', direct receive' if a['direct'] else ''}")  # fmt: skip
-    print(f"same-run floor: {floor['copy']} {floor['copy_gbps']:.1f} GB/s; flat {a['backend']} broadcast of one buffer of "
-          f"the same size {floor['flat_bcast_gbps']:.1f} GB/s (its group and first broadcast: {1e3 * floor['group_s']:.0f} ms)")  # fmt: skip
-    print(f"{'sync':>4} {'ms':>9} {'group ms':>9} {'GB/s':>7} {'stream GB/s':>12} {'/flat bcast':>12} {'/copy':>7}  intact")
+    print(
+        f"broadcast_sync: {result['model']} shapes, {result['bytes'] / 1e9:.2f} GB bf16 in {result['tensors']} tensors, "
+        f"{a['backend']}, sender on {result['sender_device']} -> {a['receivers']} receiver(s), bucket halves of "
+        f"{result['half_bytes'] / MIB:g} MiB{', direct receive' if a['direct'] else ''}"
+    )
+    print(
+        f"same-run floor: {floor['copy']} {floor['copy_gbps']:.1f} GB/s; flat {a['backend']} broadcast of one buffer of "
+        f"the same size {floor['flat_bcast_gbps']:.1f} GB/s (its group and first broadcast: {1e3 * floor['group_s']:.0f} ms)"
+    )
+    print(
+        f"{'sync':>4} {'ms':>9} {'group ms':>9} {'GB/s':>7} {'stream GB/s':>12} {'/flat bcast':>12} {'/copy':>7}  intact"
+    )
     for r in result["rounds"]:
-        print(f"{r['version']:>4} {r['ms']:9.1f} {r.get('group_ms', float('nan')):9.1f} {r['gbps']:7.2f} "
-              f"{r.get('stream_gbps', float('nan')):12.2f} {r['vs_flat_bcast']:12.2f} {r['vs_copy']:7.2f}  {r['intact']}")  # fmt: skip
+        print(
+            f"{r['version']:>4} {r['ms']:9.1f} {r.get('group_ms', float('nan')):9.1f} {r['gbps']:7.2f} "
+            f"{r.get('stream_gbps', float('nan')):12.2f} {r['vs_flat_bcast']:12.2f} {r['vs_copy']:7.2f}  {r['intact']}"
+        )
     s = result["steady"]
-    print(f"steady (median of syncs 2..): {s['ms']:.1f} ms, {s['gbps']:.2f} GB/s, {s['vs_flat_bcast']:.2f}x the flat "
-          f"broadcast, {s['vs_copy']:.2f}x the copy")  # fmt: skip
+    print(
+        f"steady (median of syncs 2..): {s['ms']:.1f} ms, {s['gbps']:.2f} GB/s, {s['vs_flat_bcast']:.2f}x the flat "
+        f"broadcast, {s['vs_copy']:.2f}x the copy"
+    )
     kill = result.get("kill")
     if kill and "crash" in kill:
         print(f"kill case FAILED: {kill['crash']}")
     elif kill:
         nxt = kill["next_session"]
-        print(f"kill: receiver rank 1 SIGKILLed at bucket {kill['bucket']} (exit code {kill['victim_exitcode']}): the sender "
-              f"ended in {kill['error_type']} after {kill['seconds']:.2f} s (bound {kill['bound_s']:g} s); other "
-              f"receivers: {kill['others']}\n  {kill['message']}")  # fmt: skip
-        print(f"restart: receiver respawned in {kill['restart_s']:.1f} s; the next session {nxt['ms']:.1f} ms, intact "
-              f"{nxt['intact']}; kill case {'OK' if kill['ok'] else 'FAILED'}")  # fmt: skip
+        print(
+            f"kill: receiver rank 1 SIGKILLed at bucket {kill['bucket']} (exit code {kill['victim_exitcode']}): the sender "
+            f"ended in {kill['error_type']} after {kill['seconds']:.2f} s (bound {kill['bound_s']:g} s); other "
+            f"receivers: {kill['others']}\n  {kill['message']}"
+        )
+        print(
+            f"restart: receiver respawned in {kill['restart_s']:.1f} s; the next session {nxt['ms']:.1f} ms, intact "
+            f"{nxt['intact']}; kill case {'OK' if kill['ok'] else 'FAILED'}"
+        )
 
 
 def main() -> int:
@@ -391,13 +453,20 @@ def main() -> int:
     if args.backend == "nccl" and args.device != "cuda":
         parser.error("--backend nccl needs --device cuda (use --backend gloo --device cpu for a CPU run)")
     if args.device == "cuda" and torch.cuda.device_count() < args.receivers + 1:
-        parser.error(f"{args.receivers} receiver(s) on their own GPUs need {args.receivers + 1} GPUs; "
-                     f"{torch.cuda.device_count()} visible")  # fmt: skip
+        parser.error(
+            f"{args.receivers} receiver(s) on their own GPUs need {args.receivers + 1} GPUs; "
+            f"{torch.cuda.device_count()} visible"
+        )
     run = Run(args)
     try:
-        result: dict[str, Any] = {"args": vars(args) | {"json": str(args.json)}, "model": MODELS[args.model].name,
-                                  "bytes": run.nbytes, "tensors": run.sender.ready["tensors"],
-                                  "half_bytes": run.sender.ready["half_bytes"], "sender_device": str(device_of(args, 0))}  # fmt: skip
+        result: dict[str, Any] = {
+            "args": vars(args) | {"json": str(args.json)},
+            "model": MODELS[args.model].name,
+            "bytes": run.nbytes,
+            "tensors": run.sender.ready["tensors"],
+            "half_bytes": run.sender.ready["half_bytes"],
+            "sender_device": str(device_of(args, 0)),
+        }
         result["rounds"] = [run.sync() for _ in range(args.rounds)]
         result["floor"] = run.floor()
         summarize(result)

@@ -62,12 +62,12 @@ def d2h_timeline(trace_path: str) -> dict:
         (event["ts"], event["ts"] + event["dur"], event["name"].removeprefix("refitkit."))
         for event in events
         if event.get("cat") == "user_annotation" and event.get("name", "").startswith("refitkit.") and "dur" in event
-    )  # fmt: skip
+    )
     copies = sorted(
         (event["ts"], event["ts"] + event["dur"], int(event.get("args", {}).get("bytes", 0)))
         for event in events
         if event.get("cat") == "gpu_memcpy" and "DtoH" in event.get("name", "") and "dur" in event
-    )  # fmt: skip
+    )
     if not phases or not copies:
         return {"copies": len(copies), "phases": len(phases)}
     origin, end = min(start for start, _, _ in phases), max(stop for _, stop, _ in phases)
@@ -79,21 +79,35 @@ def d2h_timeline(trace_path: str) -> dict:
     windows = {}
     for start, stop, name in phases:
         moved = sum(nbytes * max(0.0, min(stop, b) - max(start, a)) / max(b - a, 1e-3) for a, b, nbytes in copies)
-        windows[name] = {"ms": round((stop - start) / 1e3, 2), "d2h_gb": round(moved / 1e9, 3),
-                         "d2h_gbps": round(moved / 1e3 / max(stop - start, 1e-3), 1)}  # fmt: skip
+        windows[name] = {
+            "ms": round((stop - start) / 1e3, 2),
+            "d2h_gb": round(moved / 1e9, 3),
+            "d2h_gbps": round(moved / 1e3 / max(stop - start, 1e-3), 1),
+        }
     busy_us, gaps, cursor = 0.0, [], copies[0][0]
     for start, stop, _ in copies:
         if start > cursor + 200:
-            gaps.append({"at_ms": round((cursor - origin) / 1e3, 2), "ms": round((start - cursor) / 1e3, 2), "phase": phase_at(cursor)})
+            gaps.append(
+                {
+                    "at_ms": round((cursor - origin) / 1e3, 2),
+                    "ms": round((start - cursor) / 1e3, 2),
+                    "phase": phase_at(cursor),
+                }
+            )
         busy_us += max(0.0, stop - max(start, cursor))
         cursor = max(cursor, stop)
     total = sum(nbytes for _, _, nbytes in copies)
     return {
-        "copies": len(copies), "d2h_gb": round(total / 1e9, 3),
-        "first_copy_at_ms": round((copies[0][0] - origin) / 1e3, 2), "last_copy_end_at_ms": round((cursor - origin) / 1e3, 2),
-        "refit_end_at_ms": round((end - origin) / 1e3, 2), "copy_busy_ms": round(busy_us / 1e3, 2),
-        "busy_gbps": round(total / 1e3 / max(busy_us, 1e-3), 1), "gaps": gaps[:40], "windows": windows,
-    }  # fmt: skip
+        "copies": len(copies),
+        "d2h_gb": round(total / 1e9, 3),
+        "first_copy_at_ms": round((copies[0][0] - origin) / 1e3, 2),
+        "last_copy_end_at_ms": round((cursor - origin) / 1e3, 2),
+        "refit_end_at_ms": round((end - origin) / 1e3, 2),
+        "copy_busy_ms": round(busy_us / 1e3, 2),
+        "busy_gbps": round(total / 1e3 / max(busy_us, 1e-3), 1),
+        "gaps": gaps[:40],
+        "windows": windows,
+    }
 
 
 def hf_model(config: DecoderConfig) -> torch.nn.Module:
@@ -101,11 +115,17 @@ def hf_model(config: DecoderConfig) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     hf_config = Qwen3Config(
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
-        tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=4096, torch_dtype="bfloat16",
-    )  # fmt: skip
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(hf_config).to(torch.bfloat16)
@@ -132,10 +152,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 
 
 def bench_model(
-    key: str, *, steps: int, bucket_bytes: int, sleep_level: int, utilization: float, sha256: bool, eager: bool,
-    overlap: bool, pushes: int = 0, profile: str | None = None, optimizer_impl: str = "foreach", zero_grads: bool = False,
-    direct: bool = True, push_paths: list[str] | None = None, trace: str | None = None,
-) -> dict:  # fmt: skip
+    key: str,
+    *,
+    steps: int,
+    bucket_bytes: int,
+    sleep_level: int,
+    utilization: float,
+    sha256: bool,
+    eager: bool,
+    overlap: bool,
+    pushes: int = 0,
+    profile: str | None = None,
+    optimizer_impl: str = "foreach",
+    zero_grads: bool = False,
+    direct: bool = True,
+    push_paths: list[str] | None = None,
+    trace: str | None = None,
+) -> dict:
     from vllm import LLM
 
     from refitkit.engines.fsdp import FSDPAdapter
@@ -148,10 +181,16 @@ def bench_model(
     checkpoint = tempfile.mkdtemp(prefix=f"rk-colocated-{key}-")
     model.save_pretrained(checkpoint, safe_serialization=True)
     llm = LLM(
-        model=checkpoint, dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=utilization,
-        enable_sleep_mode=True, skip_tokenizer_init=True, enforce_eager=eager,
+        model=checkpoint,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=1024,
+        gpu_memory_utilization=utilization,
+        enable_sleep_mode=True,
+        skip_tokenizer_init=True,
+        enforce_eager=eager,
         worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
-    )  # fmt: skip
+    )
     # foreach (torch's default on CUDA) makes a param-sized temporary per param in every step: after a flush each is
     # its own segment, which the next flush returns; fused makes none
     fused = optimizer_impl == "fused"
@@ -246,33 +285,48 @@ def bench_model(
                 print(json.dumps(row), flush=True)
         per_model = str(Path(profile) / key) if profile else None  # one directory per model size
         pushes_out = (
-            live_pushes(llm, link, cycle, model, steps, pushes=pushes, profile=per_model, paths=push_paths or ["direct"])
-            if pushes else []
-        )  # fmt: skip
+            live_pushes(
+                llm, link, cycle, model, steps, pushes=pushes, profile=per_model, paths=push_paths or ["direct"]
+            )
+            if pushes
+            else []
+        )
     llm.llm_engine.engine_core.shutdown()
     del llm
     return {
-        "model": key, "overlap": overlap, "optimizer": optimizer_impl, "zero_grads": zero_grads, "direct": direct, "limits": limits.__dict__,
-        "rows": rows, "pushes": pushes_out,
-    }  # fmt: skip
+        "model": key,
+        "overlap": overlap,
+        "optimizer": optimizer_impl,
+        "zero_grads": zero_grads,
+        "direct": direct,
+        "limits": limits.__dict__,
+        "rows": rows,
+        "pushes": pushes_out,
+    }
 
 
 def worker_split(worker: dict) -> dict:
     """A vLLM worker's side of a push, in ms: the whole of it, its loaders, post-processing, waiting on the sender."""
     return {
-        "engine_load_ms": worker.get("load_s", 0.0) * 1e3, "engine_loader_ms": worker.get("loader_s", 0.0) * 1e3,
-        "engine_post_ms": worker.get("post_s", 0.0) * 1e3, "engine_session_ms": worker.get("seconds", 0.0) * 1e3,
-        "engine_wait_ms": worker.get("ack_wait_s", 0.0) * 1e3, "direct_tensors": worker.get("direct_tensors"),
+        "engine_load_ms": worker.get("load_s", 0.0) * 1e3,
+        "engine_loader_ms": worker.get("loader_s", 0.0) * 1e3,
+        "engine_post_ms": worker.get("post_s", 0.0) * 1e3,
+        "engine_session_ms": worker.get("seconds", 0.0) * 1e3,
+        "engine_wait_ms": worker.get("ack_wait_s", 0.0) * 1e3,
+        "direct_tensors": worker.get("direct_tensors"),
         "loader_tensors": worker.get("loader_tensors"),
         # the worker's receiver, per phase (BucketedWeightReceiver.last_timings_s, reported as receiver_<phase>_s)
         "engine_receiver_ms": {
             key[len("receiver_") : -len("_s")]: round(value * 1e3, 2)
-            for key, value in worker.items() if key.startswith("receiver_") and key.endswith("_s") and value
+            for key, value in worker.items()
+            if key.startswith("receiver_") and key.endswith("_s") and value
         },
-    }  # fmt: skip
+    }
 
 
-def live_pushes(llm, link, cycle, model, step: int, *, pushes: int, profile: str | None, paths: list[str]) -> list[dict]:
+def live_pushes(
+    llm, link, cycle, model, step: int, *, pushes: int, profile: str | None, paths: list[str]
+) -> list[dict]:
     """The sync alone into the serving engine (trainer state and the engine's KV cache both resident), ``pushes``
     times: ``link.send`` of the trainer's params, as a user's ``push_weights`` between two rollouts would run; push
     ``i`` takes ``paths[i % len(paths)]`` (direct, or bucket: the same sender with ``direct=False``)."""
@@ -371,8 +425,11 @@ def print_summary(result: dict) -> None:
         )
         phases = sorted({phase for row in steady_pushes for phase in row.get("engine_receiver_ms", {})})
         receiver = {p: sorted(row["engine_receiver_ms"].get(p, 0.0) for row in steady_pushes) for p in phases}
-        print(f"{result['model']} ({path}): the worker's receiver, median ms per phase: "
-              + ", ".join(f"{p} {v[len(v) // 2]:.2f}" for p, v in receiver.items()), flush=True)
+        print(
+            f"{result['model']} ({path}): the worker's receiver, median ms per phase: "
+            + ", ".join(f"{p} {v[len(v) // 2]:.2f}" for p, v in receiver.items()),
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -383,21 +440,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sleep-level", type=int, default=2, choices=(1, 2))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--sha256", action="store_true", help="also compare full sha256 digests on the last step")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="copy the optimizer state after the sync, not during it (the sync phase then times the sync alone)")
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="copy the optimizer state after the sync, not during it (the sync phase then times the sync alone)",
+    )
     parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (slower start)")
-    parser.add_argument("--pushes", type=int, default=0,
-                        help="after the steps, this many syncs alone into the serving engine (trainer state resident)")
-    parser.add_argument("--profile", help="cProfile the last of --pushes on both sides; text reports into this directory")
+    parser.add_argument(
+        "--pushes",
+        type=int,
+        default=0,
+        help="after the steps, this many syncs alone into the serving engine (trainer state resident)",
+    )
+    parser.add_argument(
+        "--profile", help="cProfile the last of --pushes on both sides; text reports into this directory"
+    )
     parser.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach", help="AdamW's implementation")
-    parser.add_argument("--zero-grads", action="store_true",
-                        help="FSDPAdapter(zero_grads=True): the resume gives zero grads (in shared segments) that the step accumulates into")
-    parser.add_argument("--path", choices=("direct", "bucket"), default="direct",
-                        help="the sender's path: direct (the default: the engine reads the trainer's weights where they lie) "
-                             "or bucket (direct=False: every weight packed into the bucket first)")
-    parser.add_argument("--push-paths", help="the paths of the --pushes, alternating (e.g. bucket,direct; default: --path)")
-    parser.add_argument("--trace", help="profile the last step's refit (CUDA activity) into this directory and print where "
-                                        "the trainer's D2H copies ran against the phases; that step is left out of the medians")
+    parser.add_argument(
+        "--zero-grads",
+        action="store_true",
+        help="FSDPAdapter(zero_grads=True): the resume gives zero grads (in shared segments) that the step accumulates into",
+    )
+    parser.add_argument(
+        "--path",
+        choices=("direct", "bucket"),
+        default="direct",
+        help="the sender's path: direct (the default: the engine reads the trainer's weights where they lie) "
+        "or bucket (direct=False: every weight packed into the bucket first)",
+    )
+    parser.add_argument(
+        "--push-paths", help="the paths of the --pushes, alternating (e.g. bucket,direct; default: --path)"
+    )
+    parser.add_argument(
+        "--trace",
+        help="profile the last step's refit (CUDA activity) into this directory and print where "
+        "the trainer's D2H copies ran against the phases; that step is left out of the medians",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.push_paths and not set(args.push_paths.split(",")) <= {"direct", "bucket"}:
@@ -409,12 +487,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for key in args.models.split(","):
         result = bench_model(
-            key, steps=args.steps, bucket_bytes=int(args.bucket_gib * (1 << 30)), sleep_level=args.sleep_level,
-            utilization=args.gpu_memory_utilization, sha256=args.sha256, eager=not args.cuda_graphs,
-            overlap=not args.no_overlap, pushes=args.pushes, optimizer_impl=args.optimizer, zero_grads=args.zero_grads,
-            direct=args.path == "direct", push_paths=(args.push_paths or args.path).split(","), profile=args.profile,
+            key,
+            steps=args.steps,
+            bucket_bytes=int(args.bucket_gib * (1 << 30)),
+            sleep_level=args.sleep_level,
+            utilization=args.gpu_memory_utilization,
+            sha256=args.sha256,
+            eager=not args.cuda_graphs,
+            overlap=not args.no_overlap,
+            pushes=args.pushes,
+            optimizer_impl=args.optimizer,
+            zero_grads=args.zero_grads,
+            direct=args.path == "direct",
+            push_paths=(args.push_paths or args.path).split(","),
+            profile=args.profile,
             trace=args.trace,
-        )  # fmt: skip
+        )
         print_summary(result)
         results.append(result)
         torch.cuda.empty_cache()

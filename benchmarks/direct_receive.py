@@ -36,7 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.shapes import CONFIGS, DecoderConfig, weight_shapes  # noqa: E402
 
 SECRET = "benchmark-secret-0123456789"
-STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class FusedEngine(torch.nn.Module):
@@ -56,9 +62,13 @@ class FusedEngine(torch.nn.Module):
         self.params = torch.nn.ParameterDict()
         for name, parts in fused.items():
             self.rows[name] = [0] + [sum(shape[0] for shape in parts[: i + 1]) for i in range(len(parts))]
-            self.params[name.replace(".", "/")] = torch.nn.Parameter(torch.zeros(self.rows[name][-1], parts[0][1], dtype=dtype), requires_grad=False)
+            self.params[name.replace(".", "/")] = torch.nn.Parameter(
+                torch.zeros(self.rows[name][-1], parts[0][1], dtype=dtype), requires_grad=False
+            )
         for name, shape in plain.items():
-            self.params[name.replace(".", "/")] = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            self.params[name.replace(".", "/")] = torch.nn.Parameter(
+                torch.zeros(shape, dtype=dtype), requires_grad=False
+            )
 
     def load_weights(self, weights: Any) -> None:
         for name, tensor in weights:
@@ -149,17 +159,26 @@ def main() -> None:
     process = ctx.Process(target=receiver_main, args=(config, commands, answers), daemon=True)
     process.start()
     _, plan_s, planned, names = answers.get(timeout=600)
-    print(f"{config.name} x{config.num_hidden_layers} layers, vocab {config.vocab_size}: {len(weights)} tensors, "
-          f"{total / 2**20:.0f} MiB bf16; bucket {args.bucket_mib} MiB; gloo on 127.0.0.1")  # fmt: skip
+    print(
+        f"{config.name} x{config.num_hidden_layers} layers, vocab {config.vocab_size}: {len(weights)} tensors, "
+        f"{total / 2**20:.0f} MiB bf16; bucket {args.bucket_mib} MiB; gloo on 127.0.0.1"
+    )
     print(f"load plan: {planned}/{names} names in place, recorded once in {plan_s * 1e3:.0f} ms")
     modes = {"bucket": (False, False), "per-tensor": (True, False), "direct": (True, True)}
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     loaders: dict[str, list[float]] = {mode: [] for mode in modes}
     shares: dict[str, float] = {}
     senders = {
-        mode: BroadcastWeightSender(free_url(), secret=SECRET, receivers=1, bucket_bytes=args.bucket_mib << 20, per_tensor=per_tensor, timeout_s=120.0)
+        mode: BroadcastWeightSender(
+            free_url(),
+            secret=SECRET,
+            receivers=1,
+            bucket_bytes=args.bucket_mib << 20,
+            per_tensor=per_tensor,
+            timeout_s=120.0,
+        )
         for mode, (per_tensor, _) in modes.items()
-    }  # fmt: skip
+    }
     try:
         for round_ in range(args.warmup + args.rounds):  # the modes take turns, so a busy moment hits them alike
             for mode, (_, direct) in modes.items():
@@ -177,10 +196,16 @@ def main() -> None:
         base = statistics.median(times["bucket"])
         for mode in modes:
             median = statistics.median(times[mode])
-            saved = "" if mode == "bucket" else f"  saved vs bucket {(base - median) * 1e3:+.1f} ms ({(base - median) / base:+.0%})"
+            saved = (
+                ""
+                if mode == "bucket"
+                else f"  saved vs bucket {(base - median) * 1e3:+.1f} ms ({(base - median) / base:+.0%})"
+            )
             loader_ms = statistics.median(loaders[mode]) * 1e3
-            print(f"{mode:>10}: {median * 1e3:8.1f} ms/sync  {total / median / 1e9:5.2f} GB/s  loader copies {loader_ms:6.1f} ms  "
-                  f"direct share {shares[mode]:6.1%}{saved}")  # fmt: skip
+            print(
+                f"{mode:>10}: {median * 1e3:8.1f} ms/sync  {total / median / 1e9:5.2f} GB/s  loader copies {loader_ms:6.1f} ms  "
+                f"direct share {shares[mode]:6.1%}{saved}"
+            )
     finally:
         for sender in senders.values():
             sender.close()

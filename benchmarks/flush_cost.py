@@ -67,8 +67,13 @@ def main() -> None:
     for gib in (float(value) for value in args.gib.split(",")):
         for segments in (int(value) for value in args.segments.split(",")):
             times = flush_ms(int(gib * 2**30), segments, args.rounds)
-            row = {"gib": gib, "segments": segments, "flush_ms": [round(t, 1) for t in times],
-                   "per_segment_ms": round(min(times) / segments, 3), "per_gib_ms": round(min(times) / gib, 2)}  # fmt: skip
+            row = {
+                "gib": gib,
+                "segments": segments,
+                "flush_ms": [round(t, 1) for t in times],
+                "per_segment_ms": round(min(times) / segments, 3),
+                "per_gib_ms": round(min(times) / gib, 2),
+            }
             print(json.dumps(row), flush=True)
 
 

@@ -112,7 +112,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layers", type=int, default=Qwen3Shape.num_layers, help="decoder layers (Qwen3-0.6B: 28)")
-    parser.add_argument("--vocab-size", type=int, default=Qwen3Shape.vocab_size, help="embedding rows (Qwen3-0.6B: 151936)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=Qwen3Shape.vocab_size, help="embedding rows (Qwen3-0.6B: 151936)"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="steady offload/reload rounds after the first")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     args = parser.parse_args()

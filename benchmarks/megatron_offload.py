@@ -56,9 +56,17 @@ def run(hidden_size: int, num_layers: int, rounds: int) -> dict:
     tiny_gpt.train_step(trainer, 0)
     rows: list[dict] = []
     for round_index in range(rounds):
-        _timed(f"r{round_index} offload_megatron_model_to_cpu", lambda: rm.offload_megatron_model_to_cpu(trainer.chunks), rows)
-        _timed(f"r{round_index} offload_megatron_optimizer", lambda: rm.offload_megatron_optimizer(trainer.optimizer), rows)
-        _timed(f"r{round_index} load_megatron_model_to_gpu", lambda: rm.load_megatron_model_to_gpu(trainer.chunks), rows)
+        _timed(
+            f"r{round_index} offload_megatron_model_to_cpu",
+            lambda: rm.offload_megatron_model_to_cpu(trainer.chunks),
+            rows,
+        )
+        _timed(
+            f"r{round_index} offload_megatron_optimizer", lambda: rm.offload_megatron_optimizer(trainer.optimizer), rows
+        )
+        _timed(
+            f"r{round_index} load_megatron_model_to_gpu", lambda: rm.load_megatron_model_to_gpu(trainer.chunks), rows
+        )
         _timed(f"r{round_index} load_megatron_optimizer", lambda: rm.load_megatron_optimizer(trainer.optimizer), rows)
         tiny_gpt.train_step(trainer, round_index + 1)
     # the copy-params pair alone, once, for its own figures

@@ -42,11 +42,20 @@ def run(args: argparse.Namespace) -> dict:
     from tests.helpers.world import child_env
 
     layout = Layout(
-        tp=args.tp, pp=args.pp, ep=args.ep, moe=args.moe, family="qwen3_moe" if args.moe else "qwen3",
-        hidden=args.hidden_size, heads=args.hidden_size // 128, groups=max(1, args.hidden_size // 256),
-        head_dim=128, ffn=3 * args.hidden_size, moe_ffn=args.hidden_size // 2, num_layers=args.num_layers,
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        moe=args.moe,
+        family="qwen3_moe" if args.moe else "qwen3",
+        hidden=args.hidden_size,
+        heads=args.hidden_size // 128,
+        groups=max(1, args.hidden_size // 256),
+        head_dim=128,
+        ffn=3 * args.hidden_size,
+        moe_ffn=args.hidden_size // 2,
+        num_layers=args.num_layers,
         vocab=32_000,
-    )  # fmt: skip
+    )
     trainer = parallel_gpt.build_trainer(layout)
     parallel_gpt.train_step(trainer, 0)
     adapter = MegatronAdapter(trainer.chunks, trainer.optimizer, hf_family=layout.family)
@@ -63,16 +72,28 @@ def run(args: argparse.Namespace) -> dict:
     receiver = None
     if streaming:
         # one receiver for every round, started before the first: round 0 pays its start, later rounds only the stream
-        with BucketedWeightSender(endpoint, bucket_bytes=args.bucket_mib << 20, transport="cuda_ipc", timeout_s=300.0) as sender:
+        with BucketedWeightSender(
+            endpoint, bucket_bytes=args.bucket_mib << 20, transport="cuda_ipc", timeout_s=300.0
+        ) as sender:
             receiver = subprocess.Popen(
-                [sys.executable, "-m", "tests.engines.megatron.stream_receiver", endpoint, "-", "300", str(args.rounds)],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.engines.megatron.stream_receiver",
+                    endpoint,
+                    "-",
+                    "300",
+                    str(args.rounds),
+                ],
                 env=child_env(CUDA_VISIBLE_DEVICES=str(torch.cuda.current_device())),
             )
             try:
                 for round_index in range(args.rounds):
                     torch.distributed.barrier()
                     stats = sender.send(adapter.named_weights())
-                    rows.append({"round": round_index, "bytes": stats.bytes, "seconds": stats.seconds, "gbps": stats.gbps})
+                    rows.append(
+                        {"round": round_index, "bytes": stats.bytes, "seconds": stats.seconds, "gbps": stats.gbps}
+                    )
             finally:
                 receiver.wait(timeout=300)
     else:
@@ -120,7 +141,11 @@ def main() -> None:
         torch.distributed.destroy_process_group()
     for key, value in result.items():
         if key != "rows":
-            print(f"rank {result['rank']} {key}: {value:.3f}" if isinstance(value, float) else f"rank {result['rank']} {key}: {value}")
+            print(
+                f"rank {result['rank']} {key}: {value:.3f}"
+                if isinstance(value, float)
+                else f"rank {result['rank']} {key}: {value}"
+            )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)

@@ -132,8 +132,12 @@ def build_torchtitan(args: argparse.Namespace, device: torch.device):
     sd_adapter = config.model_spec.state_dict_adapter(model_config, None)
 
     def step(round_index: int) -> float:
-        tokens = torch.randint(0, model_config.vocab_size, (2, 257), device=device, generator=_generator(device, round_index))
-        loss, _ = loss_fn(model(tokens[:, :-1]), tokens[:, 1:], global_valid_tokens=torch.tensor(float(2 * 256), device=device))
+        tokens = torch.randint(
+            0, model_config.vocab_size, (2, 257), device=device, generator=_generator(device, round_index)
+        )
+        loss, _ = loss_fn(
+            model(tokens[:, :-1]), tokens[:, 1:], global_valid_tokens=torch.tensor(float(2 * 256), device=device)
+        )
         loss.backward()
         optimizers.step()
         optimizers.zero_grad()
@@ -184,16 +188,21 @@ def rank_main(rank: int, args: argparse.Namespace, store_path: str) -> None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = dist.FileStore(store_path, args.nproc)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=args.nproc, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=args.nproc, device_id=device if device.type == "cuda" else None
+    )
     adapter, step = (build_torchtitan if args.engine == "torchtitan" else build_fsdp)(args, device)
     sender = receiver = parent = None
     if rank == 0:
         endpoint = f"refitkit-cycle-{uuid.uuid4().hex[:8]}"
         transport = "cuda_ipc" if device.type == "cuda" else "shm"
         sender = BucketedWeightSender(
-            endpoint, bucket_bytes=args.bucket_mib << 20, transport=transport, timeout_s=RECEIVER_TIMEOUT_S,
+            endpoint,
+            bucket_bytes=args.bucket_mib << 20,
+            transport=transport,
+            timeout_s=RECEIVER_TIMEOUT_S,
             direct=args.path == "direct",
-        )  # fmt: skip
+        )
         context = mp.get_context("spawn")
         parent, child = context.Pipe()
         receiver = context.Process(target=receiver_main, args=(endpoint, str(device), args.rounds, child))
@@ -211,19 +220,40 @@ def rank_main(rank: int, args: argparse.Namespace, store_path: str) -> None:
             resume = cycle.resume(round_index)
             if rank == 0:
                 offload, reload = refit.phase("offload"), resume.phase("reload")
-                print(json.dumps({
-                    "round": round_index, "engine": args.engine, "world_size": args.nproc, "loss": round(loss, 4),
-                    "receiver_matches": got == expected, "device_bytes_offloaded": device_bytes,
-                    "sync_ms": round(refit.phase("sync_weights").seconds * 1e3, 2),
-                    "offload_gbps": round(offload.gbps, 2), "reload_gbps": round(reload.gbps, 2),
-                    "refit_ms": round(refit.seconds * 1e3, 2), "resume_ms": round(resume.seconds * 1e3, 2),
-                    "path": args.path, "split": sender.last_split.__dict__ if sender.last_split else None,
-                }), flush=True)  # fmt: skip
+                print(
+                    json.dumps(
+                        {
+                            "round": round_index,
+                            "engine": args.engine,
+                            "world_size": args.nproc,
+                            "loss": round(loss, 4),
+                            "receiver_matches": got == expected,
+                            "device_bytes_offloaded": device_bytes,
+                            "sync_ms": round(refit.phase("sync_weights").seconds * 1e3, 2),
+                            "offload_gbps": round(offload.gbps, 2),
+                            "reload_gbps": round(reload.gbps, 2),
+                            "refit_ms": round(refit.seconds * 1e3, 2),
+                            "resume_ms": round(resume.seconds * 1e3, 2),
+                            "path": args.path,
+                            "split": sender.last_split.__dict__ if sender.last_split else None,
+                        }
+                    ),
+                    flush=True,
+                )
         step(args.rounds)  # trains again after the last reload
         if rank == 0:
             nbytes = adapter.state_bytes().model.device_bytes + adapter.state_bytes().optimizer.device_bytes
             d2h, h2d = flat_memcpy_gbps(nbytes, device, rounds=3)
-            print(json.dumps({"flat_pinned_d2h_gbps": round(d2h, 2), "flat_pinned_h2d_gbps": round(h2d, 2), "bytes_per_rank": nbytes}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "flat_pinned_d2h_gbps": round(d2h, 2),
+                        "flat_pinned_h2d_gbps": round(h2d, 2),
+                        "bytes_per_rank": nbytes,
+                    }
+                ),
+                flush=True,
+            )
     finally:
         if sender is not None:
             sender.close()
@@ -253,13 +283,20 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--bucket-mib", type=int, default=512)
-    parser.add_argument("--path", choices=("direct", "bucket"), default="direct",
-                        help="the sender's path: direct (gathered weights read where they lie) or bucket (direct=False)")
+    parser.add_argument(
+        "--path",
+        choices=("direct", "bucket"),
+        default="direct",
+        help="the sender's path: direct (gathered weights read where they lie) or bucket (direct=False)",
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="refitkit-cycle-") as tmp:
         context = mp.get_context("spawn")
-        procs = [context.Process(target=rank_main, args=(rank, args, os.path.join(tmp, "store"))) for rank in range(args.nproc)]
+        procs = [
+            context.Process(target=rank_main, args=(rank, args, os.path.join(tmp, "store")))
+            for rank in range(args.nproc)
+        ]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + 60.0 * (5 + args.rounds)

@@ -195,7 +195,11 @@ def rank_main(rank: int, args: argparse.Namespace, store_path: str) -> None:
         torch.set_num_threads(1)  # the CPU smoke shares a small box with its receivers
     store = dist.FileStore(store_path, args.nproc)
     dist.init_process_group(
-        args.backend, store=store, rank=rank, world_size=args.nproc, device_id=device if args.backend == "nccl" else None
+        args.backend,
+        store=store,
+        rank=rank,
+        world_size=args.nproc,
+        device_id=device if args.backend == "nccl" else None,
     )
     limits = flat_limits(int(args.flat_gib * (1 << 30)), device)
     if limits is not None:
@@ -221,7 +225,9 @@ def rank_main(rank: int, args: argparse.Namespace, store_path: str) -> None:
     if sends:
         endpoint = f"refitkit-node-{uuid.uuid4().hex[:8]}"
         transport = "cuda_ipc" if device.type == "cuda" else "shm"
-        sender = BucketedWeightSender(endpoint, bucket_bytes=args.bucket_mib << 20, transport=transport, timeout_s=TIMEOUT_S)
+        sender = BucketedWeightSender(
+            endpoint, bucket_bytes=args.bucket_mib << 20, transport=transport, timeout_s=TIMEOUT_S
+        )
         context = mp.get_context("spawn")
         conn, child = context.Pipe()
         receiver = context.Process(target=receiver_main, args=(endpoint, str(device), args.rounds, child))
@@ -251,13 +257,22 @@ def rank_main(rank: int, args: argparse.Namespace, store_path: str) -> None:
             resume = cycle.resume(round_index)
             offload, reload = refit.phase("offload"), resume.phase("reload")
             record = {
-                "rank": rank, "loss": loss, "matches": matches, "state_bytes": state_bytes, "left_on_device": left_on_device,
-                "sync_s": refit.phase("sync_weights").seconds, "sync_bytes": refit.phase("sync_weights").bytes,
-                "offload_bytes": offload.bytes, "offload_s": offload.seconds,
-                "flush_s": refit.phase("flush_device").seconds, "barrier_s": refit.phase("barrier").seconds,
-                "reload_bytes": reload.bytes, "reload_s": reload.seconds, "resume_barrier_s": resume.phase("barrier").seconds,
+                "rank": rank,
+                "loss": loss,
+                "matches": matches,
+                "state_bytes": state_bytes,
+                "left_on_device": left_on_device,
+                "sync_s": refit.phase("sync_weights").seconds,
+                "sync_bytes": refit.phase("sync_weights").bytes,
+                "offload_bytes": offload.bytes,
+                "offload_s": offload.seconds,
+                "flush_s": refit.phase("flush_device").seconds,
+                "barrier_s": refit.phase("barrier").seconds,
+                "reload_bytes": reload.bytes,
+                "reload_s": reload.seconds,
+                "resume_barrier_s": resume.phase("barrier").seconds,
                 "arena_pin_s": arena_pin_s if round_index == 0 else None,
-            }  # fmt: skip
+            }
             records = gather_records(record, device)
             if rank == 0:
                 print(json.dumps(summarize(round_index, records, limits, args)), flush=True)
@@ -292,24 +307,34 @@ def summarize(round_index: int, records: list[dict], limits: dict | None, args: 
         return round(value / limit, 3) if limit else None
 
     return {
-        "round": round_index, "model": args.model, "world_size": len(records),
+        "round": round_index,
+        "model": args.model,
+        "world_size": len(records),
         "receivers": "one per GPU, each loads the full weights (a data-parallel engine per GPU)"
-        if args.receivers == "per-gpu" else "one, on GPU 0 (rank 0 sends; the other ranks only gather)",
-        "receivers_match": [r["matches"] for r in records], "loss": records[0]["loss"],
-        "state_bytes_per_rank": [r["state_bytes"] for r in records], "left_on_device": [r["left_on_device"] for r in records],
+        if args.receivers == "per-gpu"
+        else "one, on GPU 0 (rank 0 sends; the other ranks only gather)",
+        "receivers_match": [r["matches"] for r in records],
+        "loss": records[0]["loss"],
+        "state_bytes_per_rank": [r["state_bytes"] for r in records],
+        "left_on_device": [r["left_on_device"] for r in records],
         "sync_ms_per_rank": [round(r["sync_s"] * 1e3, 2) for r in records],
         "sync_gbps_per_rank": [gbps(r["sync_bytes"], r["sync_s"]) for r in records],
-        "offload_gbps_per_rank": offload, "offload_vs_concurrent_d2h": [ratio(g, lim) for g, lim in zip(offload, d2h)],
-        "offload_gbps_total": total_offload, "offload_total_vs_concurrent": ratio(total_offload, limits.get("concurrent_d2h_gbps_total", 0)),
+        "offload_gbps_per_rank": offload,
+        "offload_vs_concurrent_d2h": [ratio(g, lim) for g, lim in zip(offload, d2h)],
+        "offload_gbps_total": total_offload,
+        "offload_total_vs_concurrent": ratio(total_offload, limits.get("concurrent_d2h_gbps_total", 0)),
         "flush_ms_per_rank": [round(r["flush_s"] * 1e3, 2) for r in records],
-        "reload_gbps_per_rank": reload, "reload_vs_concurrent_h2d": [ratio(g, lim) for g, lim in zip(reload, h2d)],
-        "reload_gbps_total": total_reload, "reload_total_vs_concurrent": ratio(total_reload, limits.get("concurrent_h2d_gbps_total", 0)),
+        "reload_gbps_per_rank": reload,
+        "reload_vs_concurrent_h2d": [ratio(g, lim) for g, lim in zip(reload, h2d)],
+        "reload_gbps_total": total_reload,
+        "reload_total_vs_concurrent": ratio(total_reload, limits.get("concurrent_h2d_gbps_total", 0)),
         "barrier_ms_per_rank": barrier_ms,
         # the rank that arrived last waits least; the longest wait is what the others paid for it
-        "barrier_wait_on_slowest_ms": max(barrier_ms), "slowest_rank": barrier_ms.index(min(barrier_ms)),
+        "barrier_wait_on_slowest_ms": max(barrier_ms),
+        "slowest_rank": barrier_ms.index(min(barrier_ms)),
         "resume_barrier_ms_per_rank": [round(r["resume_barrier_s"] * 1e3, 2) for r in records],
         "arena_pinned_ahead_s_per_rank": [r["arena_pin_s"] and round(r["arena_pin_s"], 3) for r in records],
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,10 +345,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument(
-        "--no-prepare", dest="prepare", action="store_false",
+        "--no-prepare",
+        dest="prepare",
+        action="store_false",
         help="do not pin the arena ahead (adapter.prepare()): round 0 then pays the pinning in its offload",
-    )  # fmt: skip
-    parser.add_argument("--flat-gib", type=float, default=None, help="bytes per GPU of the flat copies (default 4 GiB; CPU 64 MiB)")
+    )
+    parser.add_argument(
+        "--flat-gib", type=float, default=None, help="bytes per GPU of the flat copies (default 4 GiB; CPU 64 MiB)"
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu")
     args = parser.parse_args(argv)
@@ -336,7 +365,10 @@ def main(argv: list[str] | None = None) -> None:
         args.flat_gib = 4.0 if args.device == "cuda" else 1 / 16
     with tempfile.TemporaryDirectory(prefix="refitkit-node-") as tmp:
         context = mp.get_context("spawn")
-        procs = [context.Process(target=rank_main, args=(rank, args, os.path.join(tmp, "store"))) for rank in range(args.nproc)]
+        procs = [
+            context.Process(target=rank_main, args=(rank, args, os.path.join(tmp, "store")))
+            for rank in range(args.nproc)
+        ]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + 120.0 * (5 + args.rounds)

@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.limits import measure_copy_limits  # noqa: E402
-from refitkit.offload import HostArena, flush_device, offload_tensors, reload_tensors  # noqa: E402
 from benchmarks.shapes import CONFIGS, make_weights, total_bytes  # noqa: E402
+from refitkit.offload import HostArena, flush_device, offload_tensors, reload_tensors  # noqa: E402
 
 
 def pageable_baseline(weights: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -81,13 +81,19 @@ def main(argv: list[str] | None = None) -> dict:
         "device_bytes_freed": allocated_before - allocated_offloaded,
     }
     print(f"{config.name}: {nbytes / 1e9:.2f} GB in {len(weights)} bf16 tensors")
-    print(f"  limits (same run): pinned D2H {limits.pinned_d2h_gbps:.1f} GB/s, H2D {limits.pinned_h2d_gbps:.1f} GB/s, D2D {limits.d2d_gbps:.0f} GB/s")
+    print(
+        f"  limits (same run): pinned D2H {limits.pinned_d2h_gbps:.1f} GB/s, H2D {limits.pinned_h2d_gbps:.1f} GB/s, D2D {limits.d2d_gbps:.0f} GB/s"
+    )
     print(f"  naive .to('cpu') pageable: D2H {pageable_d2h:.1f} GB/s, H2D {pageable_h2d:.1f} GB/s")
     print(f"  first round (arena alloc + pin): offload {first_off.gbps:.1f} GB/s, reload {first_on.gbps:.1f} GB/s")
-    print(f"  steady ({args.rounds} rounds, median): offload {result['steady_offload_gbps']:.1f} GB/s "
-          f"({result['offload_ratio']:.3f}x pinned D2H), reload {result['steady_reload_gbps']:.1f} GB/s "
-          f"({result['reload_ratio']:.3f}x pinned H2D)")
-    print(f"  host footprint {footprint:.4f}x offloaded bytes; device bytes freed {result['device_bytes_freed'] / 1e9:.2f} GB")
+    print(
+        f"  steady ({args.rounds} rounds, median): offload {result['steady_offload_gbps']:.1f} GB/s "
+        f"({result['offload_ratio']:.3f}x pinned D2H), reload {result['steady_reload_gbps']:.1f} GB/s "
+        f"({result['reload_ratio']:.3f}x pinned H2D)"
+    )
+    print(
+        f"  host footprint {footprint:.4f}x offloaded bytes; device bytes freed {result['device_bytes_freed'] / 1e9:.2f} GB"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result

@@ -35,7 +35,9 @@ def main() -> None:
     del buffer
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     seconds = _timed(lambda: (buffer.zero_(), cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)))
-    print(f"parallel prefault ({torch.get_num_threads()} threads) + register (HostArena): {seconds / args.gib:.3f} s/GiB")
+    print(
+        f"parallel prefault ({torch.get_num_threads()} threads) + register (HostArena): {seconds / args.gib:.3f} s/GiB"
+    )
     cudart.cudaHostUnregister(buffer.data_ptr())
     del buffer
     seconds = _timed(lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))

@@ -61,11 +61,15 @@ def rank_main(rank: int, world_size: int, layers: int, dim: int, rounds: int) ->
     _, count = _pass_s(piped, device)
     best, floor = min(piped_s), min(local_s)
     return {
-        "rank": rank, "world_size": world_size, "weights": count, "dim": dim,
+        "rank": rank,
+        "world_size": world_size,
+        "weights": count,
+        "dim": dim,
         "bounded_headers": "pp_timeout_s" in inspect.signature(FSDPAdapter).parameters,
-        "pass_s": round(best, 5), "local_pass_s": round(floor, 5),
+        "pass_s": round(best, 5),
+        "local_pass_s": round(floor, 5),
         "us_per_weight": round((best - floor) / count * 1e6, 1),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

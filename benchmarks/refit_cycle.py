@@ -177,7 +177,9 @@ def fresh_reload_floor_s(adapter, device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0
     adapter.offload()
-    slots = sorted((s for s in adapter.arena._slots.values() if s.holds_data and not s.expired()), key=lambda s: -s.nbytes)
+    slots = sorted(
+        (s for s in adapter.arena._slots.values() if s.holds_data and not s.expired()), key=lambda s: -s.nbytes
+    )
     sources = [adapter.arena.host_bytes(slot, slot.nbytes) for slot in slots]
     flush_device(device)
     start = time.perf_counter()
@@ -237,15 +239,24 @@ def run_mode(mode: Mode, module: ShapedWeights, optimizer, step, sender, peer, d
                 gc_counts = counter.take()
                 next_step_s = _timed(step, device)
                 phases = {p.name: p for p in refit.phases}
-                rows.append({
-                    "round": "first" if index == 0 else "steady",
-                    "sync_ms": phases["sync_weights"].seconds * 1e3, "sync_bytes": phases["sync_weights"].bytes,
-                    "offload_s": phases["offload"].seconds, "offload_bytes": phases["offload"].bytes,
-                    "flush_ms": phases["flush_device"].seconds * 1e3, "barrier_ms": phases["barrier"].seconds * 1e3,
-                    "refit_s": refit_wall_s, "resume_s": resume_wall_s, "refit_phases_s": refit.seconds,
-                    "reload_s": resume.phase("reload").seconds, "reload_bytes": resume.phase("reload").bytes,
-                    "next_step_s": next_step_s, "gc_by_generation": gc_counts,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "round": "first" if index == 0 else "steady",
+                        "sync_ms": phases["sync_weights"].seconds * 1e3,
+                        "sync_bytes": phases["sync_weights"].bytes,
+                        "offload_s": phases["offload"].seconds,
+                        "offload_bytes": phases["offload"].bytes,
+                        "flush_ms": phases["flush_device"].seconds * 1e3,
+                        "barrier_ms": phases["barrier"].seconds * 1e3,
+                        "refit_s": refit_wall_s,
+                        "resume_s": resume_wall_s,
+                        "refit_phases_s": refit.seconds,
+                        "reload_s": resume.phase("reload").seconds,
+                        "reload_bytes": resume.phase("reload").bytes,
+                        "next_step_s": next_step_s,
+                        "gc_by_generation": gc_counts,
+                    }
+                )
     finally:
         counter.close()
     result["rounds"] = rows
@@ -257,7 +268,9 @@ def run_mode(mode: Mode, module: ShapedWeights, optimizer, step, sender, peer, d
     return result
 
 
-def bench_model(key: str, device: torch.device, rounds: int, modes: list[Mode], heap_objects: int, bucket_bytes: int) -> dict:
+def bench_model(
+    key: str, device: torch.device, rounds: int, modes: list[Mode], heap_objects: int, bucket_bytes: int
+) -> dict:
     from refitkit.transfer import BucketedWeightSender
 
     config = MODELS[key]
@@ -305,11 +318,14 @@ def bench_model(key: str, device: torch.device, rounds: int, modes: list[Mode], 
     if cuda:
         torch.cuda.empty_cache()
     return {
-        "model": config.name, "weight_bytes": weight_bytes, "state_bytes": results[-1]["arena_bytes"],
-        "intact": bool(intact), "modes": results,
+        "model": config.name,
+        "weight_bytes": weight_bytes,
+        "state_bytes": results[-1]["arena_bytes"],
+        "intact": bool(intact),
+        "modes": results,
         "bare_empty_cache_ms": bare_empty_cache_ms(results[-1]["segment_sizes"], device),
         "bare_regrow_ms": bare_regrow_ms(results[-1]["segment_sizes"], device),
-    }  # fmt: skip
+    }
 
 
 def summarize(model: dict, limits: dict | None) -> list[dict]:
@@ -328,20 +344,35 @@ def summarize(model: dict, limits: dict | None) -> list[dict]:
         reload_gbps = med("reload_bytes") / med("reload_s") / 1e9 if med("reload_s") else 0.0
         # the longest of the overlapped phases: the sync, or the offload's bytes at the flat D2H rate
         bound_s = max(med("sync_ms") / 1e3, med("offload_bytes") / (d2h * 1e9) if d2h else 0.0)
-        rows.append({
-            "model": model["model"], "mode": mode["mode"],
-            "first_offload_gbps": first_gbps, "first_offload_x": first_gbps / d2h if d2h else None,
-            "offload_gbps": offload_gbps, "offload_x": offload_gbps / d2h if d2h else None,
-            "reload_gbps": reload_gbps, "reload_x": reload_gbps / h2d if h2d else None,
-            # the reload's floor right after a flush: the same copies into memory the driver is still clearing
-            "reload_x_floor": mode["fresh_reload_floor_s"] / med("reload_s") if mode.get("fresh_reload_floor_s") and med("reload_s") else None,
-            "sync_ms": med("sync_ms"), "flush_ms": med("flush_ms"),
-            "flush_x_bare": med("flush_ms") / model["bare_empty_cache_ms"] if model["bare_empty_cache_ms"] else None,
-            "refit_s": med("refit_s"), "refit_x_bound": med("refit_s") / bound_s if bound_s else None,
-            "resume_s": med("resume_s"), "next_step_s": med("next_step_s"),
-            "step_cost_of_prepare_s": mode["overlapped_step_s"] - mode["baseline_step_s"] if "overlapped_step_s" in mode else None,
-            "gc_by_generation": [sum(r["gc_by_generation"][g] for r in mode["rounds"]) for g in range(3)],
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": model["model"],
+                "mode": mode["mode"],
+                "first_offload_gbps": first_gbps,
+                "first_offload_x": first_gbps / d2h if d2h else None,
+                "offload_gbps": offload_gbps,
+                "offload_x": offload_gbps / d2h if d2h else None,
+                "reload_gbps": reload_gbps,
+                "reload_x": reload_gbps / h2d if h2d else None,
+                # the reload's floor right after a flush: the same copies into memory the driver is still clearing
+                "reload_x_floor": mode["fresh_reload_floor_s"] / med("reload_s")
+                if mode.get("fresh_reload_floor_s") and med("reload_s")
+                else None,
+                "sync_ms": med("sync_ms"),
+                "flush_ms": med("flush_ms"),
+                "flush_x_bare": med("flush_ms") / model["bare_empty_cache_ms"]
+                if model["bare_empty_cache_ms"]
+                else None,
+                "refit_s": med("refit_s"),
+                "refit_x_bound": med("refit_s") / bound_s if bound_s else None,
+                "resume_s": med("resume_s"),
+                "next_step_s": med("next_step_s"),
+                "step_cost_of_prepare_s": mode["overlapped_step_s"] - mode["baseline_step_s"]
+                if "overlapped_step_s" in mode
+                else None,
+                "gc_by_generation": [sum(r["gc_by_generation"][g] for r in mode["rounds"]) for g in range(3)],
+            }
+        )
     return rows
 
 
@@ -350,8 +381,10 @@ def _fmt(value: object, spec: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'model':>10} {'mode':>22} {'1st off GB/s':>13} {'off GB/s':>12} {'reload GB/s':>12} {'rl/floor':>8} {'sync ms':>8} "
-          f"{'flush ms':>12} {'refit s':>13} {'resume s':>9} {'next step s':>11} {'prep cost s':>11} {'gc 0/1/2':>10}")  # fmt: skip
+    print(
+        f"{'model':>10} {'mode':>22} {'1st off GB/s':>13} {'off GB/s':>12} {'reload GB/s':>12} {'rl/floor':>8} {'sync ms':>8} "
+        f"{'flush ms':>12} {'refit s':>13} {'resume s':>9} {'next step s':>11} {'prep cost s':>11} {'gc 0/1/2':>10}"
+    )
     for r in rows:
         print(
             f"{r['model']:>10} {r['mode']:>22} {r['first_offload_gbps']:6.1f}={_fmt(r['first_offload_x'], '.2f'):>5}x "
@@ -360,15 +393,19 @@ def print_table(rows: list[dict]) -> None:
             f"{r['refit_s']:6.3f}={_fmt(r['refit_x_bound'], '.2f'):>5}x {r['resume_s']:9.3f} {r['next_step_s']:11.3f} "
             f"{_fmt(r['step_cost_of_prepare_s'], '.3f'):>11} {'/'.join(map(str, r['gc_by_generation'])):>10}"
         )
-    print("x: against the flat pinned D2H (offload) / H2D (reload) rate, the bare empty_cache of the same segments "
-          "(flush), and the longest overlapped phase: max(sync, offload bytes at the flat D2H rate) (refit); rl/floor: the same "
-          "allocations and copies, bare, right after a flush (fresh_reload_floor_s), over the reload's time")  # fmt: skip
+    print(
+        "x: against the flat pinned D2H (offload) / H2D (reload) rate, the bare empty_cache of the same segments "
+        "(flush), and the longest overlapped phase: max(sync, offload bytes at the flat D2H rate) (refit); rl/floor: the same "
+        "allocations and copies, bare, right after a flush (fresh_reload_floor_s), over the reload's time"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="full: 8b then 0.6b shapes; tiny: CPU smoke")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="full", help="full: 8b then 0.6b shapes; tiny: CPU smoke"
+    )
     parser.add_argument("--models", default=None, help="comma list of 8b, 0.6b, tiny (overrides --preset)")
     parser.add_argument("--modes", default=",".join(m.name for m in MODES))
     parser.add_argument("--rounds", type=int, default=3, help="steady rounds after the first, per mode")
@@ -382,7 +419,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         torch.cuda.set_device(device.index or 0)
     models = args.models.split(",") if args.models else list(PRESETS[args.preset])
-    heap_objects = args.heap_objects if args.heap_objects is not None else (20_000 if args.preset == "tiny" else 2_000_000)
+    heap_objects = (
+        args.heap_objects if args.heap_objects is not None else (20_000 if args.preset == "tiny" else 2_000_000)
+    )
     wanted = args.modes.split(",")
     modes = [m for m in MODES if m.name in wanted and (not m.defer or _defer_supported())]
     skipped = [m.name for m in MODES if m.name in wanted and m not in modes]
@@ -390,9 +429,11 @@ def main(argv: list[str] | None = None) -> dict:
     bucket = int(args.bucket_gib * (1 << 30)) if device.type == "cuda" else 8 << 20
     out = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "limits": limits, "heap_objects": heap_objects, "skipped_modes": skipped,
+        "limits": limits,
+        "heap_objects": heap_objects,
+        "skipped_modes": skipped,
         "models": [bench_model(key, device, args.rounds, modes, heap_objects, bucket) for key in models],
-    }  # fmt: skip
+    }
     out["table"] = [row for model in out["models"] for row in summarize(model, limits)]
     if limits:
         print(f"flat pinned copy: D2H {limits['pinned_d2h_gbps']:.1f} GB/s, H2D {limits['pinned_h2d_gbps']:.1f} GB/s")
@@ -400,9 +441,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"skipped (this refitkit has no resume(defer_optimizer=...)): {', '.join(skipped)}")
     print_table(out["table"])
     for model in out["models"]:
-        print(f"{model['model']}: receiver params {'match' if model['intact'] else 'DIFFER FROM'} the trainer's weights; "
-              f"bare empty_cache of the same segments {model['bare_empty_cache_ms']:.1f} ms, "
-              f"bare allocation of them {model['bare_regrow_ms']:.1f} ms")  # fmt: skip
+        print(
+            f"{model['model']}: receiver params {'match' if model['intact'] else 'DIFFER FROM'} the trainer's weights; "
+            f"bare empty_cache of the same segments {model['bare_empty_cache_ms']:.1f} ms, "
+            f"bare allocation of them {model['bare_regrow_ms']:.1f} ms"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if not all(model["intact"] for model in out["models"]):

@@ -30,7 +30,11 @@ CONFIGS = {c.name: c for c in (QWEN3_0_6B, QWEN3_8B, TINY)}
 
 def weight_shapes(config: DecoderConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every weight, in the order a HF checkpoint lists them."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, q, kv = (
+        config.hidden_size,
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config.vocab_size, h))]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."

@@ -69,7 +69,9 @@ class _Counters:
         self.anchor = ctypes.c_char.from_buffer(self.mapping)
         host = ctypes.addressof(self.anchor)
         torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
-        self._call("cuMemHostRegister_v2", ctypes.c_void_p(host), ctypes.c_size_t(mmap.PAGESIZE), ctypes.c_uint(_DEVICEMAP))
+        self._call(
+            "cuMemHostRegister_v2", ctypes.c_void_p(host), ctypes.c_size_t(mmap.PAGESIZE), ctypes.c_uint(_DEVICEMAP)
+        )
         device = ctypes.c_uint64()
         self._call("cuMemHostGetDevicePointer_v2", ctypes.byref(device), ctypes.c_void_p(host), ctypes.c_uint(0))
         self.host, self.device = host, device.value
@@ -82,12 +84,24 @@ class _Counters:
     def write_after(self, which: int, value: int) -> None:
         """Set counter ``which`` to ``value`` once the current stream's earlier work is done."""
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        self._call("cuStreamWriteValue32_v2", stream, ctypes.c_uint64(self.device + which), ctypes.c_uint32(value), ctypes.c_uint(0))
+        self._call(
+            "cuStreamWriteValue32_v2",
+            stream,
+            ctypes.c_uint64(self.device + which),
+            ctypes.c_uint32(value),
+            ctypes.c_uint(0),
+        )
 
     def wait_before(self, which: int, value: int) -> None:
         """The current stream's later work waits until counter ``which`` is at least ``value``."""
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        self._call("cuStreamWaitValue32_v2", stream, ctypes.c_uint64(self.device + which), ctypes.c_uint32(value), ctypes.c_uint(_WAIT_GEQ))
+        self._call(
+            "cuStreamWaitValue32_v2",
+            stream,
+            ctypes.c_uint64(self.device + which),
+            ctypes.c_uint32(value),
+            ctypes.c_uint(_WAIT_GEQ),
+        )
 
     def open_all(self) -> None:
         """Set both counters past any value a wait asks for, from the CPU: a stream still waiting (on a
@@ -105,7 +119,9 @@ class _Counters:
             if time.monotonic() > deadline:
                 self.open_all()
                 torch.cuda.current_stream().synchronize()  # bounded now: no wait is left closed
-                raise TimeoutError(f"sync_floor: {what} did not finish within --timeout-s={timeout_s} (peer dead or stuck?)")
+                raise TimeoutError(
+                    f"sync_floor: {what} did not finish within --timeout-s={timeout_s} (peer dead or stuck?)"
+                )
 
     def close(self) -> None:
         self.open_all()
@@ -155,7 +171,9 @@ def receiver_main(counters_path: str, shapes: list, half_bytes: int, rounds: int
         counters.close()
 
 
-def _receive(counters: _Counters, params: list, layout: list, half_bytes: int, rounds: int, timeout_s: float, conn) -> None:
+def _receive(
+    counters: _Counters, params: list, layout: list, half_bytes: int, rounds: int, timeout_s: float, conn
+) -> None:
     from refitkit.transfer._ipc.cuda_ipc import CudaIpcMapping
 
     flat_params = [p.view(-1).view(torch.uint8) for p in params]
@@ -163,7 +181,9 @@ def _receive(counters: _Counters, params: list, layout: list, half_bytes: int, r
     for round_ in range(rounds):
         msg = _recv_json(conn, "bucket handle", timeout_s)
         if msg.get("handle") is not None:
-            mapping = CudaIpcMapping({**msg["handle"], "ipc_handle": bytes.fromhex(msg["handle"]["ipc_handle"])}, torch.device("cuda", 0))
+            mapping = CudaIpcMapping(
+                {**msg["handle"], "ipc_handle": bytes.fromhex(msg["handle"]["ipc_handle"])}, torch.device("cuda", 0)
+            )
         base, current = msg["base"], -1
         flat = mapping.tensor
         for index, pieces in enumerate(layout):
@@ -187,7 +207,17 @@ def _receive(counters: _Counters, params: list, layout: list, half_bytes: int, r
             mapping.release()  # a kept bucket's mapping goes after the last round, untimed
 
 
-def _send(counters: _Counters, conn, weights: list, layout: list, half: int, bucket_bytes: int, mode: str, rounds: int, timeout_s: float):
+def _send(
+    counters: _Counters,
+    conn,
+    weights: list,
+    layout: list,
+    half: int,
+    bucket_bytes: int,
+    mode: str,
+    rounds: int,
+    timeout_s: float,
+):
     """Returns the sync times and whether every round's parameters matched that round's weights."""
     from refitkit.transfer._ipc.cuda_ipc import CudaIpcBucket
 
@@ -201,10 +231,15 @@ def _send(counters: _Counters, conn, weights: list, layout: list, half: int, buc
             if fresh:
                 bucket = CudaIpcBucket(bucket_bytes, device=device)
             handle = bucket.handle()
-            conn.send_bytes(json.dumps({
-                "handle": {**handle, "ipc_handle": handle["ipc_handle"].hex()} if fresh else None,
-                "base": base, "release": mode == "contract",
-            }).encode())  # fmt: skip
+            conn.send_bytes(
+                json.dumps(
+                    {
+                        "handle": {**handle, "ipc_handle": handle["ipc_handle"].hex()} if fresh else None,
+                        "base": base,
+                        "release": mode == "contract",
+                    }
+                ).encode()
+            )
             flat, current = bucket.tensor, -1
             for index, tensor in enumerate(iter(weights)):  # item by item, as from a generator
                 src = tensor.view(-1).view(torch.uint8)
@@ -269,8 +304,15 @@ def bench(model: str, mode: str, rounds: int, warmup: int, bucket_bytes: int, ti
             peer.kill()
             peer.join(10)
     steady = times[warmup:]
-    return {"median_ms": statistics.median(steady) * 1e3, "min_ms": min(steady) * 1e3, "buckets": layout[-1][-1][0] + 1,
-            "bytes": sum(w.numel() * 2 for w in weights), "tensors": len(weights), "intact": intact, "exit": peer.exitcode}  # fmt: skip
+    return {
+        "median_ms": statistics.median(steady) * 1e3,
+        "min_ms": min(steady) * 1e3,
+        "buckets": layout[-1][-1][0] + 1,
+        "bytes": sum(w.numel() * 2 for w in weights),
+        "tensors": len(weights),
+        "intact": intact,
+        "exit": peer.exitcode,
+    }
 
 
 def main() -> None:
@@ -286,13 +328,17 @@ def main() -> None:
 
     rate = d2d_copy_gbps()
     print(f"D2D copy {rate:.0f} GB/s")
-    print(f"{'model':>6} {'mode':>11} {'GB':>6} {'tensors':>7} {'buckets':>7} {'median ms':>10} {'min ms':>7} {'2 copies ms':>12} {'intact':>6}")
+    print(
+        f"{'model':>6} {'mode':>11} {'GB':>6} {'tensors':>7} {'buckets':>7} {'median ms':>10} {'min ms':>7} {'2 copies ms':>12} {'intact':>6}"
+    )
     for model in args.models.split(","):
         for mode in args.modes.split(","):
             r = bench(model, mode, args.rounds, args.warmup, int(args.bucket_gib * (1 << 30)), args.timeout_s)
             floor = 2 * r["bytes"] / rate / 1e6
-            print(f"{model:>6} {mode:>11} {r['bytes'] / 1e9:6.2f} {r['tensors']:7d} {r['buckets']:7d} {r['median_ms']:10.1f} "
-                  f"{r['min_ms']:7.1f} {floor:12.1f} {str(r['intact'] and r['exit'] == 0):>6}")  # fmt: skip
+            print(
+                f"{model:>6} {mode:>11} {r['bytes'] / 1e9:6.2f} {r['tensors']:7d} {r['buckets']:7d} {r['median_ms']:10.1f} "
+                f"{r['min_ms']:7.1f} {floor:12.1f} {str(r['intact'] and r['exit'] == 0):>6}"
+            )
 
 
 if __name__ == "__main__":

@@ -56,11 +56,18 @@ def run_variant(model: torch.nn.Module, variant: str, *, rounds: int, d2h_gbps: 
         start = time.perf_counter()
         flush_device()
         flush_s = time.perf_counter() - start
-        rows.append({
-            "variant": variant, "round": index, "train_ms": round(train_s * 1e3, 1), "offload_ms": round(offload_s * 1e3, 1),
-            "segments_at_flush": held, "flush_ms": round(flush_s * 1e3, 1), "state_gb": round(moved / 1e9, 2),
-            "flat_d2h_ms": round(moved / (d2h_gbps * 1e9) * 1e3, 1),
-        })  # fmt: skip
+        rows.append(
+            {
+                "variant": variant,
+                "round": index,
+                "train_ms": round(train_s * 1e3, 1),
+                "offload_ms": round(offload_s * 1e3, 1),
+                "segments_at_flush": held,
+                "flush_ms": round(flush_s * 1e3, 1),
+                "state_gb": round(moved / 1e9, 2),
+                "flat_d2h_ms": round(moved / (d2h_gbps * 1e9) * 1e3, 1),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
         adapter.reload()
     adapter.arena.release()  # the next variant pins its own
@@ -85,7 +92,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     limits = measure_copy_limits(1 << 30)
     model = hf_model(MODELS[args.model])
-    rows = [row for variant in variants for row in run_variant(model, variant, rounds=args.rounds, d2h_gbps=limits.pinned_d2h_gbps)]
+    rows = [
+        row
+        for variant in variants
+        for row in run_variant(model, variant, rounds=args.rounds, d2h_gbps=limits.pinned_d2h_gbps)
+    ]
     for variant in variants:
         steady = [row for row in rows if row["variant"] == variant and row["round"] > 0]
         print(

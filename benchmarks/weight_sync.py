@@ -138,9 +138,16 @@ def stream(weights: list[tuple[str, torch.Tensor]], source: str):
 
 
 def bench_model(
-    model: str, rounds: int, bucket_bytes: int, loader: str, warmup: int = 2, source: str = "list", path: str = "bucket",
-    layout: str = "separate", profile: str | None = None,
-) -> dict:  # fmt: skip
+    model: str,
+    rounds: int,
+    bucket_bytes: int,
+    loader: str,
+    warmup: int = 2,
+    source: str = "list",
+    path: str = "bucket",
+    layout: str = "separate",
+    profile: str | None = None,
+) -> dict:
     from refitkit.transfer import BucketedWeightSender
 
     shapes = weight_shapes(MODELS[model])
@@ -161,7 +168,9 @@ def bench_model(
     reserved_before, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
     times_ms, retained_reserved, retained_device, ack_ms, timings, receiver_timings = [], [], [], [], [], []
     direct = path == "direct"
-    with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120, direct=direct) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120, direct=direct
+    ) as sender:
         for _ in range(rounds + warmup):
             began = time.perf_counter()
             stats = sender.send(stream(weights, source))
@@ -186,14 +195,26 @@ def bench_model(
     peer.join(60)
     steady = times_ms[warmup:]
     return {
-        "model": model, "source": source, "path": path, "layout": layout, "split": split.__dict__ if split else None,
-        "bytes": total, "tensors": len(weights), "first_ms": times_ms[0], "intact": intact,
-        "median_ms": statistics.median(steady), "min_ms": min(steady),
-        "gbps": total / (statistics.median(steady) / 1e3) / 1e9, "ack_wait_ms": statistics.median(ack_ms[warmup:]),
-        "retained_reserved_mib": max(retained_reserved) / 2**20, "retained_device_mib": max(retained_device) / 2**20,
+        "model": model,
+        "source": source,
+        "path": path,
+        "layout": layout,
+        "split": split.__dict__ if split else None,
+        "bytes": total,
+        "tensors": len(weights),
+        "first_ms": times_ms[0],
+        "intact": intact,
+        "median_ms": statistics.median(steady),
+        "min_ms": min(steady),
+        "gbps": total / (statistics.median(steady) / 1e3) / 1e9,
+        "ack_wait_ms": statistics.median(ack_ms[warmup:]),
+        "retained_reserved_mib": max(retained_reserved) / 2**20,
+        "retained_device_mib": max(retained_device) / 2**20,
         "phase_ms": {k: statistics.median(t[k] for t in timings[warmup:]) * 1e3 for k in timings[-1]},
-        "receiver_ms": {k: statistics.median(t[k] for t in receiver_timings[warmup:]) * 1e3 for k in receiver_timings[-1]},
-    }  # fmt: skip
+        "receiver_ms": {
+            k: statistics.median(t[k] for t in receiver_timings[warmup:]) * 1e3 for k in receiver_timings[-1]
+        },
+    }
 
 
 def overhead_receiver_main(endpoint: str, sessions: int, conn) -> None:
@@ -226,7 +247,8 @@ def cpu_overhead(counts: list[int], rounds: int, warmup: int = 3) -> None:
 
     torch.set_num_threads(1)
     streams = {
-        n: [(f"model.layers.{i // 11}.w{i % 11}.weight", torch.randn(64).to(torch.bfloat16)) for i in range(n)] for n in counts
+        n: [(f"model.layers.{i // 11}.w{i % 11}.weight", torch.randn(64).to(torch.bfloat16)) for i in range(n)]
+        for n in counts
     }
     endpoint = f"bench-cpu-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
@@ -265,28 +287,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="0.6b,8b")
     parser.add_argument("--loaders", default="foreach,per-tensor,none", help="what the receiver does with each bucket")
-    parser.add_argument("--rounds", type=int, default=None, help="steady-state rounds (default 5; 30 with --cpu-overhead)")
     parser.add_argument(
-        "--warmup", type=int, default=2,
+        "--rounds", type=int, default=None, help="steady-state rounds (default 5; 30 with --cpu-overhead)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
         help="rounds before the steady state (the second round is still slower: first uses of the receiver's paths)",
-    )  # fmt: skip
+    )
     parser.add_argument("--sources", default="list,generator", help="what send() is given: list, generator, held")
     parser.add_argument("--bucket-gib", type=float, default=2.0)
-    parser.add_argument("--paths", default="bucket", help="bucket (pack, then copy out) and/or direct (sender direct=True)")
-    parser.add_argument("--layout", default="separate", choices=("separate", "segments"),
-                        help="one allocation per weight, or shared allocations of <= 2 GiB as a reload leaves them")
     parser.add_argument(
-        "--batch-max-mib", type=float, default=None,
+        "--paths", default="bucket", help="bucket (pack, then copy out) and/or direct (sender direct=True)"
+    )
+    parser.add_argument(
+        "--layout",
+        default="separate",
+        choices=("separate", "segments"),
+        help="one allocation per weight, or shared allocations of <= 2 GiB as a reload leaves them",
+    )
+    parser.add_argument(
+        "--batch-max-mib",
+        type=float,
+        default=None,
         help="sender: copy tensors below this size in one batch per bucket (default: refitkit's BATCH_MAX_BYTES)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--direct-ship", type=int, default=None,
+        "--direct-ship",
+        type=int,
+        default=None,
         help="sender, --paths direct: ship a direct bucket every this many tensors (default: refitkit's DIRECT_SHIP_TENSORS)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--profile", default=None, metavar="DIR",
+        "--profile",
+        default=None,
+        metavar="DIR",
         help="after the timed rounds, one more sync with cProfile on both sides (DIR/<run>-sender.prof, -receiver.prof)",
-    )  # fmt: skip
+    )
     parser.add_argument("--cpu-overhead", action="store_true", help="per-tensor CPU cost on each side, no GPU needed")
     parser.add_argument("--tensors", default="64,1024", help="--cpu-overhead: the two stream lengths")
     args = parser.parse_args()
@@ -301,6 +339,7 @@ def main() -> None:
 
         packing.BATCH_MAX_BYTES = int(args.batch_max_mib * (1 << 20))
     from refitkit.transfer.packing import BATCH_MAX_BYTES
+
     if args.direct_ship is not None:
         from refitkit.transfer._ipc import sender
 
@@ -322,12 +361,21 @@ def main() -> None:
     )
     print(header)
     for model in args.models.split(","):
-        runs = [(s, lo, p) for p in args.paths.split(",") for s in args.sources.split(",") for lo in args.loaders.split(",")]
+        runs = [
+            (s, lo, p) for p in args.paths.split(",") for s in args.sources.split(",") for lo in args.loaders.split(",")
+        ]
         for source, loader, path in runs:
             r = bench_model(
-                model, args.rounds, int(args.bucket_gib * (1 << 30)), loader, max(1, args.warmup), source, path, args.layout,
+                model,
+                args.rounds,
+                int(args.bucket_gib * (1 << 30)),
+                loader,
+                max(1, args.warmup),
+                source,
+                path,
+                args.layout,
                 profile=None if args.profile is None else f"{args.profile}/{model}-{path}-{source}-{loader}",
-            )  # fmt: skip
+            )
             # Floor: every byte is copied once into the bucket (the sender), and once more out of it by a
             # loader that copies (direct: only the loader's copy); at this GPU's D2D rate measured above.
             copies = (0 if loader == "none" else 1) + (path == "bucket")
@@ -345,7 +393,10 @@ def main() -> None:
             if r["split"] is not None:
                 print(f"{'':>6} split: {r['split']}", flush=True)
             print("        sender phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
-            print("        receiver phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["receiver_ms"].items() if v))
+            print(
+                "        receiver phases (median ms): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["receiver_ms"].items() if v)
+            )
 
 
 if __name__ == "__main__":

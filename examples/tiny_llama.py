@@ -17,10 +17,17 @@ VOCAB_SIZE = 256
 def tiny_config() -> LlamaConfig:
     """2 layers, GQA (2 query heads, 1 KV head), head_dim 64 (vLLM's CPU attention refuses smaller ones)."""
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
-        tie_word_embeddings=False, torch_dtype="float32",
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
 
 
 def random_llama(seed: int) -> LlamaForCausalLM:

@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 import torch
+from tiny_llama import write_tiny_llama  # beside this file
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
 
@@ -18,7 +19,6 @@ from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version
 from refitkit.transfer import BucketedWeightSender
-from tiny_llama import write_tiny_llama  # beside this file
 
 
 def main(model_path: str, steps: int = 2) -> None:
@@ -40,16 +40,22 @@ def main(model_path: str, steps: int = 2) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = torch.randint(0, model.config.vocab_size, (2, 16), device=device)
 
-    with BucketedWeightSender("quickstart", transport="auto") as sender, \
-            RefitCycle(FSDPAdapter(model, optimizer), VllmLink(llm, sender)) as cycle:
+    with (
+        BucketedWeightSender("quickstart", transport="auto") as sender,
+        RefitCycle(FSDPAdapter(model, optimizer), VllmLink(llm, sender)) as cycle,
+    ):
         for step in range(steps):
             model(input_ids=batch, labels=batch).loss.backward()  # a train step
             optimizer.step()
             optimizer.zero_grad()
             cycle.refit(step)  # push the weights into vLLM, offload the trainer, flush, barrier
-            outputs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-            print(f"step {step}: vLLM serves weight version {clean_weight_version(llm)}, "
-                  f"sampled {len(outputs[0].outputs[0].token_ids)} tokens")
+            outputs = llm.generate(
+                [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False
+            )
+            print(
+                f"step {step}: vLLM serves weight version {clean_weight_version(llm)}, "
+                f"sampled {len(outputs[0].outputs[0].token_ids)} tokens"
+            )
             cycle.resume(step)  # the trainer's state back on its device
 
 

@@ -37,7 +37,9 @@ def renamed_knob(knob: str, value: T, *, default: T, old: str, old_value: Any, c
     differ. Both given, and different from the default: ``InvalidInput``."""
     if old_value is None:
         return value
-    warnings.warn(f"{old}= is deprecated: use {knob}= (the same knob's name on every engine)", DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"{old}= is deprecated: use {knob}= (the same knob's name on every engine)", DeprecationWarning, stacklevel=3
+    )
     if value != default:
         raise InvalidInput(f"{old}={old_value!r} and {knob}={value!r}: {old} is {knob}'s former name; pass {knob} only")
     return old_value if converted is None else converted(old_value)

@@ -73,14 +73,22 @@ def _one_cycle(adapter: FSDPAdapter, *, width: int, device: torch.device, plant:
 
 
 def run_audit(
-    *, cycles: int = 30, width: int = 512, plant: str = "none", window: int = 20, warmup: int = 5,
-    threshold_mib_per_cycle: float = 1.0, memory_history: str | None = None,
-) -> AuditRun:  # fmt: skip
+    *,
+    cycles: int = 30,
+    width: int = 512,
+    plant: str = "none",
+    window: int = 20,
+    warmup: int = 5,
+    threshold_mib_per_cycle: float = 1.0,
+    memory_history: str | None = None,
+) -> AuditRun:
     """Run ``cycles`` watched cycles plus one under ``CycleAudit``; returns what was seen."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     adapter = FSDPAdapter(*_demo_model(width, device), zero_grads=True)
     run = AuditRun(device=str(device), cycles=cycles)
-    rss = RSSWatchdog(window=window, warmup=warmup, threshold_mib_per_cycle=threshold_mib_per_cycle, on_leak=lambda v: None)
+    rss = RSSWatchdog(
+        window=window, warmup=warmup, threshold_mib_per_cycle=threshold_mib_per_cycle, on_leak=lambda v: None
+    )
     gpu = GpuMemoryAudit()
     # allocator history costs a few µs an allocation: record only the last cycle
     history = GpuMemoryAudit(record_history=True, snapshot_path=memory_history) if memory_history else None
@@ -128,6 +136,7 @@ def plot_audit(run: AuditRun, path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (host, device) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+
     def x_of(cycle: int, phase: str) -> float:
         return cycle - 1 + (PHASES.index(phase) + 1) / len(PHASES)
 

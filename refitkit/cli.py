@@ -11,8 +11,9 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from refitkit.errors import RefitError
 
@@ -78,7 +79,9 @@ def _check_output_path(parser: argparse.ArgumentParser, option: str, path: str) 
         if not os.access(folder, os.W_OK):
             parser.error(f"{option} {path}: folder {folder} is not writable")
     except (OSError, RuntimeError) as error:  # a name too long, a symlink loop
-        parser.error(f"{option} {path}: not a usable path ({error.__class__.__name__}: {error.strerror if isinstance(error, OSError) else error})")
+        parser.error(
+            f"{option} {path}: not a usable path ({error.__class__.__name__}: {error.strerror if isinstance(error, OSError) else error})"
+        )
 
 
 def _check_cuda_device(parser: argparse.ArgumentParser, text: str) -> None:
@@ -116,8 +119,6 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     Console().print(table)
 
 
-
-
 def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """The refit cycle end to end: train, stream weights to a spawned peer, offload, barrier, reload."""
     if args.device is not None:
@@ -128,10 +129,14 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     rows: list[list[str]] = []
     for index, round_ in enumerate(result.rounds):
         for phase in round_.refit.phases + round_.resume.phases:
-            rows.append([
-                f"round {index} {phase.name}", f"{phase.bytes / 2**20:.1f}", f"{phase.seconds * 1e3:.2f}",
-                f"{phase.gbps:.2f}" if phase.bytes else "",
-            ])
+            rows.append(
+                [
+                    f"round {index} {phase.name}",
+                    f"{phase.bytes / 2**20:.1f}",
+                    f"{phase.seconds * 1e3:.2f}",
+                    f"{phase.gbps:.2f}" if phase.bytes else "",
+                ]
+            )
     _table(
         f"refitkit demo on {result.device} ({result.transport} transport, spawned inference peer)",
         ["phase", "MiB", "ms", "GB/s"],
@@ -155,9 +160,12 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     root = Path(__file__).resolve().parent.parent
     folder = root / "benchmarks"
     if not (folder / "_sizing.py").is_file():  # benchmarks/ is not part of the wheel
-        print(f"{parser.prog}: error: benchmarks run from a source checkout, not from an installed package "
-              f"(no benchmarks/ beside {root}): in a clone of the repository, run `make bench`, "
-              "or `refitkit bench` with refitkit installed from it by `pip install -e .`", file=sys.stderr)  # fmt: skip
+        print(
+            f"{parser.prog}: error: benchmarks run from a source checkout, not from an installed package "
+            f"(no benchmarks/ beside {root}): in a clone of the repository, run `make bench`, "
+            "or `refitkit bench` with refitkit installed from it by `pip install -e .`",
+            file=sys.stderr,
+        )
         return 1
     sys.path.insert(0, str(root))  # benchmarks/ belongs to the source checkout, not to the installed library
     from benchmarks._sizing import PLANNERS, available_host_bytes, plan_benchmarks, probe_machine
@@ -170,11 +178,15 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     gpu_bytes = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GIB)
     machine = probe_machine(host_bytes=host_bytes, gpu_bytes=gpu_bytes)
     available = available_host_bytes()
-    print(f"budget: {machine.host_bytes / GIB:.1f} GiB host ({available / GIB:.1f} GiB available), "
-          f"{machine.gpu_bytes / GIB:.1f} GiB GPU" + ("" if machine.has_gpu else " (no GPU: GPU benchmarks skipped)"))  # fmt: skip
+    print(
+        f"budget: {machine.host_bytes / GIB:.1f} GiB host ({available / GIB:.1f} GiB available), "
+        f"{machine.gpu_bytes / GIB:.1f} GiB GPU" + ("" if machine.has_gpu else " (no GPU: GPU benchmarks skipped)")
+    )
     if machine.host_bytes > available:
         print(f"note: --host-memory-gib {args.host_memory_gib:g} is more than the host has available now")
-    unplanned = sorted(p.name for p in folder.glob("*.py") if not p.name.startswith(("_", "limits")) and p.stem not in PLANNERS)
+    unplanned = sorted(
+        p.name for p in folder.glob("*.py") if not p.name.startswith(("_", "limits")) and p.stem not in PLANNERS
+    )
     plans = plan_benchmarks(machine, names or None)
     failed: list[str] = []
     for plan in plans:
@@ -194,15 +206,27 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 1 if failed else 0
 
 
-def _audit_rows(run: "AuditRun") -> list[tuple[str, str, str]]:
+def _audit_rows(run: AuditRun) -> list[tuple[str, str, str]]:
     rows = []
     last = run.verdicts[-1]
     flagged = [v for v in run.verdicts if v.leaking]
     if flagged:
         first = flagged[0]
-        rows.append(("host RSS", "LEAK", f"growing from cycle {first.cycle}: {last.slope_mib_per_cycle:+.2f} MiB/cycle, phase {first.phase!r}"))
+        rows.append(
+            (
+                "host RSS",
+                "LEAK",
+                f"growing from cycle {first.cycle}: {last.slope_mib_per_cycle:+.2f} MiB/cycle, phase {first.phase!r}",
+            )
+        )
     else:
-        rows.append(("host RSS", "ok", f"{last.slope_mib_per_cycle:+.2f} MiB/cycle over {last.window} cycles; RSS {last.rss_bytes / MIB:.0f} MiB"))
+        rows.append(
+            (
+                "host RSS",
+                "ok",
+                f"{last.slope_mib_per_cycle:+.2f} MiB/cycle over {last.window} cycles; RSS {last.rss_bytes / MIB:.0f} MiB",
+            )
+        )
     report = run.cycle_report
     if report is None or report.clean:
         rows.append(("reference cycles", "ok", "0 objects in cycles in one audited cycle"))
@@ -215,8 +239,14 @@ def _audit_rows(run: "AuditRun") -> list[tuple[str, str, str]]:
     if totals is not None:
         gens = "/".join(str(n) for n in totals.automatic_by_generation)
         status = "warn" if totals.explicit else "ok"
-        rows.append(("GC activity", status, f"automatic by generation {gens}, {totals.automatic_s * 1e3:.1f} ms; "
-                     f"explicit {totals.explicit}; longest pause {totals.max_pause_s * 1e3:.2f} ms"))  # fmt: skip
+        rows.append(
+            (
+                "GC activity",
+                status,
+                f"automatic by generation {gens}, {totals.automatic_s * 1e3:.1f} ms; "
+                f"explicit {totals.explicit}; longest pause {totals.max_pause_s * 1e3:.2f} ms",
+            )
+        )
     if not run.gpu_available:
         rows.append(("GPU memory", "n/a", "no CUDA device"))
     elif run.gpu_retained_bytes:
@@ -226,7 +256,7 @@ def _audit_rows(run: "AuditRun") -> list[tuple[str, str, str]]:
     return rows
 
 
-def _print_audit_table(run: "AuditRun", rows: list[tuple[str, str, str]]) -> None:
+def _print_audit_table(run: AuditRun, rows: list[tuple[str, str, str]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -240,22 +270,24 @@ def _print_audit_table(run: "AuditRun", rows: list[tuple[str, str, str]]) -> Non
     Console(file=sys.stdout, width=160).print(table)
 
 
-
-
 def _check_audit_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """What argparse's types cannot see: the machine (memory, CUDA, matplotlib) and the output folders."""
     import psutil
     import torch
 
     if args.cycles < args.warmup + 3:  # the trend starts after the warm-up and needs 3 points: else nothing is judged
-        parser.error(f"--cycles {args.cycles} leaves no cycle to judge after --warmup {args.warmup}: "
-                     f"need --cycles >= {args.warmup + 3} (or a smaller --warmup)")  # fmt: skip
+        parser.error(
+            f"--cycles {args.cycles} leaves no cycle to judge after --warmup {args.warmup}: "
+            f"need --cycles >= {args.warmup + 3} (or a smaller --warmup)"
+        )
     params = 4 * (args.width * args.width + args.width)
     need = AUDIT_BASE_BYTES + AUDIT_BYTES_PER_PARAM * params
     available = psutil.virtual_memory().available
     if need > available:
-        parser.error(f"--width {args.width}: the demo model needs ~{need / GIB:.1f} GiB, "
-                     f"{available / GIB:.1f} GiB is available; use a smaller --width")  # fmt: skip
+        parser.error(
+            f"--width {args.width}: the demo model needs ~{need / GIB:.1f} GiB, "
+            f"{available / GIB:.1f} GiB is available; use a smaller --width"
+        )
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -274,9 +306,14 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     from refitkit.audit import plot_audit, run_audit
 
     run = run_audit(
-        cycles=args.cycles, width=args.width, plant=args.plant, window=args.window, warmup=args.warmup,
-        threshold_mib_per_cycle=args.threshold_mib_per_cycle, memory_history=args.memory_history,
-    )  # fmt: skip
+        cycles=args.cycles,
+        width=args.width,
+        plant=args.plant,
+        window=args.window,
+        warmup=args.warmup,
+        threshold_mib_per_cycle=args.threshold_mib_per_cycle,
+        memory_history=args.memory_history,
+    )
     rows = _audit_rows(run)
     _print_audit_table(run, rows)
     if args.plot:
@@ -289,49 +326,95 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def _add_audit_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cycles", type=_int_at_least(1), default=30, help="watched offload/reload cycles (default 30)")
-    parser.add_argument("--width", type=_int_at_least(1), default=512, help="demo model width: 4 square layers (default 512)")
-    parser.add_argument("--window", type=_int_at_least(3, " (a trend needs 3 cycles)"), default=20,
-                        help="RSS trend window in cycles, >= 3 (default 20)")  # fmt: skip
-    parser.add_argument("--warmup", type=_int_at_least(0), default=5, help="cycles before the RSS trend is judged (default 5)")
-    parser.add_argument("--threshold-mib-per-cycle", type=_finite_float(allow_zero=False), default=1.0,
-                        help="RSS growth that counts as a leak, MiB per cycle (default 1.0)")  # fmt: skip
-    parser.add_argument("--plant", choices=("none", "cycle", "bytes"), default="none",
-                        help="plant a leak (cycle: 1 MiB held by a reference cycle; bytes: 4 MiB of RSS) per cycle "
-                             "to see what a finding looks like (default none)")  # fmt: skip
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of host RSS and GPU memory per phase (needs matplotlib)")
-    parser.add_argument("--memory-history", metavar="PATH", help="(CUDA) record allocator history for the last cycle and dump it here")
+    parser.add_argument(
+        "--cycles", type=_int_at_least(1), default=30, help="watched offload/reload cycles (default 30)"
+    )
+    parser.add_argument(
+        "--width", type=_int_at_least(1), default=512, help="demo model width: 4 square layers (default 512)"
+    )
+    parser.add_argument(
+        "--window",
+        type=_int_at_least(3, " (a trend needs 3 cycles)"),
+        default=20,
+        help="RSS trend window in cycles, >= 3 (default 20)",
+    )
+    parser.add_argument(
+        "--warmup", type=_int_at_least(0), default=5, help="cycles before the RSS trend is judged (default 5)"
+    )
+    parser.add_argument(
+        "--threshold-mib-per-cycle",
+        type=_finite_float(allow_zero=False),
+        default=1.0,
+        help="RSS growth that counts as a leak, MiB per cycle (default 1.0)",
+    )
+    parser.add_argument(
+        "--plant",
+        choices=("none", "cycle", "bytes"),
+        default="none",
+        help="plant a leak (cycle: 1 MiB held by a reference cycle; bytes: 4 MiB of RSS) per cycle "
+        "to see what a finding looks like (default none)",
+    )
+    parser.add_argument(
+        "--plot", metavar="PATH", help="write a PNG of host RSS and GPU memory per phase (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--memory-history", metavar="PATH", help="(CUDA) record allocator history for the last cycle and dump it here"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: ``refitkit [--version] {demo,bench,audit} ...``."""
-    parser = argparse.ArgumentParser(prog="refitkit", description="colocated RL refit: weights to the inference engine, "
-                                     "trainer state to pinned host memory")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="refitkit",
+        description="colocated RL refit: weights to the inference engine, trainer state to pinned host memory",
+    )
     parser.add_argument("--version", action="version", version=f"refitkit {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,audit}")
 
-    demo_parser = commands.add_parser("demo", help="the refit cycle end to end on a small model",
-                                      description="train, stream weights to a spawned peer, offload, line up, reload")  # fmt: skip
+    demo_parser = commands.add_parser(
+        "demo",
+        help="the refit cycle end to end on a small model",
+        description="train, stream weights to a spawned peer, offload, line up, reload",
+    )
     demo_parser.add_argument("--rounds", type=_int_at_least(1), default=3, help="train/refit/resume rounds (default 3)")
-    demo_parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    demo_parser.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)"
+    )
     demo_parser.set_defaults(run=demo, parser=demo_parser)
 
-    bench_parser = commands.add_parser("bench", help="run benchmarks/, sized to this machine",
-                                       description="run each script in benchmarks/ at the largest size this machine's "
-                                       "memory allows, or skip it with the reason. benchmarks/ ships with the source "
-                                       "checkout, not the wheel: run it from a clone (make bench, or after pip install -e .); "
-                                       "exits 1 outside a source checkout, and when a benchmark fails")  # fmt: skip
-    bench_parser.add_argument("--only", action="append", metavar="NAME[,NAME]", help="run only these benchmarks (e.g. fsdp_offload)")
-    bench_parser.add_argument("--host-memory-gib", type=_finite_float(allow_zero=False), default=None,
-                              help="host memory the benchmarks may use (default: 80%% of what psutil reports available)")  # fmt: skip
-    bench_parser.add_argument("--gpu-memory-gib", type=_finite_float(allow_zero=True), default=None,
-                              help="GPU memory they may use; 0 skips GPU benchmarks (default: 90%% of GPU 0's free memory)")  # fmt: skip
-    bench_parser.add_argument("--dry-run", action="store_true", help="print the plan (sizes and skips) without running anything")
+    bench_parser = commands.add_parser(
+        "bench",
+        help="run benchmarks/, sized to this machine",
+        description="run each script in benchmarks/ at the largest size this machine's "
+        "memory allows, or skip it with the reason. benchmarks/ ships with the source "
+        "checkout, not the wheel: run it from a clone (make bench, or after pip install -e .); "
+        "exits 1 outside a source checkout, and when a benchmark fails",
+    )
+    bench_parser.add_argument(
+        "--only", action="append", metavar="NAME[,NAME]", help="run only these benchmarks (e.g. fsdp_offload)"
+    )
+    bench_parser.add_argument(
+        "--host-memory-gib",
+        type=_finite_float(allow_zero=False),
+        default=None,
+        help="host memory the benchmarks may use (default: 80%% of what psutil reports available)",
+    )
+    bench_parser.add_argument(
+        "--gpu-memory-gib",
+        type=_finite_float(allow_zero=True),
+        default=None,
+        help="GPU memory they may use; 0 skips GPU benchmarks (default: 90%% of GPU 0's free memory)",
+    )
+    bench_parser.add_argument(
+        "--dry-run", action="store_true", help="print the plan (sizes and skips) without running anything"
+    )
     bench_parser.set_defaults(run=bench, parser=bench_parser)
 
-    audit_parser = commands.add_parser("audit", help="watchdog verdicts over N offload/reload cycles",
-                                       description="run offload/reload cycles on a demo model under all four watchers; "
-                                       "print a verdict table")  # fmt: skip
+    audit_parser = commands.add_parser(
+        "audit",
+        help="watchdog verdicts over N offload/reload cycles",
+        description="run offload/reload cycles on a demo model under all four watchers; print a verdict table",
+    )
     _add_audit_options(audit_parser)
     audit_parser.set_defaults(run=run_audit_command, parser=audit_parser)
     return parser

@@ -131,7 +131,9 @@ def run_demo(*, rounds: int = 3, device: str | None = None, bucket_bytes: int = 
     monitor = GcMonitor()
     results: list[DemoRound] = []
     stage = "start"
-    with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport=transport, timeout_s=PEER_TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=bucket_bytes, transport=transport, timeout_s=PEER_TIMEOUT_S
+    ) as sender:
         peer.start()
         child.close()  # only the peer holds its end now, so its death reads as EOF here
         finished = False

@@ -32,9 +32,13 @@ class TransferError(RefitError):
     fields = ("remote_message", "remote_type", "remote_traceback")
 
     def __init__(
-        self, message: str, *, remote_message: str | None = None, remote_type: str | None = None,
+        self,
+        message: str,
+        *,
+        remote_message: str | None = None,
+        remote_type: str | None = None,
         remote_traceback: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.remote_message = remote_message
         self.remote_type = remote_type
@@ -50,9 +54,13 @@ class RemoteError(RefitError):
     here from its code and fields (e.g. the ``EngineAsleep`` an engine rank refused a push with); None otherwise."""
 
     def __init__(
-        self, remote_type: str, remote_message: str, remote_traceback: str | None = None, *,
+        self,
+        remote_type: str,
+        remote_message: str,
+        remote_traceback: str | None = None,
+        *,
         error: RefitError | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         text = f"{remote_type}: {remote_message}"
         if remote_traceback:
             text += f"\n--- on the peer ---\n{remote_traceback.rstrip()}"
@@ -162,9 +170,17 @@ class WeightRejected(EngineError):
     fields = ("weight", "shape", "expected_shape", "engine", "phase", "remote_type", "remote_message")
 
     def __init__(
-        self, message: str, *, weight: str, shape: tuple[int, ...] | None, expected_shape: tuple[int, ...] | None,
-        engine: str, phase: str, remote_type: str | None = None, remote_message: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        message: str,
+        *,
+        weight: str,
+        shape: tuple[int, ...] | None,
+        expected_shape: tuple[int, ...] | None,
+        engine: str,
+        phase: str,
+        remote_type: str | None = None,
+        remote_message: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.weight, self.shape, self.expected_shape = weight, shape, expected_shape
         self.engine, self.phase = engine, phase
@@ -193,9 +209,15 @@ class PartialPush(EngineError):
     fields = ("version", "delivered", "expected", "missing", "engine")
 
     def __init__(
-        self, message: str, *, version: int | None, delivered: int | None, expected: int | None,
-        missing: tuple[str, ...] = (), engine: str,
-    ) -> None:  # fmt: skip
+        self,
+        message: str,
+        *,
+        version: int | None,
+        delivered: int | None,
+        expected: int | None,
+        missing: tuple[str, ...] = (),
+        engine: str,
+    ) -> None:
         super().__init__(message)
         self.version, self.delivered, self.expected, self.missing = version, delivered, expected, tuple(missing)
         self.engine = engine
@@ -207,10 +229,22 @@ class PartialPush(EngineError):
 CROSSING: dict[str, type[RefitError]] = {
     cls.__name__: cls
     for cls in (
-        RefitError, InvalidInput, TransferError, TransferTimeout, PeerGone, ProtocolError, EngineError, EngineAsleep,
-        EngineTimeout, KVCacheWontFit, WeightRejected, UnknownWeight, WeightShapeMismatch, PartialPush,
+        RefitError,
+        InvalidInput,
+        TransferError,
+        TransferTimeout,
+        PeerGone,
+        ProtocolError,
+        EngineError,
+        EngineAsleep,
+        EngineTimeout,
+        KVCacheWontFit,
+        WeightRejected,
+        UnknownWeight,
+        WeightShapeMismatch,
+        PartialPush,
     )
-}  # fmt: skip
+}
 
 
 def error_record(error: BaseException) -> dict[str, Any]:

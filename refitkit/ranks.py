@@ -75,7 +75,9 @@ class RankGroup:
         if dist is None:
             self.rank, self.size, self._group, self._ranks = 0, 1, None, [0]
             return
-        self._ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        self._ranks = (
+            list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+        )
         self.rank = dist.get_rank()
         if self.rank not in self._ranks:
             raise InvalidInput(f"RankGroup: rank {self.rank} is not in the given group (ranks {self._ranks})")
@@ -88,9 +90,11 @@ class RankGroup:
                 # counted name (every rank makes its groups in the same order), so a group made after another
                 # one was closed never meets that one's rendezvous keys (hashed names repeat per rank set).
                 self._group = dist.new_group(
-                    self._ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s),
+                    self._ranks,
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=self.timeout_s),
                     use_local_synchronization=group is not None,
-                )  # fmt: skip
+                )
             except RuntimeError as exc:  # gloo's rendezvous gave up: some rank never made its group
                 raise BarrierTimeout(
                     f"barrier after {phase} timed out after {self.timeout_s:.1f} s on rank {self.rank} while making the "
@@ -267,7 +271,12 @@ def _message(error: BaseException | None) -> str | None:
 
 def _encode(round_: int, status: RankStatus) -> bytes:
     """The JSON record, cut to fit ``RECORD_BYTES``: the error message shortened as far as needed."""
-    fields = {"round": round_, "phase": status.phase[:200], "type": (status.error_type or "")[:200] or None, "error": status.error}
+    fields = {
+        "round": round_,
+        "phase": status.phase[:200],
+        "type": (status.error_type or "")[:200] or None,
+        "error": status.error,
+    }
     payload = json.dumps(fields, ensure_ascii=True).encode()
     message = status.error or ""
     while len(payload) > RECORD_BYTES:

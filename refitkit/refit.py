@@ -40,8 +40,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.profiler import record_function
@@ -93,7 +93,7 @@ class _Weights:
         self.refitkit_holds_tensors = getattr(weights, "refitkit_holds_tensors", False) is True
         self.refitkit_fresh_tensors = getattr(weights, "refitkit_fresh_tensors", False) is True  # (``FreshWeights``)
 
-    def __iter__(self) -> "_Weights":
+    def __iter__(self) -> _Weights:
         return self
 
     def __next__(self) -> tuple[str, Any]:
@@ -126,8 +126,8 @@ class RefitCycle:
 
     def __init__(
         self,
-        adapter: "EngineAdapter",
-        sender: "BucketedWeightSender | None" = None,
+        adapter: EngineAdapter,
+        sender: BucketedWeightSender | None = None,
         *,
         group: Any = None,
         barrier_timeout_s: float = 300.0,
@@ -137,7 +137,9 @@ class RefitCycle:
         from refitkit.engines.base import EngineAdapter
 
         if not isinstance(adapter, EngineAdapter):
-            raise InvalidInput(f"RefitCycle: adapter must be an EngineAdapter (e.g. FSDPAdapter), got a {type(adapter).__name__}")
+            raise InvalidInput(
+                f"RefitCycle: adapter must be an EngineAdapter (e.g. FSDPAdapter), got a {type(adapter).__name__}"
+            )
         if sender is not None and not callable(getattr(sender, "send", None)):
             raise InvalidInput(f"RefitCycle: sender must have a send(weights) method, got a {type(sender).__name__}")
         if not isinstance(overlap, bool):
@@ -150,8 +152,9 @@ class RefitCycle:
         if sender is None and self.ranks.size == 1:
             logger.warning(
                 "RefitCycle on a single rank without a sender: refit() offloads %s but sends its weights nowhere "
-                "(pass a BucketedWeightSender or an engine link to sync them)", type(adapter).__name__,
-            )  # fmt: skip
+                "(pass a BucketedWeightSender or an engine link to sync them)",
+                type(adapter).__name__,
+            )
         self.barrier_timeout_s = self.ranks.timeout_s
         self.on_phase = on_phase  # e.g. RSSWatchdog.mark, to sample at every phase boundary
 
@@ -237,7 +240,7 @@ class RefitCycle:
         """Destroy the cycle's gloo group (every rank closes its cycle); the cycle cannot run afterwards."""
         self.ranks.close()
 
-    def __enter__(self) -> "RefitCycle":
+    def __enter__(self) -> RefitCycle:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -245,7 +248,7 @@ class RefitCycle:
 
     # -- phases -----------------------------------------------------------------------------------
 
-    def _offload(self, flight: "OffloadInFlight | BaseException | None") -> int:
+    def _offload(self, flight: OffloadInFlight | BaseException | None) -> int:
         """The offload phase: the params, and inside their move (once its checks passed and its copies were issued)
         the optimizer state started before the sync, freed while the params' copies run. A params offload that fails
         its checks cancels those copies, so that failure leaves every part on the device, as without overlap."""
@@ -321,13 +324,15 @@ class RefitCycle:
             raise lost from mine
         raise lost
 
-    def _cancel(self, flight: "OffloadInFlight | BaseException | None", error: BaseException) -> None:
+    def _cancel(self, flight: OffloadInFlight | BaseException | None, error: BaseException) -> None:
         """A phase failed: wait for the optimizer copies and keep the optimizer state on the device."""
         if flight is not None and not isinstance(flight, BaseException):
             try:
                 self.adapter.cancel_offload(flight)
             except Exception as cancel_error:
-                error.add_note(f"refitkit: waiting for the optimizer copies after this failure failed too: {cancel_error!r}")
+                error.add_note(
+                    f"refitkit: waiting for the optimizer copies after this failure failed too: {cancel_error!r}"
+                )
 
     def _sync_weights(self, earlier: list[BaseException]) -> int:
         """The sync phase; ``earlier``: this rank's failure before it (waking the engine), exchanged in its outcome."""
@@ -349,8 +354,12 @@ class RefitCycle:
                     failures[0].add_note(f"refitkit: draining named_weights() after it failed too: {failures[1]!r}")
                 logger.warning(
                     "rank %d: weight sync failed after %d weights (%s); iterated the %d left so every rank "
-                    "finishes its gathers", self.ranks.rank, weights.pulled, failures[0], left,
-                )  # fmt: skip
+                    "finishes its gathers",
+                    self.ranks.rank,
+                    weights.pulled,
+                    failures[0],
+                    left,
+                )
         self._settle("sync_weights", failures)
         return moved
 
@@ -400,7 +409,7 @@ def _memory_step(sender: Any, method: str) -> Callable[[], Any] | None:
     return call if callable(call) and getattr(sender, "drives_memory", False) else None
 
 
-def _begun(adapter: "EngineAdapter") -> "OffloadInFlight | BaseException":
+def _begun(adapter: EngineAdapter) -> OffloadInFlight | BaseException:
     """``adapter.begin_offload()``, or its error (raised in the offload phase, whose outcome all ranks exchange)."""
     try:
         return adapter.begin_offload()

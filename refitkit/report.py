@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -76,7 +77,9 @@ def plot_timeline(reports: list[RefitReport], path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:  # optional extra
         raise ImportError("plot_timeline needs matplotlib: pip install 'refitkit[plot]'") from exc
-    names = sorted({p.name for r in reports for p in r.phases}, key=lambda n: [p.name for r in reports for p in r.phases].index(n))
+    names = sorted(
+        {p.name for r in reports for p in r.phases}, key=lambda n: [p.name for r in reports for p in r.phases].index(n)
+    )
     colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
     figure, axes = plt.subplots(figsize=(10, 1 + 0.4 * len(reports)))
     for row, report in enumerate(reports):
@@ -84,7 +87,12 @@ def plot_timeline(reports: list[RefitReport], path: str | Path) -> None:
             axes.barh(row, phase.seconds * 1e3, left=phase.start_s * 1e3, color=colours[phase.name])
     axes.set_yticks(range(len(reports)), [f"step {r.step} rank {r.rank}" for r in reports])
     axes.set_xlabel("ms since cycle start")
-    axes.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names], labels=names, loc="upper right", fontsize="small")
+    axes.legend(
+        handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names],
+        labels=names,
+        loc="upper right",
+        fontsize="small",
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

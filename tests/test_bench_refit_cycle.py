@@ -22,12 +22,34 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_tiny_refit_cycle_benchmark_runs_every_mode_and_delivers_the_weights(tmp_path):
     out = tmp_path / "refit_cycle.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        OMP_NUM_THREADS="1",
+    )
     done = subprocess.run(
-        [sys.executable, "benchmarks/refit_cycle.py", "--preset", "tiny", "--device", "cpu", "--rounds", "1",
-         "--modes", "serial,overlap+prepare", "--heap-objects", "1000", "--json", str(out)],
-        capture_output=True, text=True, timeout=280, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/refit_cycle.py",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--rounds",
+            "1",
+            "--modes",
+            "serial,overlap+prepare",
+            "--heap-objects",
+            "1000",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "receiver params match the trainer's weights" in done.stdout
     result = json.loads(out.read_text())

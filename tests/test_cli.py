@@ -30,7 +30,12 @@ def refitkit(*argv: str, timeout_s: float = 120.0) -> subprocess.CompletedProces
     """``python -m refitkit.cli ARGV`` with this checkout first on the path."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     return subprocess.run(
-        [sys.executable, "-m", "refitkit.cli", *argv], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT
+        [sys.executable, "-m", "refitkit.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -54,31 +59,66 @@ def test_every_option_carries_help_text():
 
 
 BAD_OPTIONS = [
-    (["audit", "--window", "2"], "refitkit audit: error: argument --window: must be >= 3 (a trend needs 3 cycles), got 2"),
+    (
+        ["audit", "--window", "2"],
+        "refitkit audit: error: argument --window: must be >= 3 (a trend needs 3 cycles), got 2",
+    ),
     (["audit", "--width", "0"], "refitkit audit: error: argument --width: must be >= 1, got 0"),
     (["audit", "--width", "-3"], "refitkit audit: error: argument --width: must be >= 1, got -3"),
     (["audit", "--width", "1000000"], "refitkit audit: error: --width 1000000: the demo model needs ~"),
     (["audit", "--warmup", "-1"], "refitkit audit: error: argument --warmup: must be >= 0, got -1"),
     (["audit", "--cycles", "x"], "refitkit audit: error: argument --cycles: expected an integer, got 'x'"),
-    (["audit", "--cycles", "2"], "refitkit audit: error: --cycles 2 leaves no cycle to judge after --warmup 5: need --cycles >= 8"),
-    (["audit", "--threshold-mib-per-cycle", "nan"], "refitkit audit: error: argument --threshold-mib-per-cycle: must be a finite number > 0"),
-    (["audit", "--threshold-mib-per-cycle", "inf"], "refitkit audit: error: argument --threshold-mib-per-cycle: must be a finite number > 0"),
-    (["audit", "--plot", "/nonexistent-refitkit/audit.png"], "refitkit audit: error: --plot /nonexistent-refitkit/audit.png: folder /nonexistent-refitkit does not exist"),
+    (
+        ["audit", "--cycles", "2"],
+        "refitkit audit: error: --cycles 2 leaves no cycle to judge after --warmup 5: need --cycles >= 8",
+    ),
+    (
+        ["audit", "--threshold-mib-per-cycle", "nan"],
+        "refitkit audit: error: argument --threshold-mib-per-cycle: must be a finite number > 0",
+    ),
+    (
+        ["audit", "--threshold-mib-per-cycle", "inf"],
+        "refitkit audit: error: argument --threshold-mib-per-cycle: must be a finite number > 0",
+    ),
+    (
+        ["audit", "--plot", "/nonexistent-refitkit/audit.png"],
+        "refitkit audit: error: --plot /nonexistent-refitkit/audit.png: folder /nonexistent-refitkit does not exist",
+    ),
     (["audit", "--plot", "/tmp"], "refitkit audit: error: --plot /tmp: is a folder; give a file name"),
     (["demo", "--rounds", "0"], "refitkit demo: error: argument --rounds: must be >= 1, got 0"),
     (["demo", "--rounds", "-1"], "refitkit demo: error: argument --rounds: must be >= 1, got -1"),
-    (["demo", "--device", "bogus"], "refitkit demo: error: --device 'bogus': not a device (expected cpu, cuda or cuda:N)"),
+    (
+        ["demo", "--device", "bogus"],
+        "refitkit demo: error: --device 'bogus': not a device (expected cpu, cuda or cuda:N)",
+    ),
     (["demo", "--device", "meta"], "refitkit demo: error: --device meta: the demo runs on cpu or cuda"),
-    (["bench", "--only", "nope"], "refitkit bench: error: --only nope: no such benchmark (choose from fsdp_offload, megatron_offload, offload, pinning, refit_cycle, sync_floor, weight_sync)"),
-    (["bench", "--host-memory-gib", "-1"], "refitkit bench: error: argument --host-memory-gib: must be a finite number > 0, got '-1'"),
-    (["bench", "--gpu-memory-gib", "nan"], "refitkit bench: error: argument --gpu-memory-gib: must be a finite number >= 0, got 'nan'"),
-    pytest.param(["demo", "--device", "cuda"], "refitkit demo: error: --device cuda: CUDA is not available here", marks=NO_CUDA),
-    pytest.param(["audit", "--memory-history", "/tmp/h.pickle"], "refitkit audit: error: --memory-history records the CUDA allocator: no CUDA device here", marks=NO_CUDA),
+    (
+        ["bench", "--only", "nope"],
+        "refitkit bench: error: --only nope: no such benchmark (choose from fsdp_offload, megatron_offload, offload, pinning, refit_cycle, sync_floor, weight_sync)",
+    ),
+    (
+        ["bench", "--host-memory-gib", "-1"],
+        "refitkit bench: error: argument --host-memory-gib: must be a finite number > 0, got '-1'",
+    ),
+    (
+        ["bench", "--gpu-memory-gib", "nan"],
+        "refitkit bench: error: argument --gpu-memory-gib: must be a finite number >= 0, got 'nan'",
+    ),
+    pytest.param(
+        ["demo", "--device", "cuda"], "refitkit demo: error: --device cuda: CUDA is not available here", marks=NO_CUDA
+    ),
+    pytest.param(
+        ["audit", "--memory-history", "/tmp/h.pickle"],
+        "refitkit audit: error: --memory-history records the CUDA allocator: no CUDA device here",
+        marks=NO_CUDA,
+    ),
     (["audit", "--plot", "/tmp/" + "x" * 300 + ".png"], "refitkit audit: error: --plot /tmp/xxx"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS, ids=lambda v: " ".join(v)[:60] if isinstance(v, list) else "")
+@pytest.mark.parametrize(
+    ("argv", "message"), BAD_OPTIONS, ids=lambda v: " ".join(v)[:60] if isinstance(v, list) else ""
+)
 def test_bad_options_end_in_one_error_line_and_status_2(argv, message, capsys):
     # in this process for speed (each subprocess imports torch); the test below runs a few for real
     with pytest.raises(SystemExit) as exited:
@@ -123,12 +163,21 @@ def test_bench_on_a_small_machine_sizes_fsdp_offload_down_or_skips_it():
     assert "sized to the machine: 1 of 28 layers" in done.stdout
     tiny = refitkit("bench", "--dry-run", "--host-memory-gib", "0.5", "--gpu-memory-gib", "0")
     assert tiny.returncode == 0
-    assert re.search(r"== fsdp_offload.py: skipped \(even 1 layer with a 1024-row vocabulary needs ~1\.\d GiB; budget 0\.5 GiB host", tiny.stdout)
+    assert re.search(
+        r"== fsdp_offload.py: skipped \(even 1 layer with a 1024-row vocabulary needs ~1\.\d GiB; budget 0\.5 GiB host",
+        tiny.stdout,
+    )
 
 
 def test_bench_sizes_fsdp_offload_to_this_machines_available_memory():
     sys.path.insert(0, str(ROOT))
-    from benchmarks._sizing import FSDP_FULL_LAYERS, FSDP_FULL_VOCAB, fsdp_offload_peak, plan_fsdp_offload, probe_machine
+    from benchmarks._sizing import (
+        FSDP_FULL_LAYERS,
+        FSDP_FULL_VOCAB,
+        fsdp_offload_peak,
+        plan_fsdp_offload,
+        probe_machine,
+    )
 
     machine = probe_machine(gpu_bytes=0)  # the real psutil figure
     assert 0 < machine.host_bytes <= psutil.virtual_memory().total
@@ -152,11 +201,30 @@ def test_sized_fsdp_offload_stays_within_its_host_budget():
         "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"  # largest waited-for descendant
         "sys.exit(rc)\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        OMP_NUM_THREADS="1",
+    )
     done = subprocess.run(
-        [sys.executable, "-c", wrapper, "bench", "--only", "fsdp_offload", "--host-memory-gib", str(budget_gib), "--gpu-memory-gib", "0"],
-        capture_output=True, text=True, timeout=200, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            wrapper,
+            "bench",
+            "--only",
+            "fsdp_offload",
+            "--host-memory-gib",
+            str(budget_gib),
+            "--gpu-memory-gib",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "sized to the machine" in done.stdout and "offload_vs_flat" in done.stdout
     peak_bytes = int(done.stdout.split("PEAK_KIB")[-1]) * 1024
@@ -183,7 +251,9 @@ def test_the_wheel_ships_py_typed(tmp_path):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "refitkit", source / "refitkit", ignore=shutil.ignore_patterns("__pycache__"))
     build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
-    done = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")], capture_output=True, text=True, cwd=source, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path / "dist")], capture_output=True, text=True, cwd=source, timeout=180
+    )
     assert done.returncode == 0, done.stderr
     wheel = tmp_path / "dist" / done.stdout.strip().splitlines()[-1]
     with zipfile.ZipFile(wheel) as archive:
@@ -218,11 +288,17 @@ if ("--multiprocessing-fork" in sys.argv) == {in_peer}:
 @pytest.mark.parametrize(
     ("side", "message"),
     [
-        ("trainer", "refitkit demo: error: RefitError: demo trainer failed at round 0: RuntimeError: Numpy is not available"),
-        ("peer", "refitkit demo: error: TransferError: demo peer failed before sending its digest of round 0: "
-                 "RuntimeError: Numpy is not available"),
+        (
+            "trainer",
+            "refitkit demo: error: RefitError: demo trainer failed at round 0: RuntimeError: Numpy is not available",
+        ),
+        (
+            "peer",
+            "refitkit demo: error: TransferError: demo peer failed before sending its digest of round 0: "
+            "RuntimeError: Numpy is not available",
+        ),
     ],
-)  # fmt: skip
+)
 def test_demo_ends_fast_in_one_error_line_when_a_side_fails(side, message, tmp_path):
     # the trainer used to wait PEER_TIMEOUT_S (120 s) for a peer that waited on it, then print a raw traceback;
     # a failed peer printed its own traceback
@@ -232,8 +308,12 @@ def test_demo_ends_fast_in_one_error_line_when_a_side_fails(side, message, tmp_p
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "refitkit.cli", "demo", "--rounds", "1", "--device", "cpu"],
-        capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        cwd=tmp_path,
+    )
     assert time.monotonic() - start < 60, "the demo waited on the side that failed"
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stderr.splitlines() == [message], done.stderr
@@ -250,9 +330,13 @@ def test_bench_outside_a_checkout_says_where_benchmarks_run_and_exits_1(tmp_path
     site = _installed_copy(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(site))
     done = subprocess.run(
-        [sys.executable, "-m", "refitkit.cli", "bench", "--dry-run"], capture_output=True, text=True, timeout=120, env=env,
+        [sys.executable, "-m", "refitkit.cli", "bench", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stdout == ""
     assert done.stderr.splitlines() == [

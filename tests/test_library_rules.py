@@ -33,11 +33,16 @@ NEWER_PYTHON_APIS = {
 
 
 def _modules() -> list[tuple[str, ast.Module]]:
-    return [(str(path.relative_to(PACKAGE.parent)), ast.parse(path.read_text(), str(path))) for path in sorted(PACKAGE.rglob("*.py"))]
+    return [
+        (str(path.relative_to(PACKAGE.parent)), ast.parse(path.read_text(), str(path)))
+        for path in sorted(PACKAGE.rglob("*.py"))
+    ]
 
 
 def test_the_library_has_no_runtime_asserts():
-    found = [f"{name}:{node.lineno}" for name, tree in _modules() for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    found = [
+        f"{name}:{node.lineno}" for name, tree in _modules() for node in ast.walk(tree) if isinstance(node, ast.Assert)
+    ]
     assert found == [], f"assert statements (gone under python -O): raise refitkit's own errors instead: {found}"
 
 
@@ -65,7 +70,13 @@ def test_the_suites_own_asserts_still_check_under_python_O():
 # Optional engines are the exception: their packages are imported only by modules named after them, and only lazily
 # (what those modules import at their top must still be declared, since `refitkit.rollout` imports rollout/vllm.py).
 
-OPTIONAL_ENGINES = {"vllm": "vllm", "sglang": "sglang", "megatron": "megatron", "torchtitan": "torchtitan", "automodel": "nemo_automodel"}
+OPTIONAL_ENGINES = {
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "megatron": "megatron",
+    "torchtitan": "torchtitan",
+    "automodel": "nemo_automodel",
+}
 
 
 def _install_requires() -> set[str]:
@@ -173,7 +184,9 @@ def _optional_engine_modules_pulled_in_eagerly() -> list[str]:
 
 def test_what_the_library_imports_when_loaded_is_declared_in_install_requires():
     found = _undeclared_imports()
-    assert found == [], f"declare these in setup.cfg's install_requires, or import them lazily with the extra named: {found}"
+    assert found == [], (
+        f"declare these in setup.cfg's install_requires, or import them lazily with the extra named: {found}"
+    )
 
 
 def test_modules_that_need_an_optional_engine_are_imported_lazily():
@@ -200,7 +213,9 @@ def _declared_python() -> tuple[tuple[int, int], list[tuple[int, int]]]:
     requires = config["options"]["python_requires"].strip()
     match = re.fullmatch(r">=\s*3\.(\d+)", requires)
     assert match is not None, f"python_requires {requires!r}: expected the form >=3.N"
-    classifiers = re.findall(r"Programming Language :: Python :: 3\.(\d+)$", config["metadata"]["classifiers"], re.MULTILINE)
+    classifiers = re.findall(
+        r"Programming Language :: Python :: 3\.(\d+)$", config["metadata"]["classifiers"], re.MULTILINE
+    )
     return (3, int(match[1])), sorted((3, int(minor)) for minor in classifiers)
 
 
@@ -236,6 +251,8 @@ def test_the_declared_python_has_every_api_the_library_uses():
 
 def test_python_requires_is_the_lowest_python_classifier_and_the_readme_names_no_other():
     floor, classifiers = _declared_python()
-    assert classifiers and classifiers[0] == floor, f"python_requires >={floor[0]}.{floor[1]} but the classifiers list {classifiers}"
+    assert classifiers and classifiers[0] == floor, (
+        f"python_requires >={floor[0]}.{floor[1]} but the classifiers list {classifiers}"
+    )
     named = sorted({(3, int(minor)) for minor in re.findall(r"Python 3\.(\d+)", (ROOT / "README.md").read_text())})
     assert set(named) <= set(classifiers), f"README.md names Python {named}, setup.cfg's classifiers {classifiers}"

@@ -15,4 +15,13 @@ from refitkit.engines.base import (
     StateBytes,
 )
 
-__all__ = ["AdapterMove", "DeviceState", "EngineAdapter", "FreshWeights", "HeldWeights", "PartBytes", "PartStates", "StateBytes"]
+__all__ = [
+    "AdapterMove",
+    "DeviceState",
+    "EngineAdapter",
+    "FreshWeights",
+    "HeldWeights",
+    "PartBytes",
+    "PartStates",
+    "StateBytes",
+]

@@ -70,7 +70,11 @@ class ReplacedTensorGuard:
     _held_before: dict[str, dict[str, tuple[int, StorageWeakRef]]]
 
     def _held_storages(
-        self, named: NamedTensors, *, in_flight: bool = False, reuse: dict[str, tuple[int, StorageWeakRef]] | None = None
+        self,
+        named: NamedTensors,
+        *,
+        in_flight: bool = False,
+        reuse: dict[str, tuple[int, StorageWeakRef]] | None = None,
     ) -> dict[str, tuple[int, StorageWeakRef]]:
         """name -> storage for every tensor whose bytes the arena now holds (O(1) each).
 
@@ -225,7 +229,7 @@ class _MarkedWeights:
     def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         self._weights = weights
 
-    def __iter__(self) -> "_MarkedWeights":
+    def __iter__(self) -> _MarkedWeights:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
@@ -263,7 +267,7 @@ class OffloadInFlight:
     optimizer_named: NamedTensors
     grad_named: NamedTensors
     copies: OffloadCopies
-    owner: "weakref.ref[Any] | None" = None  # the adapter that began it (only it may finish or cancel it)
+    owner: weakref.ref[Any] | None = None  # the adapter that began it (only it may finish or cancel it)
     finished: AdapterMove | None = None  # what it moved, once ``offload(finishing=...)`` finished it
 
 
@@ -354,7 +358,9 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
     ) -> None:
         name = type(self).__name__
         if arena is not None and not isinstance(arena, HostArena):
-            raise InvalidInput(f"{name}: arena= must be a refitkit.offload.HostArena or None, got {type(arena).__name__}")
+            raise InvalidInput(
+                f"{name}: arena= must be a refitkit.offload.HostArena or None, got {type(arena).__name__}"
+            )
         for knob, value in (("keep_grads", keep_grads), ("zero_grads", zero_grads)):
             if not isinstance(value, bool):
                 raise InvalidInput(f"{name}: {knob}= must be a bool, got {value!r}")
@@ -453,7 +459,7 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
     @property
     def device(self) -> torch.device:
         """The device the model's storages live on (they keep it across offload and reload)."""
-        for name, tensor in self._model_tensors():
+        for _name, tensor in self._model_tensors():
             return local_tensor(tensor).device
         raise InvalidInput(f"{type(self).__name__}: the model has no parameters or buffers to offload")
 
@@ -494,7 +500,12 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         return self.arena.reserve(list(_unique_storages(named)), background=True)
 
     def offload(
-        self, *, model: bool = True, optimizer: bool = True, grad: bool = True, keep_grads: bool | None = None,
+        self,
+        *,
+        model: bool = True,
+        optimizer: bool = True,
+        grad: bool = True,
+        keep_grads: bool | None = None,
         finishing: OffloadInFlight | None = None,
     ) -> AdapterMove:
         """Move the chosen parts to the host arena and free their device storage; idempotent per part.
@@ -545,9 +556,13 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
 
             # one call, so the phase pays one synchronize; the bookkeeping runs while the copies do
             total = offload_tensors(
-                model_named + optimizer_named + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
-                while_copying=while_copying, plan=plan, ahead=model_named,  # (the order the next reload's plan follows)
-            )  # fmt: skip
+                model_named + optimizer_named + grad_named,
+                self.arena,
+                pack_below_bytes=self.pack_below_bytes,
+                while_copying=while_copying,
+                plan=plan,
+                ahead=model_named,  # (the order the next reload's plan follows)
+            )
             finish_flight()  # (when nothing of this move's was on the device, no copy called back)
         except BaseException:
             if plan is not None:
@@ -605,7 +620,9 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         """
         zero = self.zero_grads if zero_grads is None else zero_grads
         if not isinstance(defer_optimizer, bool):
-            raise InvalidInput(f"{type(self).__name__}.reload(): defer_optimizer= must be a bool, got {defer_optimizer!r}")
+            raise InvalidInput(
+                f"{type(self).__name__}.reload(): defer_optimizer= must be a bool, got {defer_optimizer!r}"
+            )
         timeout_s = checked_seconds(
             self.deferred_timeout_s if deferred_timeout_s is None else deferred_timeout_s, "deferred_timeout_s"
         )
@@ -648,9 +665,13 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
                 self._retire_held([part for part in wanted if part != "optimizer" or not defer], retired)
 
             total = reload_tensors(
-                model_named + restored_now + grad_named, self.arena, pack_below_bytes=self.pack_below_bytes,
-                while_copying=while_copying, plan=plan, ahead=model_named,  # (the weights a sync exports, together)
-            )  # fmt: skip
+                model_named + restored_now + grad_named,
+                self.arena,
+                pack_below_bytes=self.pack_below_bytes,
+                while_copying=while_copying,
+                plan=plan,
+                ahead=model_named,  # (the weights a sync exports, together)
+            )
         except BaseException:
             if plan is not None:
                 plan.cancel()  # storages regrown early that the reload never took: freed again
@@ -672,8 +693,12 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
         self._release_guard()  # the deferred reload's own hooks answer from here (a step waits for the state)
         logger.debug(
             "%s reloaded %s: %d bytes in %.4f s; %d optimizer bytes arriving",
-            type(self).__name__, wanted, total.bytes, total.seconds, deferred.nbytes,
-        )  # fmt: skip
+            type(self).__name__,
+            wanted,
+            total.bytes,
+            total.seconds,
+            deferred.nbytes,
+        )
         moved = ahead.split(total)
         arriving = MoveStats(bytes=deferred.nbytes, storages=deferred.storages, seconds=0.0)
         return AdapterMove(model=moved.model, optimizer=arriving, grad=moved.grad, total=total)
@@ -700,7 +725,9 @@ class EngineAdapter(OverlappedOffload, DeferredOptimizer, ReplacedTensorGuard, E
 
     def _release_guard(self) -> None:
         """Remove the offloaded-state hooks once neither the model nor the optimizer state is offloaded."""
-        if self._guard is not None and all(self._states[part] is not DeviceState.OFFLOADED for part in ("model", "optimizer")):
+        if self._guard is not None and all(
+            self._states[part] is not DeviceState.OFFLOADED for part in ("model", "optimizer")
+        ):
             self._guard.remove()
             self._guard = None
 
@@ -738,13 +765,19 @@ class _OffloadGuard:
         owner = weakref.ref(adapter)
         self.handles: list[Any] = []
         for module in adapter._guarded_modules():
-            self.handles.append(module.register_forward_pre_hook(_refusal(owner, ("model",), f"{type(module).__name__}.forward()")))
-            self.handles.append(module.register_state_dict_pre_hook(_refusal(owner, ("model",), "the model's state_dict()")))
+            self.handles.append(
+                module.register_forward_pre_hook(_refusal(owner, ("model",), f"{type(module).__name__}.forward()"))
+            )
+            self.handles.append(
+                module.register_state_dict_pre_hook(_refusal(owner, ("model",), "the model's state_dict()"))
+            )
         self.optimizers = adapter._step_optimizers()
         for optimizer in self.optimizers:
             name = type(optimizer).__name__
             _guard_step(optimizer, _refusal(owner, ("model", "optimizer"), f"{name}.step()"))
-            self.handles.append(optimizer.register_state_dict_pre_hook(_refusal(owner, ("optimizer",), f"{name}.state_dict()")))
+            self.handles.append(
+                optimizer.register_state_dict_pre_hook(_refusal(owner, ("optimizer",), f"{name}.state_dict()"))
+            )
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -823,7 +856,7 @@ class _Bookkeeping:
     still holding bytes with a slot is one this move frees (see ``EngineAdapter._held_storages``).
     """
 
-    def __init__(self, adapter: "EngineAdapter", by_part: dict[str, NamedTensors]) -> None:
+    def __init__(self, adapter: EngineAdapter, by_part: dict[str, NamedTensors]) -> None:
         self._adapter = adapter
         self._by_part = by_part
         self._counts: dict[str, tuple[int, int]] = {}
@@ -834,7 +867,8 @@ class _Bookkeeping:
         if held is not None:
             adapter, before = self._adapter, self._adapter._held_before
             self.held = {
-                part: adapter._held_storages(self._by_part[part], in_flight=True, reuse=before.pop(part, None)) for part in held
+                part: adapter._held_storages(self._by_part[part], in_flight=True, reuse=before.pop(part, None))
+                for part in held
             }
 
     def split(self, total: MoveStats) -> AdapterMove:

@@ -4,11 +4,10 @@ The only place in refitkit that copies training state. Moves go per unique stora
 tensor identity; see ``HostArena`` for how host memory is held.
 """
 
-from refitkit.offload.arena import HostArena
+from refitkit.errors import ReserveTimeout
+from refitkit.offload.arena import HostArena, Reservation
 from refitkit.offload.device import flush_device
 from refitkit.offload.moves import drop_tensors, named_tensors, offload_tensors, regrow_tensors, reload_tensors
-from refitkit.errors import ReserveTimeout
-from refitkit.offload.arena import Reservation
 from refitkit.offload.optimizer import (
     offload_grads,
     offload_optimizer,

@@ -23,9 +23,11 @@ Records = dict[int, ViewRecord]  # id(tensor) -> what it looked like when its st
 def _same_view(record: ViewRecord, tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` still has the shape, stride, offset and dtype ``record`` says it had."""
     return (
-        record.shape == tensor.shape and record.stride == tensor.stride()
-        and record.storage_offset == tensor.storage_offset() and record.dtype == tensor.dtype
-    )  # fmt: skip
+        record.shape == tensor.shape
+        and record.stride == tensor.stride()
+        and record.storage_offset == tensor.storage_offset()
+        and record.dtype == tensor.dtype
+    )
 
 
 def _view_records(key: int, views: list[tuple[str, torch.Tensor]], records: Records, resident: Records) -> None:
@@ -37,7 +39,9 @@ def _view_records(key: int, views: list[tuple[str, torch.Tensor]], records: Reco
         if reusable and _same_view(old, t):  # type: ignore[union-attr]
             records[id(t)] = old
         else:
-            records[id(t)] = ViewRecord(weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+            records[id(t)] = ViewRecord(
+                weakref.ref(t), name, key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
+            )
 
 
 def _check_views(arena: HostArena, named: list[tuple[str, torch.Tensor]]) -> None:

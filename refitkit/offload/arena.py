@@ -7,8 +7,8 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -88,7 +88,9 @@ SMALL_SLOT_BYTES = 1 << 20  # storages below this are laid out together, after t
 def _small_last(storages: list[torch.UntypedStorage]) -> list[torch.UntypedStorage]:
     """The larger storages first, then the small ones: a reservation's small slots lie back to back, so a
     packed move (``pack_below_bytes``) takes them in one copy instead of one per slot."""
-    return [s for s in storages if s.nbytes() >= SMALL_SLOT_BYTES] + [s for s in storages if s.nbytes() < SMALL_SLOT_BYTES]
+    return [s for s in storages if s.nbytes() >= SMALL_SLOT_BYTES] + [
+        s for s in storages if s.nbytes() < SMALL_SLOT_BYTES
+    ]
 
 
 def _clear_cuda_last_error() -> None:
@@ -169,9 +171,7 @@ class HostArena:
             return None
         return slot
 
-    def reserve(
-        self, storages: Iterable[torch.UntypedStorage], *, background: bool = False
-    ) -> int | Reservation:
+    def reserve(self, storages: Iterable[torch.UntypedStorage], *, background: bool = False) -> int | Reservation:
         """Give every storage without a slot one, sized to its current bytes; returns bytes allocated.
 
         Call ahead of the first offload to take the allocation and pinning off the critical path.
@@ -390,8 +390,7 @@ class HostArena:
 
     def __repr__(self) -> str:
         return (
-            f"HostArena(pinned={self.pinned}, nbytes={self.nbytes}, chunks={self.chunks}, "
-            f"held_bytes={self.held_bytes})"
+            f"HostArena(pinned={self.pinned}, nbytes={self.nbytes}, chunks={self.chunks}, held_bytes={self.held_bytes})"
         )
 
 
@@ -407,7 +406,7 @@ class Reservation:
 
     def __init__(
         self,
-        arena: "HostArena",
+        arena: HostArena,
         fresh: list[tuple[int, StorageWeakRef, int, int]],
         handed: list[tuple[int, StorageWeakRef, int]],
         nbytes: int,

@@ -28,7 +28,7 @@ from refitkit._knobs import checked_seconds
 from refitkit.errors import DeferredTimeout, RefitError
 from refitkit.offload.arena import HostArena, Slot
 from refitkit.offload.device import SegmentedRegrow, storage_as_bytes
-from refitkit.offload.moves import TensorSet, _common_device, StorageGroup, finish_reload, named_tensors, reload_plan
+from refitkit.offload.moves import StorageGroup, TensorSet, _common_device, finish_reload, named_tensors, reload_plan
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
 BeforeCopy = Callable[[str], None]

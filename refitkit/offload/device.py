@@ -6,7 +6,6 @@ import os
 
 import torch
 
-
 # Where a storage's bytes start in host slots and buckets: every dtype view is then aligned, and copies coalesce
 # (costs under 256 bytes a storage).
 ALIGN_BYTES = 256
@@ -96,7 +95,9 @@ class SegmentedRegrow:
     allocates as before).
     """
 
-    def __init__(self, device: torch.device | None, sizes: list[int], *, segment_bytes: int = REGROW_SEGMENT_BYTES) -> None:
+    def __init__(
+        self, device: torch.device | None, sizes: list[int], *, segment_bytes: int = REGROW_SEGMENT_BYTES
+    ) -> None:
         self._reserve_at: dict[int, int] = {}
         self.segments = 0
         if device is None or device.type != "cuda" or _expandable_segments():

@@ -33,7 +33,6 @@ EARLY_COPIES_MAX = 256
 Issued = dict[int, tuple[torch.UntypedStorage, Slot, int]]  # storage key -> (storage, slot, bytes) copied early
 
 
-
 def _storage_of(slot: Slot) -> torch.UntypedStorage | None:
     """The storage ``slot`` serves, if it is alive: a strong reference made from the slot's weak one.
 

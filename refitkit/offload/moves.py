@@ -9,20 +9,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Union
 
 import torch
 
 from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload._views import Records, _check_views, _forget_views, _keep_resident, _view_records, _views_of
 from refitkit.offload.arena import HostArena, Slot
-from refitkit.offload.early import RoundPlan, cancel_early, early_device, issued_as_planned, move_began
 from refitkit.offload.device import (
-    SegmentedRegrow, align_up, local_tensor, regrowable, resolved_device, storage_as_bytes, synchronize,
-)  # fmt: skip
+    SegmentedRegrow,
+    align_up,
+    local_tensor,
+    regrowable,
+    resolved_device,
+    storage_as_bytes,
+    synchronize,
+)
+from refitkit.offload.early import RoundPlan, cancel_early, early_device, issued_as_planned, move_began
 from refitkit.offload.stats import EMPTY_MOVE, MoveStats
 
-TensorSet = Union[Mapping[str, torch.Tensor], Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+TensorSet = Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -198,7 +203,9 @@ def _slotted_moves(arena: HostArena, groups: list[StorageGroup], ahead: frozense
     if None in slots:
         arena.reserve(g.storage for g in groups)
         slots = [arena.slot_of(group.storage) for group in groups]
-    return _largest_first([(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)], ahead)  # all slotted now
+    return _largest_first(
+        [(group, slot, group.storage.nbytes()) for group, slot in zip(groups, slots)], ahead
+    )  # all slotted now
 
 
 def reload_tensors(
@@ -258,7 +265,7 @@ def reload_tensors(
             storage_as_bytes(group.storage).copy_(arena.host_bytes(slot, nbytes), non_blocking=non_blocking)
         for run in runs:  # after the large copies, so building a run's views overlaps them
             restoring_group = run[0][0]
-            for group, slot, nbytes in run:
+            for group, _slot, nbytes in run:
                 group.storage.resize_(nbytes)
             copy_run_to_device(run, arena, non_blocking=non_blocking)
         restoring_group = None
@@ -416,7 +423,12 @@ def _checked_pack(value: object) -> int:
 
 
 def _issue_to_host(
-    moves: list[Move], arena: HostArena, pack_below_bytes: int, *, non_blocking: bool, copied: _CopiedInOrder | None = None
+    moves: list[Move],
+    arena: HostArena,
+    pack_below_bytes: int,
+    *,
+    non_blocking: bool,
+    copied: _CopiedInOrder | None = None,
 ) -> None:
     runs, singles = packed_runs(moves, below_bytes=pack_below_bytes) if pack_below_bytes else ([], moves)
     for move in singles:
@@ -483,7 +495,7 @@ class _CopiedInOrder:
         return moved + _free_offloaded(self._open)
 
 
-def _settle_copies(device: torch.device | None, stream: "torch.cuda.Stream | None") -> None:
+def _settle_copies(device: torch.device | None, stream: torch.cuda.Stream | None) -> None:
     """After a failure part-way through issuing: wait for the copies already queued (best effort: the
     failure being raised is the one to report), so none writes into host memory after the call."""
     try:
@@ -519,7 +531,7 @@ RUN_MAX_BYTES = 64 << 20  # bounds the device staging buffer of one run
 Run = list[tuple["StorageGroup", Slot, int]]  # (group, slot, bytes to move)
 
 
-def packed_runs(moves: Sequence[tuple["StorageGroup", Slot, int]], *, below_bytes: int) -> tuple[list[Run], list]:
+def packed_runs(moves: Sequence[tuple[StorageGroup, Slot, int]], *, below_bytes: int) -> tuple[list[Run], list]:
     """Runs of two or more storages under ``below_bytes`` whose slots lie back to back; and every other move."""
     small = sorted((m for m in moves if m[2] < below_bytes), key=lambda m: (m[1].chunk, m[1].offset))
     runs: list[Run] = []
@@ -536,7 +548,7 @@ def packed_runs(moves: Sequence[tuple["StorageGroup", Slot, int]], *, below_byte
     return packed, [move for move in moves if id(move[0]) not in in_runs]
 
 
-def _follows(run: Run, move: tuple["StorageGroup", Slot, int]) -> bool:
+def _follows(run: Run, move: tuple[StorageGroup, Slot, int]) -> bool:
     _, last, _ = run[-1]
     _, slot, nbytes = move
     adjacent = slot.chunk == last.chunk and slot.offset == last.offset + align_up(last.capacity_bytes)

@@ -70,9 +70,10 @@ def _refuse_replaced_state(
         return
     current = {name: tensor for name, tensor in named}
     replaced = [
-        name for name, ref in offloaded.items()
+        name
+        for name, ref in offloaded.items()
         if (old := ref()) is not None and current.get(name) is not old and _held(old, arena)
-    ]  # fmt: skip
+    ]
     if replaced:
         more = f" (and {len(replaced) - 1} more)" if len(replaced) > 1 else ""
         raise InvalidInput(

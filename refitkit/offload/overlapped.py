@@ -26,11 +26,19 @@ from dataclasses import dataclass, field
 import torch
 
 from refitkit.errors import InvalidInput, RefitError
+from refitkit.offload._views import Records
 from refitkit.offload.arena import HostArena
 from refitkit.offload.early import RoundPlan, issued_as_planned
-from refitkit.offload.moves import _free_offloaded, _issue_to_host, _settle_copies
-from refitkit.offload._views import Records
-from refitkit.offload.moves import Move, TensorSet, _offloadable_groups, _slotted_moves, _while_copying
+from refitkit.offload.moves import (
+    Move,
+    TensorSet,
+    _free_offloaded,
+    _issue_to_host,
+    _offloadable_groups,
+    _settle_copies,
+    _slotted_moves,
+    _while_copying,
+)
 from refitkit.offload.stats import MoveStats
 
 
@@ -42,24 +50,26 @@ class OffloadCopies:
     moves: list[Move]
     records: Records  # filed by finish_offload, once the copies are done (on CUDA the worker makes them)
     device: torch.device | None
-    stream: "torch.cuda.Stream | None"  # the side stream the copies run on (None on the CPU)
+    stream: torch.cuda.Stream | None  # the side stream the copies run on (None on the CPU)
     started: float
     open: bool = True
-    issuer: "_Issuer | None" = field(default=None)  # the worker issuing the copies (CUDA), joined before any wait
+    issuer: _Issuer | None = field(default=None)  # the worker issuing the copies (CUDA), joined before any wait
     early_copies: int = 0  # of the moves, those issued from the last round's plan before this round was planned
     # storages copied early that this round does not move: kept alive (and their slots taken) until the stream is waited for
     stale_early: list[torch.UntypedStorage] = field(default_factory=list)
 
 
 ISSUE_TIMEOUT_S = 300.0  # how long finish/cancel wait for the worker to issue the copies (they wait for queue room)
-EARLY_FLIGHT_COPIES = 8  # the last round's largest copies issued before the round is planned (Qwen3-8B AdamW: 5.4 GB, ~97 ms)
+EARLY_FLIGHT_COPIES = (
+    8  # the last round's largest copies issued before the round is planned (Qwen3-8B AdamW: 5.4 GB, ~97 ms)
+)
 
 
 class _Issuer(threading.Thread):
     """Issues an offload's copies on its side stream, so the caller goes on while the launch queue is full;
     then makes the move's view records (``records``), which need no finished copy."""
 
-    def __init__(self, moves: list[Move], issue: list[Move], arena: HostArena, stream: "torch.cuda.Stream") -> None:
+    def __init__(self, moves: list[Move], issue: list[Move], arena: HostArena, stream: torch.cuda.Stream) -> None:
         super().__init__(name="refitkit-offload-issue", daemon=True)
         self._moves, self._issue, self._arena, self._stream = moves, issue, arena, stream
         self.records: Records = {}
@@ -80,7 +90,7 @@ class _Issuer(threading.Thread):
             self._moves, self._issue = [], []
 
 
-_live_issuers: "weakref.WeakSet[_Issuer]" = weakref.WeakSet()
+_live_issuers: weakref.WeakSet[_Issuer] = weakref.WeakSet()
 
 
 @atexit.register
@@ -106,8 +116,8 @@ def _join_issuer(copies: OffloadCopies, caller: str) -> str | None:
 
 
 def issue_early(
-    plan: RoundPlan | None, arena: HostArena, *, stream: "torch.cuda.Stream | None" = None
-) -> "torch.cuda.Stream | None":
+    plan: RoundPlan | None, arena: HostArena, *, stream: torch.cuda.Stream | None = None
+) -> torch.cuda.Stream | None:
     """The last round's largest copies (``EARLY_FLIGHT_COPIES``) of ``plan`` issued now, on a side stream that first
     waits for the work queued so far (the step that wrote the state); the stream (give it to ``start_offload``
     with the plan), or None where nothing was issued. Each copy is checked against the arena as a ``RoundPlan``
@@ -123,7 +133,7 @@ def issue_early(
 
 
 def start_offload(
-    tensors: TensorSet, arena: HostArena, *, stream: "torch.cuda.Stream | None" = None, plan: RoundPlan | None = None
+    tensors: TensorSet, arena: HostArena, *, stream: torch.cuda.Stream | None = None, plan: RoundPlan | None = None
 ) -> OffloadCopies:
     """Issue each unique storage's copy into ``arena`` on a side stream and return at once; frees nothing.
 
@@ -138,7 +148,9 @@ def start_offload(
     started = time.perf_counter()
     try:
         groups, device = _offloadable_groups(tensors, "start_offload")
-        moves = _slotted_moves(arena, groups) if device is not None else []  # waits for a background reservation (bounded)
+        moves = (
+            _slotted_moves(arena, groups) if device is not None else []
+        )  # waits for a background reservation (bounded)
     except BaseException:
         if plan is not None:
             plan.forget()
@@ -172,7 +184,7 @@ def start_offload(
         raise
     return OffloadCopies(
         arena, moves, {}, device, side, started, issuer=issuer, early_copies=len(moves) - len(late), stale_early=stale
-    )  # fmt: skip
+    )
 
 
 def finish_offload(copies: OffloadCopies) -> MoveStats:

@@ -22,7 +22,7 @@ class MoveStats:
 
     __repr__ = repr_with_gbps
 
-    def __add__(self, other: "MoveStats") -> "MoveStats":
+    def __add__(self, other: MoveStats) -> MoveStats:
         return MoveStats(
             bytes=self.bytes + other.bytes,
             storages=self.storages + other.storages,

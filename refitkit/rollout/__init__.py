@@ -20,15 +20,35 @@ from refitkit.rollout.links import BroadcastLink, EngineMemory, SglangLink, Vllm
 from refitkit.rollout.sglang import SglangPushStats
 from refitkit.rollout.versions import EngineWeights, SyncCoverage
 from refitkit.rollout.vllm import (
-    EXTENSION_QUALNAME, RefitWorkerExtension, VllmPushStats, clean_weight_version, push_weights, push_weights_broadcast,
-    tensor_fingerprint, tensor_sha256, weight_versions,
-)  # fmt: skip
+    EXTENSION_QUALNAME,
+    RefitWorkerExtension,
+    VllmPushStats,
+    clean_weight_version,
+    push_weights,
+    push_weights_broadcast,
+    tensor_fingerprint,
+    tensor_sha256,
+    weight_versions,
+)
 from refitkit.transfer import WeightVersion
 
 __all__ = [
-    "EXTENSION_QUALNAME", "BroadcastLink", "EngineMemory", "EngineWeights", "PushStats", "RefitWorkerExtension", "SglangLink",
+    "EXTENSION_QUALNAME",
+    "BroadcastLink",
+    "EngineMemory",
+    "EngineWeights",
+    "PushStats",
+    "RefitWorkerExtension",
+    "SglangLink",
     "SglangPushStats",
-    "SyncCoverage", "VllmLink",
-    "VllmPushStats", "WeightVersion", "clean_weight_version", "push_weights", "push_weights_broadcast",
-    "tensor_fingerprint", "tensor_sha256", "weight_versions",
+    "SyncCoverage",
+    "VllmLink",
+    "VllmPushStats",
+    "WeightVersion",
+    "clean_weight_version",
+    "push_weights",
+    "push_weights_broadcast",
+    "tensor_fingerprint",
+    "tensor_sha256",
+    "weight_versions",
 ]

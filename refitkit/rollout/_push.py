@@ -25,9 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from refitkit.errors import (
-    EngineError, PartialPush, RefitError, RemoteError, TransferError, TransferTimeout, WeightRejected,
+    EngineError,
+    PartialPush,
+    RefitError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+    WeightRejected,
     error_from_record,
-)  # fmt: skip
+)
 from refitkit.rollout.sessions import bounded_result, helper_threads
 from refitkit.rollout.versions import MISSING_SHOWN
 from refitkit.transfer import TransferStats
@@ -77,9 +83,13 @@ class EngineCall:
 
 
 def drive(
-    engine: EngineCall, send: Callable[[Callable[[], Any]], TransferStats], *, timeout_s: float, version: int | None,
+    engine: EngineCall,
+    send: Callable[[Callable[[], Any]], TransferStats],
+    *,
+    timeout_s: float,
+    version: int | None,
     then: Callable[[], Any] | None = None,
-) -> PushStats:  # fmt: skip
+) -> PushStats:
     """Run ``engine.call`` in a helper thread while ``send(on_hello)`` runs here, both bounded (``timeout_s`` +
     ``RPC_SLACK_S`` for the engine). ``then`` (an engine call: the prefix-cache reset) is asked for once the engine's
     receiver said hello (``on_hello``), else once ``send`` returned: an engine that runs calls in the order they came is
@@ -131,9 +141,7 @@ def drive(
             )
         if future.exception() is not None:
             exc = future.exception()
-            raise EngineError(
-                f"{engine.what} failed after the sender finished: {type(exc).__name__}: {exc}"
-            ) from exc  # fmt: skip
+            raise EngineError(f"{engine.what} failed after the sender finished: {type(exc).__name__}: {exc}") from exc
         reports = engine.reports(future.result())
         failed = [rank for rank, report in enumerate(reports) if "failure" in report]
         if failed:
@@ -143,11 +151,11 @@ def drive(
             within = f"{rpc_timeout_s:.0f} s (the push's timeout_s + RPC_SLACK_S)"
             answer = bounded_result(
                 queued[0], timeout_s=rpc_timeout_s, what=f"the prefix-cache reset after {engine.what}", within=within
-            )  # fmt: skip
+            )
             reset_s = time.perf_counter() - ended
         return PushStats(
             sender=sent, ranks=reports, reset_s=reset_s, prefix_cache_reset=answer if isinstance(answer, bool) else None
-        )  # fmt: skip
+        )
 
 
 def raise_if_partial(pushed: PushStats, engine: EngineCall) -> None:
@@ -155,15 +163,22 @@ def raise_if_partial(pushed: PushStats, engine: EngineCall) -> None:
     for rank, report in enumerate(pushed.ranks):
         if not report["complete"]:
             raise partial_push(
-                engine.rank_name(rank), version=report["version"], expected=report["expected"],
+                engine.rank_name(rank),
+                version=report["version"],
+                expected=report["expected"],
                 missing=tuple(report["missing"]),
-            )  # fmt: skip
+            )
 
 
 def partial_push(
-    engine: str, *, version: int | None, expected: int | None, missing: tuple[str, ...] = (),
-    delivered: int | None = None, broke: str | None = None,
-) -> PartialPush:  # fmt: skip
+    engine: str,
+    *,
+    version: int | None,
+    expected: int | None,
+    missing: tuple[str, ...] = (),
+    delivered: int | None = None,
+    broke: str | None = None,
+) -> PartialPush:
     """The ``PartialPush`` of a rank (``engine``) that got ``delivered`` (default: ``expected`` less ``missing``) of the
     ``expected`` weights it loads; ``broke``: why the trainer's stream ended early (None: it ended whole, but short)."""
     if delivered is None and broke is None and expected is not None:
@@ -176,19 +191,25 @@ def partial_push(
         landed = f"{engine} loaded {delivered} {weights} it loads"
     more = f" and {len(missing) - MISSING_SHOWN} more" if len(missing) > MISSING_SHOWN else ""
     shown = f"; missing {list(missing[:MISSING_SHOWN])}{more}" if missing else ""
-    what = f"the push of {number} broke after weights landed ({broke}): {landed}" if broke else (
-        f"the push of {number} delivered {delivered} {weights} {engine} loads"
-    )  # fmt: skip
+    what = (
+        f"the push of {number} broke after weights landed ({broke}): {landed}"
+        if broke
+        else (f"the push of {number} delivered {delivered} {weights} {engine} loads")
+    )
     return PartialPush(
         f"{what}{shown}. The weights that landed stay loaded, so the engine reports {number} as incomplete until a "
         "full push lands: push every weight of the checkpoint (its Hugging Face names) again",
-        version=version, delivered=delivered, expected=expected, missing=missing, engine=engine,
-    )  # fmt: skip
+        version=version,
+        delivered=delivered,
+        expected=expected,
+        missing=missing,
+        engine=engine,
+    )
 
 
 def rank_error(
     reports: list[dict[str, Any]], failed: list[int], *, what: str, rank_name: Callable[[int], str]
-) -> RefitError:  # fmt: skip
+) -> RefitError:
     """The error the first of the ``failed`` ranks reported (``failure_fields``), rebuilt as its own type from its code
     and fields, the others' named after it; the cause a ``RemoteError`` standing for the rank's own exception.
 
@@ -241,9 +262,11 @@ def _rank_failure(engine: EngineCall, future: concurrent.futures.Future, exc: Tr
     if not said:
         return exc
     return type(exc)(
-        f"{exc}{said}", remote_message=exc.remote_message, remote_type=exc.remote_type,
+        f"{exc}{said}",
+        remote_message=exc.remote_message,
+        remote_type=exc.remote_type,
         remote_traceback=exc.remote_traceback,
-    )  # fmt: skip
+    )
 
 
 def _refused(error: RefitError | None) -> bool:
@@ -257,7 +280,7 @@ def _refused(error: RefitError | None) -> bool:
 
 def _reports_once_ended(
     engine: EngineCall, future: concurrent.futures.Future, *, wait_s: float
-) -> list[dict[str, Any]] | None:  # fmt: skip
+) -> list[dict[str, Any]] | None:
     """Each rank's report once the engine's call ended (bounded by ``wait_s``); None if it still runs, raised, or
     answered with a refusal of its own."""
     done, _ = concurrent.futures.wait([future], timeout=wait_s)
@@ -271,13 +294,16 @@ def _reports_once_ended(
 
 def _landed_before_break(
     engine: EngineCall, reports: list[dict[str, Any]] | None, broke: BaseException, version: int | None
-) -> PartialPush | None:  # fmt: skip
+) -> PartialPush | None:
     """The ``PartialPush`` of the first rank that had loaded weights of this push when the trainer's stream broke."""
     for rank, report in enumerate(reports or []):
         failed = (report.get("weights") or {}).get("failed") if "failure" in report else None
         if failed and (version is None or failed["version"] == version):
             return partial_push(
-                engine.rank_name(rank), version=failed["version"], expected=failed["expected"],
-                delivered=failed["received"], broke=f"{type(broke).__name__}: {broke}",
-            )  # fmt: skip
+                engine.rank_name(rank),
+                version=failed["version"],
+                expected=failed["expected"],
+                delivered=failed["received"],
+                broke=f"{type(broke).__name__}: {broke}",
+            )
     return None

@@ -34,14 +34,17 @@ The route (see ``docs/dev/sglang-internals.md``):
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 log = logging.getLogger("refitkit.rollout.sglang")
 
 SGLANG_VERSION = "0.5.17"
-HOOK_TARGET = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_ipc"
+HOOK_TARGET = (
+    "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.update_weights_from_ipc"
+)
 REQUEST_KEY = "refitkit"  # the zmq_handles key of a refitkit request (checkpoint-engine's keys are "GPU-<uuid>")
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # constants.py:2-4
 
@@ -149,10 +152,12 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     """What the link checks before driving the engine (``Engine.server_args``, ``entrypoints/engine.py:236``)."""
     args = engine.server_args
     return {
-        "tp_size": int(getattr(args, "tp_size", 1)), "dp_size": int(getattr(args, "dp_size", 1)),
-        "pp_size": int(getattr(args, "pp_size", 1)), "memory_saver": bool(getattr(args, "enable_memory_saver", False)),
+        "tp_size": int(getattr(args, "tp_size", 1)),
+        "dp_size": int(getattr(args, "dp_size", 1)),
+        "pp_size": int(getattr(args, "pp_size", 1)),
+        "memory_saver": bool(getattr(args, "enable_memory_saver", False)),
         "weights_cpu_backup": bool(getattr(args, "enable_weights_cpu_backup", False)),
-    }  # fmt: skip
+    }
 
 
 def call_update(engine: Any, request: str, *, flush_cache: bool) -> tuple[bool, str]:

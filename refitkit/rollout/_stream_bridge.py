@@ -28,7 +28,9 @@ _END = object()
 class ReceiveBridge:
     """``receive(on_bucket)`` in a thread, seen as one iterator of owned tensors; ``handed_out`` counts them."""
 
-    def __init__(self, receive: Callable[[Callable[[list[tuple[str, torch.Tensor]], bool], Any]], Any], *, timeout_s: float) -> None:
+    def __init__(
+        self, receive: Callable[[Callable[[list[tuple[str, torch.Tensor]], bool], Any]], Any], *, timeout_s: float
+    ) -> None:
         self.timeout_s = timeout_s
         self.handed_out = 0
         self.result: Any = None
@@ -36,8 +38,12 @@ class ReceiveBridge:
         self._stopped = threading.Event()  # the loader gave up: the callback must raise
         self._error: BaseException | None = None
         self._reason = ""  # why the loader stopped, for the receiver's report to the sender
-        self._loader_error: BaseException | None = None  # refitkit's own reason: reported as itself (its code and fields)
-        self._thread = threading.Thread(target=self._run, args=(receive,), name="refitkit-broadcast-receive", daemon=True)
+        self._loader_error: BaseException | None = (
+            None  # refitkit's own reason: reported as itself (its code and fields)
+        )
+        self._thread = threading.Thread(
+            target=self._run, args=(receive,), name="refitkit-broadcast-receive", daemon=True
+        )
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._thread.start()
@@ -55,7 +61,9 @@ class ReceiveBridge:
         if loader_error is not None:
             self._reason = f": {type(loader_error).__name__}: {loader_error}"
             record = error_record(loader_error)  # a copy of refitkit's own error (raised in the receiver's thread)
-            self._loader_error = error_from_record(record.get("error_code"), str(loader_error), record.get("error_fields"))
+            self._loader_error = error_from_record(
+                record.get("error_code"), str(loader_error), record.get("error_fields")
+            )
         self._stopped.set()  # set after the reason: the receiver's thread reads it once it sees the event
         if self._thread.ident is None:  # the loader never asked for a weight: no session was joined
             return None
@@ -88,7 +96,9 @@ class ReceiveBridge:
             if self._stopped.is_set():
                 if self._loader_error is not None:  # a refusal of refitkit's: the sender hears it as its type
                     raise self._loader_error
-                raise TransferError(f"the engine's loader stopped taking weights before the end of the stream{self._reason}")
+                raise TransferError(
+                    f"the engine's loader stopped taking weights before the end of the stream{self._reason}"
+                )
             try:
                 self._items.put(item, timeout=POLL_S)
                 return
@@ -110,8 +120,10 @@ class ReceiveBridge:
                 pass
             if self._error is not None or not self._thread.is_alive():
                 if self._items.empty():
-                    raise self._error if self._error is not None else TransferError(
-                        "the broadcast receiver ended without the end of the stream"
+                    raise (
+                        self._error
+                        if self._error is not None
+                        else TransferError("the broadcast receiver ended without the end of the stream")
                     )
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"no weight from the broadcast receiver within timeout_s={self.timeout_s:g}")

@@ -46,7 +46,9 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         if (self.endpoint is None) == (self.rendezvous is None):
-            raise InvalidInput("refitkit update_info: give exactly one of endpoint= (IPC sender) or rendezvous= (broadcast)")
+            raise InvalidInput(
+                "refitkit update_info: give exactly one of endpoint= (IPC sender) or rendezvous= (broadcast)"
+            )
         for name in ("endpoint", "rendezvous", "secret", "backend"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -65,10 +67,12 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.refit_receiver = WorkerReceiver(
-            model=model, vllm_config=vllm_config, device=torch.device(device),
+            model=model,
+            vllm_config=vllm_config,
+            device=torch.device(device),
             rank=internals.config_rank(vllm_config),
             layerwise=lambda weights: internals.layerwise_reload(model, vllm_config, weights),
-        )  # fmt: skip
+        )
         self.last_sync: dict[str, Any] | None = None
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
@@ -85,20 +89,27 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             sync = receiver.receive(update_info.endpoint, update_info.timeout_s, update_info.version)
         else:
             sync = receiver.receive_broadcast(
-                update_info.rendezvous, update_info.secret, update_info.timeout_s,  # type: ignore[arg-type]
-                update_info.first_rank, update_info.backend,
-            )  # fmt: skip
+                update_info.rendezvous,
+                update_info.secret,
+                update_info.timeout_s,  # type: ignore[arg-type]
+                update_info.first_rank,
+                update_info.backend,
+            )
         self.last_sync = sync
         if not sync["complete"]:
             raise partial_push(
-                f"vLLM worker {receiver.rank}", version=sync["version"], expected=sync["expected"],
+                f"vLLM worker {receiver.rank}",
+                version=sync["version"],
+                expected=sync["expected"],
                 missing=tuple(sync["missing"]),
-            )  # fmt: skip
+            )
 
     def finish_weight_update(self) -> None:
         """Nothing left to do: the session was loaded (and post-processed once) by ``update_weights``."""
         if self.last_sync is None:
-            raise InvalidInput("refitkit: finish_weight_update without a session that landed (call update_weights first)")
+            raise InvalidInput(
+                "refitkit: finish_weight_update without a session that landed (call update_weights first)"
+            )
 
     def shutdown(self) -> None:
         """Nothing held between syncs."""
@@ -108,7 +119,9 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         """The trainer's half: ``trainer_args={"sender": <a refitkit sender>, "version": step}`` sends one session."""
         sender = trainer_args.get("sender") if isinstance(trainer_args, dict) else None
         if not callable(getattr(sender, "send", None)):
-            raise InvalidInput("refitkit trainer_send_weights: trainer_args needs 'sender' (a BucketedWeightSender or BroadcastWeightSender)")
+            raise InvalidInput(
+                "refitkit trainer_send_weights: trainer_args needs 'sender' (a BucketedWeightSender or BroadcastWeightSender)"
+            )
         version = trainer_args.get("version")
         if version is None:
             sender.send(iterator)

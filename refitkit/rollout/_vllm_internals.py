@@ -153,9 +153,10 @@ def checkpoint_weight_shapes(vllm_config: Any) -> dict[str, tuple[int, ...]] | N
     unknown."""
     config = vllm_config.model_config
     return checkpoint_names.checkpoint_weight_shapes(
-        str(config.model), revision=getattr(config, "revision", None),
+        str(config.model),
+        revision=getattr(config, "revision", None),
         tied_embeddings=bool(getattr(config.hf_config, "tie_word_embeddings", False)),
-    )  # fmt: skip
+    )
 
 
 def engine_checkpoint_names(llm: Any) -> frozenset[str] | None:

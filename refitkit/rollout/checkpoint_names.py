@@ -25,7 +25,7 @@ def checkpoint_weight_names(model: str, *, revision: str | None, tied_embeddings
 
 def checkpoint_weight_shapes(
     model: str, *, revision: str | None, tied_embeddings: bool
-) -> dict[str, tuple[int, ...]] | None:  # fmt: skip
+) -> dict[str, tuple[int, ...]] | None:
     """Each weight's shape in the checkpoint ``model``, by Hugging Face name (what a sync into an engine that loaded it
     must deliver, in that shape), or None.
 
@@ -54,7 +54,9 @@ def _checkpoint_dir(model: str, revision: str | None) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, revision=revision, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
+        return snapshot_download(
+            model, revision=revision, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]
+        )
     except Exception as exc:  # any cache miss or hub error: no names, not a failed engine
         log.debug("checkpoint %r is not in the local cache: %s", model, exc)
         return None

@@ -49,29 +49,49 @@ class _EngineLink:
     push_broadcast: ClassVar[Callable[..., PushStats]]
 
     def __init__(
-        self, link: str, engine: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None,
-        first_rank: int, first_version: int, timeout_s: float | None, sleep_level: int | None, engine_timeout_s: float,
+        self,
+        link: str,
+        engine: Any,
+        sender: BucketedWeightSender | BroadcastWeightSender,
+        *,
+        secret: str | bytes | None,
+        first_rank: int,
+        first_version: int,
+        timeout_s: float | None,
+        sleep_level: int | None,
+        engine_timeout_s: float,
         kv_headroom_bytes: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if sleep_level not in (None, 1, 2):
-            raise InvalidInput(f"{link}: sleep_level={sleep_level!r}; need 1 (weights kept on the host), 2 (discarded) or None")
+            raise InvalidInput(
+                f"{link}: sleep_level={sleep_level!r}; need 1 (weights kept on the host), 2 (discarded) or None"
+            )
         self.broadcast = isinstance(sender, BroadcastWeightSender)
         if not self.broadcast and not isinstance(sender, BucketedWeightSender):
             raise InvalidInput(
                 f"{link}: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a {type(sender).__name__}"
             )
         if self.broadcast and secret is None:
-            raise InvalidInput(f"{link}: a BroadcastWeightSender needs secret= (the job's secret, as given to the sender)")
+            raise InvalidInput(
+                f"{link}: a BroadcastWeightSender needs secret= (the job's secret, as given to the sender)"
+            )
         if isinstance(kv_headroom_bytes, bool) or not isinstance(kv_headroom_bytes, int) or kv_headroom_bytes < 0:
             raise InvalidInput(f"{link}: kv_headroom_bytes={kv_headroom_bytes!r}; need an int >= 0")
-        self.sender, self.secret, self.first_rank, self.timeout_s = sender, secret, checked_first_rank(first_rank), timeout_s
+        self.sender, self.secret, self.first_rank, self.timeout_s = (
+            sender,
+            secret,
+            checked_first_rank(first_rank),
+            timeout_s,
+        )
         self.sleep_level, self._engine = sleep_level, engine
         self.engine_timeout_s = checked_seconds(engine_timeout_s, "engine_timeout_s")
         self.kv_headroom_bytes = kv_headroom_bytes
         self.next_version = checked_version(first_version)
         self.memory = EngineMemory.SERVING
         self.last_push: PushStats | None = None
-        self.call_seconds: dict[str, float] = {}  # each engine call's latest duration, e.g. "wake_up(tags=['kv_cache'])"
+        self.call_seconds: dict[
+            str, float
+        ] = {}  # each engine call's latest duration, e.g. "wake_up(tags=['kv_cache'])"
 
     @property
     def drives_memory(self) -> bool:
@@ -90,14 +110,24 @@ class _EngineLink:
         reset = self.memory is EngineMemory.SERVING  # cached KV of the old weights is stale (queued behind the push)
         if self.broadcast:
             pushed = self.push_broadcast(
-                self._engine, self.sender, weights, secret=self.secret, version=version,  # type: ignore[arg-type]
-                first_rank=self.first_rank, timeout_s=self.timeout_s, reset_prefix_cache=reset,
-            )  # fmt: skip
+                self._engine,
+                self.sender,
+                weights,
+                secret=self.secret,
+                version=version,  # type: ignore[arg-type]
+                first_rank=self.first_rank,
+                timeout_s=self.timeout_s,
+                reset_prefix_cache=reset,
+            )
         else:
             pushed = self.push(
-                self._engine, self.sender, weights, version=version, timeout_s=self.timeout_s,
+                self._engine,
+                self.sender,
+                weights,
+                version=version,
+                timeout_s=self.timeout_s,
                 reset_prefix_cache=reset,
-            )  # fmt: skip
+            )
         self.last_push = pushed
         return pushed.sender
 
@@ -107,8 +137,13 @@ class _EngineLink:
 
     def _bounded(self, what: str, call: Callable[[], Any]) -> Any:
         return bounded_engine_call(
-            self.engine_name, what, call, timeout_s=self.engine_timeout_s, memory=self.memory, call_seconds=self.call_seconds
-        )  # fmt: skip
+            self.engine_name,
+            what,
+            call,
+            timeout_s=self.engine_timeout_s,
+            memory=self.memory,
+            call_seconds=self.call_seconds,
+        )
 
     def _kv_cache_fits(self, needed: int, free: int, *, what: str, knob: str, kept: str) -> None:
         """``KVCacheWontFit`` unless ``needed`` bytes plus ``kv_headroom_bytes`` fit in ``free``."""
@@ -117,8 +152,9 @@ class _EngineLink:
                 f"{what} needs {needed / 2**20:.0f} MiB (+ kv_headroom_bytes={self.kv_headroom_bytes / 2**20:.0f} MiB) but "
                 f"its device has {free / 2**20:.0f} MiB free: the trainer still holds memory (offload and flush_device "
                 f"first, or lower {knob}); {kept}",
-                needed_bytes=needed, free_bytes=free,
-            )  # fmt: skip
+                needed_bytes=needed,
+                free_bytes=free,
+            )
 
 
 class VllmLink(_EngineLink):
@@ -145,19 +181,36 @@ class VllmLink(_EngineLink):
     push_broadcast = staticmethod(push_weights_broadcast)
 
     def __init__(
-        self, llm: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None = None,
-        first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None, sleep_level: int | None = None,
-        engine_timeout_s: float = 120.0, kv_headroom_bytes: int = 256 << 20,
-    ) -> None:  # fmt: skip
+        self,
+        llm: Any,
+        sender: BucketedWeightSender | BroadcastWeightSender,
+        *,
+        secret: str | bytes | None = None,
+        first_rank: int = 1,
+        first_version: int = 0,
+        timeout_s: float | None = None,
+        sleep_level: int | None = None,
+        engine_timeout_s: float = 120.0,
+        kv_headroom_bytes: int = 256 << 20,
+    ) -> None:
         if not callable(getattr(llm, "collective_rpc", None)):
             raise InvalidInput(f"VllmLink: llm must be a vllm.LLM (with collective_rpc), got a {type(llm).__name__}")
         super().__init__(
-            "VllmLink", llm, sender, secret=secret, first_rank=first_rank, first_version=first_version,
-            timeout_s=timeout_s, sleep_level=sleep_level, engine_timeout_s=engine_timeout_s,
+            "VllmLink",
+            llm,
+            sender,
+            secret=secret,
+            first_rank=first_rank,
+            first_version=first_version,
+            timeout_s=timeout_s,
+            sleep_level=sleep_level,
+            engine_timeout_s=engine_timeout_s,
             kv_headroom_bytes=kv_headroom_bytes,
-        )  # fmt: skip
+        )
         if sleep_level is not None and not internals.sleep_mode_enabled(llm):
-            raise InvalidInput("VllmLink: sleep_level needs an engine made with enable_sleep_mode=True (or pass sleep_level=None)")
+            raise InvalidInput(
+                "VllmLink: sleep_level needs an engine made with enable_sleep_mode=True (or pass sleep_level=None)"
+            )
         self.llm = llm
 
     # -- the engine's memory around a refit cycle -------------------------------------------------
@@ -182,10 +235,12 @@ class VllmLink(_EngineLink):
             return
         for rank, state in enumerate(self._bounded("refit_memory", lambda: self.llm.collective_rpc("refit_memory"))):
             self._kv_cache_fits(
-                int(state["asleep"].get("kv_cache", 0)), int(state["free_bytes"]),
-                what=f"waking vLLM worker {rank}'s KV cache", knob="gpu_memory_utilization",
+                int(state["asleep"].get("kv_cache", 0)),
+                int(state["free_bytes"]),
+                what=f"waking vLLM worker {rank}'s KV cache",
+                knob="gpu_memory_utilization",
                 kept="the engine's weights stay awake, its KV cache asleep",
-            )  # fmt: skip
+            )
         self._bounded("wake_up(tags=['kv_cache'])", lambda: self.llm.wake_up(tags=["kv_cache"]))
         self.memory = EngineMemory.SERVING
 
@@ -223,23 +278,43 @@ class SglangLink(_EngineLink):
     push_broadcast = staticmethod(sglang_push_weights_broadcast)
 
     def __init__(
-        self, engine: Any, sender: BucketedWeightSender | BroadcastWeightSender, *, secret: str | bytes | None = None,
-        first_rank: int = 1, first_version: int = 0, timeout_s: float | None = None, sleep_level: int | None = None,
-        engine_timeout_s: float = 120.0, kv_headroom_bytes: int = 256 << 20, release_memory: bool | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        engine: Any,
+        sender: BucketedWeightSender | BroadcastWeightSender,
+        *,
+        secret: str | bytes | None = None,
+        first_rank: int = 1,
+        first_version: int = 0,
+        timeout_s: float | None = None,
+        sleep_level: int | None = None,
+        engine_timeout_s: float = 120.0,
+        kv_headroom_bytes: int = 256 << 20,
+        release_memory: bool | None = None,
+    ) -> None:
         settings = checked_engine(engine, "SglangLink")
         kept = settings["weights_cpu_backup"]
         if release_memory is not None and not isinstance(release_memory, bool):
             raise InvalidInput(f"SglangLink: release_memory={release_memory!r}; need a bool (or, better, sleep_level=)")
         sleep_level = renamed_knob(
-            "sleep_level", sleep_level, default=None, old="release_memory", old_value=release_memory,
+            "sleep_level",
+            sleep_level,
+            default=None,
+            old="release_memory",
+            old_value=release_memory,
             converted=lambda release: (1 if kept else 2) if release else None,
-        )  # fmt: skip
+        )
         super().__init__(
-            "SglangLink", engine, sender, secret=secret, first_rank=first_rank, first_version=first_version,
-            timeout_s=timeout_s, sleep_level=sleep_level, engine_timeout_s=engine_timeout_s,
+            "SglangLink",
+            engine,
+            sender,
+            secret=secret,
+            first_rank=first_rank,
+            first_version=first_version,
+            timeout_s=timeout_s,
+            sleep_level=sleep_level,
+            engine_timeout_s=engine_timeout_s,
             kv_headroom_bytes=kv_headroom_bytes,
-        )  # fmt: skip
+        )
         if settings["tp_size"] != 1 and not self.broadcast:
             raise InvalidInput(
                 f"SglangLink: tp_size={settings['tp_size']} with a BucketedWeightSender, which feeds one scheduler; give "
@@ -265,7 +340,10 @@ class SglangLink(_EngineLink):
     def wake_for_sync(self) -> None:
         """Weights back on the device for a sync (a no-op unless the link released them)."""
         if self.memory is EngineMemory.ASLEEP:
-            self._bounded("resume_memory_occupation(['weights'])", lambda: sglang_internals.resume_memory(self.engine, ["weights"]))
+            self._bounded(
+                "resume_memory_occupation(['weights'])",
+                lambda: sglang_internals.resume_memory(self.engine, ["weights"]),
+            )
             self.memory = EngineMemory.WEIGHTS_AWAKE
 
     def wake_for_rollout(self) -> None:
@@ -278,10 +356,12 @@ class SglangLink(_EngineLink):
         state = self._bounded("state query", lambda: engine_state(self.engine, timeout_s=self.engine_timeout_s))
         for rank, found in enumerate(state.get("tp_ranks", [state])):  # each TP rank's KV cache on its own device
             self._kv_cache_fits(
-                int(found["kv_cache_bytes"]), int(found["free_bytes"]),
+                int(found["kv_cache_bytes"]),
+                int(found["free_bytes"]),
                 what=f"resuming the KV cache of SGLang's TP rank {rank} ({found['device']}; the headroom covers CUDA graphs)",
-                knob="mem_fraction_static", kept="the engine's weights stay resident, its KV cache released",
-            )  # fmt: skip
+                knob="mem_fraction_static",
+                kept="the engine's weights stay resident, its KV cache released",
+            )
         tags = ["kv_cache", "cuda_graph"]  # both released by sleep_for_training; the KV cache was flushed then
         self._bounded(f"resume_memory_occupation({tags})", lambda: sglang_internals.resume_memory(self.engine, tags))
         self.memory = EngineMemory.SERVING
@@ -323,15 +403,23 @@ class BroadcastLink:
 
 
 def bounded_engine_call(
-    engine: str, what: str, call: Callable[[], Any], *, timeout_s: float, memory: EngineMemory,
+    engine: str,
+    what: str,
+    call: Callable[[], Any],
+    *,
+    timeout_s: float,
+    memory: EngineMemory,
     call_seconds: dict[str, float],
-) -> Any:  # fmt: skip
+) -> Any:
     """``call()`` in a helper thread, at most ``timeout_s`` (``engine_timeout_s``); its duration goes into
     ``call_seconds[what]``; an engine's error becomes an ``EngineError`` naming it and the engine's ``memory``."""
     began = time.perf_counter()
     result = bounded_call(
-        call, timeout_s=timeout_s, what=f"{engine}'s {what}", context=f" (engine memory: {memory.value})",
+        call,
+        timeout_s=timeout_s,
+        what=f"{engine}'s {what}",
+        context=f" (engine memory: {memory.value})",
         within=f"engine_timeout_s={timeout_s:g} (raise it if the engine is only slow)",
-    )  # fmt: skip
+    )
     call_seconds[what] = time.perf_counter() - began
     return result

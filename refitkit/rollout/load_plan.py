@@ -73,7 +73,9 @@ class LoadPlan:
         for name, dest in self.destinations.items():
             param = params.get(dest.param)
             if param is None:
-                raise InvalidInput(f"load plan: {name!r} lands in {dest.param!r}, which the model does not have (plan of another model?)")
+                raise InvalidInput(
+                    f"load plan: {name!r} lands in {dest.param!r}, which the model does not have (plan of another model?)"
+                )
             data = param.data
             if data.dtype != dest.dtype or not data.is_contiguous() or dest.offset + dest.numel > data.numel():
                 raise InvalidInput(
@@ -113,7 +115,9 @@ def record_load_plan(
             raise InvalidInput(f"streamed item {index} is {item!r}; expected (name, shape)")
         shape = tuple(int(size) for size in item[1])
         if math.prod(shape) >= _MAX_ELEMENTS:
-            raise InvalidInput(f"{item[0]!r} has {math.prod(shape)} elements; the recording encodes positions below 2**{_POSITION_BITS}")
+            raise InvalidInput(
+                f"{item[0]!r} has {math.prod(shape)} elements; the recording encodes positions below 2**{_POSITION_BITS}"
+            )
         names.append((item[0], shape))
     params = dict(model.named_parameters(remove_duplicate=False))
     saved = {name: param.data for name, param in params.items()}
@@ -181,13 +185,14 @@ def _read_recording(
         elif number in scattered:
             skipped[name] = f"its elements landed in {next(iter(found))!r} out of order (transposed or repacked)"
         elif found[next(iter(found))] != numel or runs[number][2] != 0:
-            skipped[name] = f"{found[next(iter(found))]} of its {numel} elements landed in {next(iter(found))!r} (sharded or padded)"
+            skipped[name] = (
+                f"{found[next(iter(found))]} of its {numel} elements landed in {next(iter(found))!r} (sharded or padded)"
+            )
         else:
             param_name, offset, _ = runs[number]
             destinations[name] = Destination(param_name, offset, numel, shape, dtypes[param_name])
     log.info("load plan: %d of %d streamed names go direct", len(destinations), len(names))
     return LoadPlan(destinations, skipped)
-
 
 
 @dataclass(frozen=True)
@@ -201,7 +206,7 @@ class LandedStats:
     loader_bytes: int = 0
     observed: int = 0
 
-    def __add__(self, other: "LandedStats") -> "LandedStats":
+    def __add__(self, other: LandedStats) -> LandedStats:
         return LandedStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
@@ -264,9 +269,12 @@ class DirectLoads:
                 if new:
                     self._bind()
         return LandedStats(
-            direct_tensors=len(big) + len(small_targets), direct_bytes=direct_bytes,
-            loader_tensors=len(loaded) + len(new), loader_bytes=sum(t.nbytes for _, t in loaded + new), observed=len(new),
-        )  # fmt: skip
+            direct_tensors=len(big) + len(small_targets),
+            direct_bytes=direct_bytes,
+            loader_tensors=len(loaded) + len(new),
+            loader_bytes=sum(t.nbytes for _, t in loaded + new),
+            observed=len(new),
+        )
 
     def _observe(self, name: str, tensor: torch.Tensor) -> None:
         """Load ``name`` through the loader alone, watching it; plan it direct if it only copied it whole."""
@@ -282,7 +290,7 @@ class DirectLoads:
         offset = (target.data_ptr() - data.data_ptr()) // target.element_size()
         self.destinations[name] = Destination(param_name, offset, target.numel(), tuple(target.shape), target.dtype)
 
-    def _not_direct(self, tensor: torch.Tensor, watch: "_LoaderWatch") -> tuple[str, tuple[str, torch.Tensor] | None]:
+    def _not_direct(self, tensor: torch.Tensor, watch: _LoaderWatch) -> tuple[str, tuple[str, torch.Tensor] | None]:
         """Why ``tensor`` cannot go direct, or ("", the parameter that holds its one copy)."""
         if watch.writes:
             return f"the loader wrote with {sorted(set(watch.writes))}", None
@@ -292,7 +300,10 @@ class DirectLoads:
         if not isinstance(source, torch.Tensor) or not _same_view(source, tensor) or not tensor.is_contiguous():
             return "the loader copied a transform or a part of it (sharded, transposed or converted)", None
         if target.dtype != tensor.dtype or tuple(target.shape) != tuple(tensor.shape) or not target.is_contiguous():
-            return f"it lands as {target.dtype} {tuple(target.shape)} (streamed {tensor.dtype} {tuple(tensor.shape)})", None
+            return (
+                f"it lands as {target.dtype} {tuple(target.shape)} (streamed {tensor.dtype} {tuple(tensor.shape)})",
+                None,
+            )
         owner = self._owner(target)
         if owner is None:
             return "the loader copied it outside the model's parameters", None
@@ -306,7 +317,12 @@ class DirectLoads:
         start, end = target.data_ptr(), target.data_ptr() + target.nbytes
         for param_name, param in self.model.named_parameters(remove_duplicate=False):
             data = param.data
-            if data.is_contiguous() and data.dtype == target.dtype and data.data_ptr() <= start and end <= data.data_ptr() + data.nbytes:
+            if (
+                data.is_contiguous()
+                and data.dtype == target.dtype
+                and data.data_ptr() <= start
+                and end <= data.data_ptr() + data.nbytes
+            ):
                 return param_name, data
         return None
 
@@ -321,7 +337,9 @@ class DirectLoads:
             return
         self._targets = bound.targets
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._bound_to = _BoundParams(self.model, {dest.param: params[dest.param] for dest in self.destinations.values()})
+        self._bound_to = _BoundParams(
+            self.model, {dest.param: params[dest.param] for dest in self.destinations.values()}
+        )
 
 
 class _BoundParams:
@@ -335,7 +353,9 @@ class _BoundParams:
 
     def __init__(self, model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> None:
         links: dict[str, tuple[torch.nn.Module, str, torch.nn.Module]] = {}  # module path -> (parent, name, module)
-        self._leaves: list[tuple[torch.nn.Module, str, torch.nn.Parameter, int]] = []  # owner, attribute, param, data_ptr
+        self._leaves: list[
+            tuple[torch.nn.Module, str, torch.nn.Parameter, int]
+        ] = []  # owner, attribute, param, data_ptr
         for name, param in params.items():
             *path, attribute = name.split(".")
             module = model

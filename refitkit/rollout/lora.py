@@ -54,12 +54,18 @@ class LoraSpec:
     def peft_config(self, base_model: str | None = None) -> dict[str, Any]:
         """The ``adapter_config.json`` of this adapter, as PEFT writes it (the fields engines read)."""
         return {
-            "peft_type": "LORA", "r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules),
-            "bias": "none", "base_model_name_or_path": base_model,
-        }  # fmt: skip
+            "peft_type": "LORA",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": list(self.target_modules),
+            "bias": "none",
+            "base_model_name_or_path": base_model,
+        }
 
     def to_tensor(self) -> torch.Tensor:
-        raw = json.dumps({"r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules)}).encode()
+        raw = json.dumps(
+            {"r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules)}
+        ).encode()
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
     @staticmethod
@@ -73,12 +79,21 @@ class LoraSpec:
             fields = json.loads(tensor.cpu().numpy().tobytes().decode())
         except (UnicodeDecodeError, ValueError) as exc:
             raise ProtocolError(f"{LORA_CONFIG_NAME!r} is not JSON: {exc}") from None
-        rank, alpha, targets = (fields.get(key) if isinstance(fields, dict) else None for key in ("r", "lora_alpha", "target_modules"))
+        rank, alpha, targets = (
+            fields.get(key) if isinstance(fields, dict) else None for key in ("r", "lora_alpha", "target_modules")
+        )
         if not (
-            type(rank) is int and rank > 0 and type(alpha) in (int, float) and alpha > 0
-            and isinstance(targets, list) and targets and all(isinstance(name, str) and name for name in targets)
-        ):  # fmt: skip
-            raise ProtocolError(f"{LORA_CONFIG_NAME!r} has r={rank!r}, lora_alpha={alpha!r}, target_modules={targets!r}")
+            type(rank) is int
+            and rank > 0
+            and type(alpha) in (int, float)
+            and alpha > 0
+            and isinstance(targets, list)
+            and targets
+            and all(isinstance(name, str) and name for name in targets)
+        ):
+            raise ProtocolError(
+                f"{LORA_CONFIG_NAME!r} has r={rank!r}, lora_alpha={alpha!r}, target_modules={targets!r}"
+            )
         return LoraSpec(rank, float(alpha), tuple(targets))
 
 
@@ -130,7 +145,9 @@ def lora_spec(model: torch.nn.Module, *, alpha: float | None = None, adapter: st
     if not ranks:
         raise InvalidInput(f"the model has no lora_A/lora_B parameters for adapter {adapter!r}")
     if len(set(ranks.values())) != 1:
-        raise InvalidInput(f"LoRA ranks differ across modules ({sorted(set(ranks.values()))}); one rank per adapter is supported")
+        raise InvalidInput(
+            f"LoRA ranks differ across modules ({sorted(set(ranks.values()))}); one rank per adapter is supported"
+        )
     if alpha is None:
         found = {_module_alpha(module, adapter) for module in model.modules()} - {None}
         if len(found) != 1:
@@ -187,9 +204,14 @@ class LoraAdapter:
         try:
             from safetensors.torch import save_file
         except ImportError:
-            raise InvalidInput("saving a LoRA adapter needs safetensors (pip install safetensors; vLLM brings it)") from None
+            raise InvalidInput(
+                "saving a LoRA adapter needs safetensors (pip install safetensors; vLLM brings it)"
+            ) from None
         os.makedirs(path, exist_ok=True)
-        save_file({name: tensor.contiguous() for name, tensor in self.tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+        save_file(
+            {name: tensor.contiguous() for name, tensor in self.tensors.items()},
+            os.path.join(path, "adapter_model.safetensors"),
+        )
         with open(os.path.join(path, "adapter_config.json"), "w") as config:
             json.dump(self.spec.peft_config(base_model), config)
 
@@ -213,7 +235,9 @@ class LoraCollector:
             else:
                 base.append((name, tensor))
         if base and self.on_base is None:
-            raise InvalidInput(f"base weight {base[0][0]!r} arrived but this LoraCollector has no on_base to load it into")
+            raise InvalidInput(
+                f"base weight {base[0][0]!r} arrived but this LoraCollector has no on_base to load it into"
+            )
         self.base_names += [name for name, _ in base]
         if self.on_base is not None and (base or is_last):
             self.on_base(base, is_last)
@@ -231,7 +255,9 @@ class LoraCollector:
         for module, parts in modules.items():
             a, b = parts.get("lora_A"), parts.get("lora_B")
             if a is None or b is None:
-                raise ProtocolError(f"{module!r} arrived with {sorted(parts)} only; each LoRA module needs lora_A and lora_B")
+                raise ProtocolError(
+                    f"{module!r} arrived with {sorted(parts)} only; each LoRA module needs lora_A and lora_B"
+                )
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != self.spec.rank or b.shape[1] != self.spec.rank:
                 raise ProtocolError(
                     f"{module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit rank r={self.spec.rank}"
@@ -272,7 +298,9 @@ class VllmLoraLoader:
         loading = LoRARequest(name, lora_id, path, load_inplace=self.inplace)
         if not self.llm.llm_engine.add_lora(loading):
             shutil.rmtree(path, ignore_errors=True)
-            raise InvalidInput(f"vLLM refused LoRA adapter {name!r} from {path} (enable_lora=True? max_lora_rank >= r?)")
+            raise InvalidInput(
+                f"vLLM refused LoRA adapter {name!r} from {path} (enable_lora=True? max_lora_rank >= r?)"
+            )
         previous, self.current = self.current, LoRARequest(name, lora_id, path)
         if previous is not None:
             if not self.inplace:
@@ -287,5 +315,10 @@ class VllmLoraLoader:
                 "no second load: let those requests finish or abort them, then call llm.reset_prefix_cache(); load "
                 "between rollouts, or use VllmLoraLoader(llm, inplace=False) (a new LoRA id per version shares no KV)"
             )
-        log.info("LoRA adapter of version %d loaded as vLLM LoRA id %d%s", version, lora_id, " in place" if self.inplace else "")
+        log.info(
+            "LoRA adapter of version %d loaded as vLLM LoRA id %d%s",
+            version,
+            lora_id,
+            " in place" if self.inplace else "",
+        )
         return self.current

@@ -22,9 +22,15 @@ from typing import Any, NoReturn
 import torch
 
 from refitkit.errors import (
-    EngineError, EngineTimeout, InvalidInput, RefitError, TransferError, UnknownWeight, WeightRejected,
+    EngineError,
+    EngineTimeout,
+    InvalidInput,
+    RefitError,
+    TransferError,
+    UnknownWeight,
+    WeightRejected,
     WeightShapeMismatch,
-)  # fmt: skip
+)
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of
 from refitkit.transfer import TransferStats
@@ -56,7 +62,7 @@ class WeightCheck:
 
     def refusal(
         self, weights: Sequence[tuple[str, torch.Tensor]], progress: SyncProgress
-    ) -> WeightShapeMismatch | None:  # fmt: skip
+    ) -> WeightShapeMismatch | None:
         """The refusal of the first of ``weights`` whose shape is not the checkpoint's, recorded in ``progress``, for
         the caller to raise before the loader sees any of them: vLLM's loaders fail on some with an empty message, and
         cut others to fit (a q_proj with a row too many loads silently)."""
@@ -74,8 +80,12 @@ class WeightCheck:
         progress.refusal = WeightShapeMismatch(
             f"{self.engine} refused weight {name!r}: pushed with shape {list(shape)}, but the checkpoint it loaded has "
             f"{list(expected)} (phase: shape check, before loading it). {_AFTER_REFUSAL}",
-            weight=name, shape=shape, expected_shape=expected, engine=self.engine, phase="shape check",
-        )  # fmt: skip
+            weight=name,
+            shape=shape,
+            expected_shape=expected,
+            engine=self.engine,
+            phase="shape check",
+        )
         return progress.refusal
 
     def rejection(self, progress: SyncProgress, *, phase: str) -> WeightRejected | None:
@@ -89,30 +99,42 @@ class WeightCheck:
         unknown = [(name, shape) for name, shape in handing if self.shapes is not None and name not in self.shapes]
         said = f"{type(error).__name__}: {error}"
         fields = {
-            "engine": self.engine, "phase": phase, "remote_type": type(error).__name__, "remote_message": str(error),
-        }  # fmt: skip
+            "engine": self.engine,
+            "phase": phase,
+            "remote_type": type(error).__name__,
+            "remote_message": str(error),
+        }
         if unknown:
             name, shape = unknown[0]
             return UnknownWeight(
                 f"{self.engine} has no parameter for pushed weight {name!r} (shape {list(shape)}; the checkpoint it "
                 f"loaded has no such name): its loader raised {said} (phase: {phase}). {_AFTER_REFUSAL}",
-                weight=name, shape=shape, expected_shape=None, **fields,
-            )  # fmt: skip
+                weight=name,
+                shape=shape,
+                expected_shape=None,
+                **fields,
+            )
         if len(handing) == 1:  # (layerwise: one weight at a time)
             name, shape = handing[0]
             expected = None if self.shapes is None else self.shapes.get(name)
             return WeightRejected(
                 f"{self.engine}'s loader refused weight {name!r} (pushed shape {_listed(shape)}, the checkpoint's "
                 f"{_listed(expected)}): {said} (phase: {phase}). {_AFTER_REFUSAL}",
-                weight=name, shape=shape, expected_shape=expected, **fields,
-            )  # fmt: skip
+                weight=name,
+                shape=shape,
+                expected_shape=expected,
+                **fields,
+            )
         names = [name for name, _ in handing]
         shown = f"{names[:MISSING_SHOWN]}{' ...' if len(names) > MISSING_SHOWN else ''}"
         return WeightRejected(
             f"{self.engine}'s loader refused one of the weights {shown} ({_bucket_shapes(self.shapes)}): {said} "
             f"(phase: {phase}). {_AFTER_REFUSAL}",
-            weight=", ".join(names), shape=None, expected_shape=None, **fields,
-        )  # fmt: skip
+            weight=", ".join(names),
+            shape=None,
+            expected_shape=None,
+            **fields,
+        )
 
 
 _AFTER_REFUSAL = (
@@ -130,9 +152,11 @@ def _listed(shape: tuple[int, ...] | None) -> str:
 
 
 def land_in_place(
-    receive: Callable[[Callable[..., Any]], TransferStats], direct: DirectLoads, progress: SyncProgress,
+    receive: Callable[[Callable[..., Any]], TransferStats],
+    direct: DirectLoads,
+    progress: SyncProgress,
     check: WeightCheck | None = None,
-) -> TransferStats:  # fmt: skip
+) -> TransferStats:
     """Run ``receive(on_bucket)`` with each bucket landed through ``direct`` (its views are valid during the call),
     every weight of a bucket checked by ``check`` before any of it lands."""
     direct.begin()
@@ -172,7 +196,9 @@ def refuse_session(receiver: Any, error: EngineError) -> NoReturn:
     raise error
 
 
-def record_landing(weights: EngineWeights, version: int, names: set[str], expected: frozenset[str] | None) -> SyncCoverage:
+def record_landing(
+    weights: EngineWeights, version: int, names: set[str], expected: frozenset[str] | None
+) -> SyncCoverage:
     """A sync's stream arrived whole: record its coverage against the names the engine loads (None: unknown)."""
     coverage = coverage_of(names, expected)
     weights.landed(version, coverage)
@@ -183,19 +209,28 @@ def record_landing(weights: EngineWeights, version: int, names: set[str], expect
 
 def sync_report(
     stats: TransferStats, version: int, coverage: SyncCoverage, progress: SyncProgress, began: float
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """One sync as plain values: the transfer's stats, the version and its coverage, and the rank's seconds
     (``load_s`` the whole sync, ``loader_s`` in the loaders, ``post_s`` in post-processing) and landing counts."""
     landed = progress.landed
     return {
-        "bytes": stats.bytes, "tensors": stats.tensors, "buckets": stats.buckets,
-        "seconds": stats.seconds, "ack_wait_s": stats.ack_wait_s,
-        "version": version, "complete": coverage.complete, "expected": coverage.expected,
+        "bytes": stats.bytes,
+        "tensors": stats.tensors,
+        "buckets": stats.buckets,
+        "seconds": stats.seconds,
+        "ack_wait_s": stats.ack_wait_s,
+        "version": version,
+        "complete": coverage.complete,
+        "expected": coverage.expected,
         "missing": list(coverage.missing),
-        "load_s": time.perf_counter() - began, "loader_s": progress.loader_s, "post_s": progress.post_s,
-        "direct_tensors": landed.direct_tensors, "direct_bytes": landed.direct_bytes,
-        "loader_tensors": landed.loader_tensors, "loader_bytes": landed.loader_bytes,
-    }  # fmt: skip
+        "load_s": time.perf_counter() - began,
+        "loader_s": progress.loader_s,
+        "post_s": progress.post_s,
+        "direct_tensors": landed.direct_tensors,
+        "direct_bytes": landed.direct_bytes,
+        "loader_tensors": landed.loader_tensors,
+        "loader_bytes": landed.loader_bytes,
+    }
 
 
 def checked_timeout(sender: Any, timeout_s: float | None) -> float:
@@ -224,7 +259,9 @@ def checked_weights(weights: Any, *, need_cuda: bool) -> Any:
     return weights
 
 
-def bounded_result(future: concurrent.futures.Future, *, timeout_s: float, what: str, within: str, context: str = "") -> Any:
+def bounded_result(
+    future: concurrent.futures.Future, *, timeout_s: float, what: str, within: str, context: str = ""
+) -> Any:
     """``future``'s result (an engine's call), waited for at most ``timeout_s``: ``EngineTimeout`` naming ``what`` and
     the bound (``within``) if it did not come; the engine's exception becomes an ``EngineError`` naming ``what``
     (refitkit's own errors pass as they are). ``context`` is added to either message."""

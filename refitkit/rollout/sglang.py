@@ -39,9 +39,16 @@ from refitkit.rollout._push import RPC_SLACK_S, EngineCall, PushStats, drive, ra
 from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, bounded_call, checked_first_rank, checked_timeout, checked_weights, land_in_place, record_landing,
-    refuse_session, sync_report,
-)  # fmt: skip
+    SyncProgress,
+    bounded_call,
+    checked_first_rank,
+    checked_timeout,
+    checked_weights,
+    land_in_place,
+    record_landing,
+    refuse_session,
+    sync_report,
+)
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, coverage_of, weight_version_of
 from refitkit.rollout.vllm import tensor_fingerprint
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
@@ -60,11 +67,15 @@ _UNREAD = object()
 REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "receive": {"endpoint": (str,), "timeout_s": (int, float), "version": (int, type(None))},
     "receive_broadcast": {
-        "rendezvous": (str,), "secret": (str,), "timeout_s": (int, float), "first_rank": (int,), "backend": (str,),
+        "rendezvous": (str,),
+        "secret": (str,),
+        "timeout_s": (int, float),
+        "first_rank": (int,),
+        "backend": (str,),
     },
     "state": {"fingerprints": (list, type(None))},  # parameter names, [] for all of them, None for none
     "discarded": {},
-}  # fmt: skip
+}
 
 
 def encode_request(op: str, **fields: Any) -> str:
@@ -92,7 +103,9 @@ def decode_request(text: str) -> dict[str, Any]:
     for name, types in fields.items():
         value = request.get(name)
         if isinstance(value, bool) or not isinstance(value, types):
-            raise InvalidInput(f"refitkit {op} request: {name}={value!r}; need {' or '.join(t.__name__ for t in types)}")
+            raise InvalidInput(
+                f"refitkit {op} request: {name}={value!r}; need {' or '.join(t.__name__ for t in types)}"
+            )
     names = request.get("fingerprints")
     if isinstance(names, list) and not all(isinstance(name, str) for name in names):
         raise InvalidInput("refitkit state request: fingerprints must be a list of parameter names")
@@ -101,7 +114,7 @@ def decode_request(text: str) -> dict[str, Any]:
 
 def encode_reply(
     *, result: dict[str, Any] | None = None, error: BaseException | None = None, weights: dict[str, Any] | None = None
-) -> str:  # fmt: skip
+) -> str:
     """The scheduler's answer: ``result`` (plain values), or ``error`` as its code, fields and frames (``failure_fields``)
     with the scheduler's weight state (``weights``: what a failed sync had handed over)."""
     if error is None:
@@ -129,7 +142,8 @@ def reply_reports(success: bool, message: str, *, what: str) -> list[dict[str, A
         result = dict(reply.get("result") or {})
         return list(result.get("tp_ranks") or [result])
     return [
-        dict(rank["result"]) if rank.get("ok")
+        dict(rank["result"])
+        if rank.get("ok")
         else {"failure": dict(rank.get("failure") or {}), "weights": rank.get("weights")}
         for rank in reply.get("ranks") or [reply]
     ]
@@ -156,14 +170,17 @@ class SchedulerReceiver:
     """One SGLang scheduler's side of refitkit syncs: receives a session in place into its model and keeps its
     weight versions (one per model: a disk reload that replaces the model starts a fresh record)."""
 
-    def __init__(self, *, model: torch.nn.Module, device: torch.device, rank: int,
-                 checkpoint: tuple[str, str | None, bool]) -> None:  # fmt: skip
+    def __init__(
+        self, *, model: torch.nn.Module, device: torch.device, rank: int, checkpoint: tuple[str, str | None, bool]
+    ) -> None:
         self.model, self.device, self.rank, self.checkpoint = model, device, rank, checkpoint
         self.weights = EngineWeights()
         self.direct = DirectLoads(model, model.load_weights)
         self._expected: Any = _UNREAD
 
-    def receive(self, endpoint: str, timeout_s: float, version: int | None, *, weights_released: bool) -> dict[str, Any]:
+    def receive(
+        self, endpoint: str, timeout_s: float, version: int | None, *, weights_released: bool
+    ) -> dict[str, Any]:
         """One session from the ``BucketedWeightSender`` on ``endpoint`` (``{rank}`` is this TP rank) as ``version``."""
         number = self.weights.next_version() if version is None else checked_version(version)
         receiver = BucketedWeightReceiver(endpoint.replace("{rank}", str(self.rank)), self.device, timeout_s=timeout_s)
@@ -173,11 +190,16 @@ class SchedulerReceiver:
 
     def receive_broadcast(
         self, rendezvous: str, secret: str, timeout_s: float, first_rank: int, backend: str, *, weights_released: bool
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """Join the ``BroadcastWeightSender`` at ``rendezvous`` as rank ``first_rank`` + this TP rank for one session."""
         receiver = BroadcastWeightReceiver(
-            rendezvous, secret=secret, rank=first_rank + self.rank, device=self.device, backend=backend, timeout_s=timeout_s
-        )  # fmt: skip
+            rendezvous,
+            secret=secret,
+            rank=first_rank + self.rank,
+            device=self.device,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
         if weights_released:
             refuse_session(receiver, self._asleep())
 
@@ -192,7 +214,9 @@ class SchedulerReceiver:
         """The weights were released without a host backup: garbage until a full sync lands (reported incomplete)."""
         self.weights.failed(self.weights.next_version(), touched=True)
 
-    def _land(self, receive: Callable[[Callable[..., Any]], TransferStats], number: Callable[[], int]) -> dict[str, Any]:
+    def _land(
+        self, receive: Callable[[Callable[..., Any]], TransferStats], number: Callable[[], int]
+    ) -> dict[str, Any]:
         began = time.perf_counter()
         progress = SyncProgress()
         try:
@@ -231,8 +255,11 @@ def scheduler_receiver(updater: Any) -> SchedulerReceiver:
     if receiver is None:
         rank, _ = internals.tp_rank_and_size(updater)
         receiver = SchedulerReceiver(
-            model=model, device=internals.scheduler_device(updater), rank=rank, checkpoint=internals.checkpoint_of(updater)
-        )  # fmt: skip
+            model=model,
+            device=internals.scheduler_device(updater),
+            rank=rank,
+            checkpoint=internals.checkpoint_of(updater),
+        )
         _receivers[model] = receiver
     return receiver
 
@@ -254,19 +281,27 @@ def handle_update(original: Callable[[Any, Any], Any], updater: Any, recv_req: A
         success, reply = merge_replies(internals.tp_replies(updater, reply, gather_replies))
     except Exception as exc:
         log.error("refitkit could not gather the TP ranks' replies: %s: %s", type(exc).__name__, exc)
-        success, reply = False, encode_reply(error=EngineError(f"gathering the TP ranks' replies failed: {type(exc).__name__}: {exc}"))
+        success, reply = (
+            False,
+            encode_reply(error=EngineError(f"gathering the TP ranks' replies failed: {type(exc).__name__}: {exc}")),
+        )
     try:
         internals.tp_barrier(updater)
     except Exception as exc:  # a broken TP group: say so in the answer rather than kill the scheduler
         log.error("refitkit: SGLang's TP barrier failed after a request: %s: %s", type(exc).__name__, exc)
-        success, reply = False, encode_reply(error=EngineError(f"SGLang's TP barrier failed: {type(exc).__name__}: {exc}"))
+        success, reply = (
+            False,
+            encode_reply(error=EngineError(f"SGLang's TP barrier failed: {type(exc).__name__}: {exc}")),
+        )
     return internals.update_output(success, reply)
 
 
 def gather_replies(group: Any, reply: str) -> list[str]:
     """Every rank's ``reply`` in rank order, over the CPU (gloo) process ``group``: UTF-8 bytes in uint8 tensors (sizes
     first), no pickle. Every rank of the group calls it."""
-    data = torch.frombuffer(bytearray(reply.encode()), dtype=torch.uint8) if reply else torch.empty(0, dtype=torch.uint8)
+    data = (
+        torch.frombuffer(bytearray(reply.encode()), dtype=torch.uint8) if reply else torch.empty(0, dtype=torch.uint8)
+    )
     size = torch.tensor([data.numel()], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(sizes, size, group=group)
@@ -297,12 +332,18 @@ def _serve(updater: Any, recv_req: Any, request: dict[str, Any]) -> dict[str, An
     if op in ("receive", "receive_broadcast") and internals.has_draft_model(updater):
         raise InvalidInput("refitkit does not update a speculative-decoding draft model: start SGLang without one")
     if op == "receive":
-        result = receiver.receive(request["endpoint"], float(request["timeout_s"]), request["version"], weights_released=released)
+        result = receiver.receive(
+            request["endpoint"], float(request["timeout_s"]), request["version"], weights_released=released
+        )
     elif op == "receive_broadcast":
         result = receiver.receive_broadcast(
-            request["rendezvous"], request["secret"], float(request["timeout_s"]), request["first_rank"], request["backend"],
+            request["rendezvous"],
+            request["secret"],
+            float(request["timeout_s"]),
+            request["first_rank"],
+            request["backend"],
             weights_released=released,
-        )  # fmt: skip
+        )
     elif op == "discarded":
         receiver.discarded()
         return {"weights": receiver.weights.as_dict()}
@@ -312,22 +353,33 @@ def _serve(updater: Any, recv_req: Any, request: dict[str, Any]) -> dict[str, An
     return result
 
 
-def _state(updater: Any, receiver: SchedulerReceiver, names: list[str] | None, *, weights_released: bool) -> dict[str, Any]:
+def _state(
+    updater: Any, receiver: SchedulerReceiver, names: list[str] | None, *, weights_released: bool
+) -> dict[str, Any]:
     """This scheduler's weight versions, released memory, device memory and (with ``names``) parameter fingerprints."""
     free_bytes, total_bytes = torch.cuda.mem_get_info(receiver.device)
     rank, tp_size = internals.tp_rank_and_size(updater)
     state = {
-        "weights": receiver.weights.as_dict(), "released": internals.released_tags(updater), "idle": internals.is_idle(updater),
-        "free_bytes": int(free_bytes), "total_bytes": int(total_bytes), "kv_cache_bytes": internals.kv_cache_bytes(updater),
-        "rank": rank, "tp_size": tp_size, "pid": os.getpid(), "device": str(receiver.device),
-    }  # fmt: skip
+        "weights": receiver.weights.as_dict(),
+        "released": internals.released_tags(updater),
+        "idle": internals.is_idle(updater),
+        "free_bytes": int(free_bytes),
+        "total_bytes": int(total_bytes),
+        "kv_cache_bytes": internals.kv_cache_bytes(updater),
+        "rank": rank,
+        "tp_size": tp_size,
+        "pid": os.getpid(),
+        "device": str(receiver.device),
+    }
     if names is not None:
         if weights_released:
             raise EngineAsleep("fingerprints of released weights would read unmapped memory: resume the weights first")
         params = dict(receiver.model.named_parameters())
         missing = [name for name in names if name not in params]
         if missing:
-            raise InvalidInput(f"no parameter(s) {missing[:MISSING_SHOWN]} in the SGLang model (it has {len(params)}, e.g. {sorted(params)[:4]})")
+            raise InvalidInput(
+                f"no parameter(s) {missing[:MISSING_SHOWN]} in the SGLang model (it has {len(params)}, e.g. {sorted(params)[:4]})"
+            )
         state["fingerprints"] = {name: tensor_fingerprint(params[name]) for name in (names or sorted(params))}
     return state
 
@@ -354,9 +406,15 @@ SglangPushStats = PushStats  # the name of one push's stats before SGLang's and 
 
 
 def push_weights(
-    engine: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
-    timeout_s: float | None = None, reset_prefix_cache: bool = True, flush_cache: bool | None = None,
-) -> PushStats:  # fmt: skip
+    engine: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int | None = None,
+    timeout_s: float | None = None,
+    reset_prefix_cache: bool = True,
+    flush_cache: bool | None = None,
+) -> PushStats:
     """Send ``weights`` through a ``BucketedWeightSender`` into an ``sglang.Engine`` running refitkit's plugin.
 
     ``version`` (default: one above any the engine saw) tags the sync; ``timeout_s`` (default: the sender's) bounds
@@ -371,7 +429,9 @@ def push_weights(
     raises ``PartialPush`` as ``refitkit.rollout.vllm.push_weights`` describes (the engine then reports its weights
     incomplete). One sender feeds one scheduler: an engine with ``tp_size`` > 1 takes ``push_weights_broadcast``.
     """
-    reset = renamed_knob("reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache)
+    reset = renamed_knob(
+        "reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache
+    )
     tp_size = checked_engine(engine, "push_weights")["tp_size"]
     if tp_size != 1:
         raise InvalidInput(
@@ -388,15 +448,24 @@ def push_weights(
 
 
 def push_weights_broadcast(
-    engine: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, secret: str | bytes, version: int,
-    first_rank: int = 1, timeout_s: float | None = None, reset_prefix_cache: bool = True,
+    engine: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    secret: str | bytes,
+    version: int,
+    first_rank: int = 1,
+    timeout_s: float | None = None,
+    reset_prefix_cache: bool = True,
     flush_cache: bool | None = None,
-) -> PushStats:  # fmt: skip
+) -> PushStats:
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into an ``sglang.Engine`` as weight ``version``; the
     schedulers join as ranks ``first_rank``... (one per TP rank: the sender's ``receivers`` must be the engine's
     ``tp_size``), each loading what its shard takes. The secret crosses SGLang's control path (pickled there, not
     logged). ``reset_prefix_cache`` (and its deprecated name ``flush_cache``) as in ``push_weights``."""
-    reset = renamed_knob("reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache)
+    reset = renamed_knob(
+        "reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache
+    )
     first_rank = checked_first_rank(first_rank)
     tp_size = checked_engine(engine, "push_weights_broadcast")["tp_size"]
     checked_broadcast_ranks(tp_size, first_rank, getattr(sender, "receivers", None), "push_weights_broadcast")
@@ -404,9 +473,13 @@ def push_weights_broadcast(
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=False)
     request = encode_request(
-        "receive_broadcast", rendezvous=f"tcp://{sender.host}:{sender.port}", timeout_s=timeout_s, first_rank=first_rank,
-        secret=secret if isinstance(secret, str) else secret.decode(), backend=sender.backend,
-    )  # fmt: skip
+        "receive_broadcast",
+        rendezvous=f"tcp://{sender.host}:{sender.port}",
+        timeout_s=timeout_s,
+        first_rank=first_rank,
+        secret=secret if isinstance(secret, str) else secret.decode(),
+        backend=sender.backend,
+    )
     call = _receive_call(engine, request, reset=reset)
     pushed = drive(call, lambda on_hello: sender.send(weights, version=number), timeout_s=timeout_s, version=number)
     return _checked_push(pushed, call, reset=reset)
@@ -453,7 +526,11 @@ def clean_weight_version(engine: Any) -> int | None:
     for rank, state in enumerate(ranks["weights"] for ranks in found.get("tp_ranks", [found])):
         if not state["clean"]:
             missing = state["missing"]
-            why = f"; it did not deliver {len(missing)} weights, e.g. {missing[:3]}" if missing else " (it failed part-way)"
+            why = (
+                f"; it did not deliver {len(missing)} weights, e.g. {missing[:3]}"
+                if missing
+                else " (it failed part-way)"
+            )
             where = f" (TP rank {rank})" if "tp_ranks" in found else ""
             raise TransferError(
                 f"SGLang's weights are incomplete{where}: sync of version {state['incomplete']} did not land whole{why}; "
@@ -467,14 +544,16 @@ def clean_weight_version(engine: Any) -> int | None:
 
 def call_engine(
     engine: Any, request: str, *, what: str, timeout_s: float, reset_prefix_cache: bool = True
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """One refitkit request through ``Engine.update_weights_from_ipc`` in a helper thread, at most ``timeout_s``
     (``EngineTimeout``; SGLang's own exception an ``EngineError``)."""
     checked_engine(engine, f"SGLang's {what}")
     success, message = bounded_call(
-        lambda: internals.call_update(engine, request, flush_cache=reset_prefix_cache), timeout_s=timeout_s,
-        what=f"SGLang's update_weights_from_ipc ({what})", within=f"{timeout_s:g} s",
-    )  # fmt: skip
+        lambda: internals.call_update(engine, request, flush_cache=reset_prefix_cache),
+        timeout_s=timeout_s,
+        what=f"SGLang's update_weights_from_ipc ({what})",
+        within=f"{timeout_s:g} s",
+    )
     return decode_reply(success, message, what=what)
 
 
@@ -512,10 +591,11 @@ def checked_engine(engine: Any, what: str) -> dict[str, Any]:
 def _receive_call(engine: Any, request: str, *, reset: bool) -> EngineCall:
     """SGLang's ``update_weights_from_ipc`` with a receive request: each TP rank's report from its answer."""
     return EngineCall(
-        what="SGLang's update_weights_from_ipc (receive)", rank_name=_tp_rank,
+        what="SGLang's update_weights_from_ipc (receive)",
+        rank_name=_tp_rank,
         call=lambda: internals.call_update(engine, request, flush_cache=reset),
         reports=lambda answer: reply_reports(*answer, what="receive"),
-    )  # fmt: skip
+    )
 
 
 def _checked_push(pushed: PushStats, call: EngineCall, *, reset: bool) -> PushStats:

@@ -57,7 +57,9 @@ class EngineWeights:
     def __init__(self) -> None:
         self.version = WeightVersion()
         self.coverage: SyncCoverage | None = None
-        self.failure: tuple[int, SyncCoverage | None] | None = None  # the last sync, when it failed after touching weights
+        self.failure: tuple[int, SyncCoverage | None] | None = (
+            None  # the last sync, when it failed after touching weights
+        )
 
     def next_version(self) -> int:
         """The version a sync gets when the caller names none: one above every version seen so far."""
@@ -84,19 +86,26 @@ class EngineWeights:
         """Plain values for ``collective_rpc`` (see ``weight_version_of``)."""
         coverage = self.coverage
         return {
-            "version": self.version.version, "incomplete": self.version.incomplete, "clean": self.version.clean,
+            "version": self.version.version,
+            "incomplete": self.version.incomplete,
+            "clean": self.version.clean,
             "received": None if coverage is None else coverage.received,
             "expected": None if coverage is None else coverage.expected,
             "missing": [] if coverage is None else list(coverage.missing),
             "failed": None if self.failure is None else _failed_sync(*self.failure),
-        }  # fmt: skip
+        }
 
 
 def _failed_sync(version: int, handed: SyncCoverage | None) -> dict[str, Any]:
     """A sync that failed after it touched the weights, as plain values: its version and what it had handed over."""
     if handed is None:
         return {"version": version, "received": None, "expected": None, "missing": []}
-    return {"version": version, "received": handed.received, "expected": handed.expected, "missing": list(handed.missing)}
+    return {
+        "version": version,
+        "received": handed.received,
+        "expected": handed.expected,
+        "missing": list(handed.missing),
+    }
 
 
 def weight_version_of(state: dict[str, Any]) -> WeightVersion:

@@ -32,16 +32,30 @@ from typing import Any
 import torch
 
 from refitkit.errors import (
-    EngineAsleep, EngineError, InvalidInput, PartialPush, RefitError, TransferError, WeightRejected,
-)  # fmt: skip
+    EngineAsleep,
+    EngineError,
+    InvalidInput,
+    PartialPush,
+    RefitError,
+    TransferError,
+    WeightRejected,
+)
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._push import RPC_SLACK_S, EngineCall, PushStats, drive, partial_push, raise_if_partial
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
-    SyncProgress, WeightCheck, bounded_call, checked_first_rank, checked_timeout, checked_weights, land_in_place,
-    record_landing, refuse_session, sync_report,
-)  # fmt: skip
+    SyncProgress,
+    WeightCheck,
+    bounded_call,
+    checked_first_rank,
+    checked_timeout,
+    checked_weights,
+    land_in_place,
+    record_landing,
+    refuse_session,
+    sync_report,
+)
 from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of, weight_version_of
 from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
 from refitkit.transfer.common import checked_version
@@ -73,9 +87,14 @@ class WorkerReceiver:
     """
 
     def __init__(
-        self, *, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
+        self,
+        *,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        device: torch.device,
+        rank: int,
         layerwise: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model, self.vllm_config, self.device, self.rank = model, vllm_config, device, rank
         self.layerwise = layerwise
         self.weights = EngineWeights()
@@ -106,7 +125,9 @@ class WorkerReceiver:
         stats, progress = self._load(receiver, layerwise, lambda: number)
         coverage = self._landed(number, progress.names)
         report = sync_report(stats, number, coverage, progress, began)
-        phases = {f"receiver_{phase}_s": seconds for phase, seconds in receiver.last_timings_s.items()}  # (plain values)
+        phases = {
+            f"receiver_{phase}_s": seconds for phase, seconds in receiver.last_timings_s.items()
+        }  # (plain values)
         return {**report, "load_path": self.load_path, **phases}
 
     def receive_broadcast(
@@ -117,10 +138,12 @@ class WorkerReceiver:
         rank = int(first_rank) + self.rank
         receiver = BroadcastWeightReceiver(
             rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
-        )  # fmt: skip
+        )
         began = time.perf_counter()
 
-        def failed_version() -> int:  # the session's: it broke part-way (incomplete), or it landed and vLLM failed after
+        def failed_version() -> (
+            int
+        ):  # the session's: it broke part-way (incomplete), or it landed and vLLM failed after
             landed = receiver.weights_version.version if receiver.last_stats is not None else None
             version = receiver.weights_version.incomplete if receiver.weights_version.incomplete is not None else landed
             return self.weights.next_version() if version is None else version
@@ -141,7 +164,7 @@ class WorkerReceiver:
 
     def _load(
         self, receiver: Any, layerwise: Callable[[SyncProgress], TransferStats], failed_version: Callable[[], int]
-    ) -> tuple[TransferStats, SyncProgress]:  # fmt: skip
+    ) -> tuple[TransferStats, SyncProgress]:
         """One session of ``receiver`` into the model, in place or ``layerwise``; a failure leaves the weights reported
         incomplete at ``failed_version()`` (what loaded stays: a mix of old and new) with what the sync had handed."""
         self._refuse_if_asleep(receiver)
@@ -155,7 +178,9 @@ class WorkerReceiver:
             self._raise_if_refused(progress, exc)
             raise
 
-    def _in_place(self, receive: Callable[[Callable[..., Any]], TransferStats], progress: SyncProgress) -> TransferStats:
+    def _in_place(
+        self, receive: Callable[[Callable[..., Any]], TransferStats], progress: SyncProgress
+    ) -> TransferStats:
         """Each bucket straight into the params through ``model.load_weights`` (its views are valid during the call)."""
         stats = land_in_place(receive, self._direct_loads(), progress, self._weight_check())
         if progress.landed.loader_tensors or self._post_needed() is not None:
@@ -185,7 +210,9 @@ class WorkerReceiver:
         except BaseException as exc:
             _keep_loader_error(progress, exc)
             _fail_stream(weights, self._rejection(progress) or exc)  # released; the sender hears why, as its type
-            internals.recover_after_failed_reload(self.model, self.vllm_config)  # layers that got nothing keep their tensors
+            internals.recover_after_failed_reload(
+                self.model, self.vllm_config
+            )  # layers that got nothing keep their tensors
             raise
         weights.close()  # a no-op after the whole stream; a loader that stopped early fails the session here
         if receiver.last_stats is None:
@@ -206,7 +233,9 @@ class WorkerReceiver:
             try:
                 bridge.finish(loader_error=reason)  # the sender hears vLLM's reason (a refusal as its type)
             except BaseException as late:
-                if late is not exc and late is not reason:  # the stream's own error, raised through the loader: the cause
+                if (
+                    late is not exc and late is not reason
+                ):  # the stream's own error, raised through the loader: the cause
                     exc.add_note(f"refitkit: the broadcast receiver then failed too: {type(late).__name__}: {late}")
             raise
         return bridge.finish()  # the loader took the whole stream; the receiver's error (if any) is the news
@@ -217,10 +246,13 @@ class WorkerReceiver:
         asleep = internals.sleep_state()["asleep"]
         if not asleep.get("weights"):
             return
-        refuse_session(receiver, EngineAsleep(
-            f"vLLM worker {self.rank}'s weights are asleep ({asleep['weights']} bytes released by LLM.sleep): a push "
-            "now would crash vLLM. Wake them first: llm.wake_up(tags=['weights']), or let VllmLink drive sleep and wake"
-        ))  # fmt: skip
+        refuse_session(
+            receiver,
+            EngineAsleep(
+                f"vLLM worker {self.rank}'s weights are asleep ({asleep['weights']} bytes released by LLM.sleep): a push "
+                "now would crash vLLM. Wake them first: llm.wake_up(tags=['weights']), or let VllmLink drive sleep and wake"
+            ),
+        )
 
     def _weight_check(self) -> WeightCheck:
         """The checkpoint's names and shapes, read once (None where unknown: then vLLM's loaders are the only check)."""
@@ -266,7 +298,7 @@ class RefitWorkerExtension:
 
     def refit_receive(
         self, endpoint: str, timeout_s: float = 120.0, version: int | None = None, failure_as_result: bool = False
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """Receive one session from the ``BucketedWeightSender`` on ``endpoint`` as weight ``version``; plain stats.
 
         ``endpoint`` may contain ``{rank}``, replaced by this worker's rank (one sender per rank when
@@ -280,6 +312,7 @@ class RefitWorkerExtension:
         instead of raising it: vLLM hands the caller of ``collective_rpc`` only the text of a worker's
         exception (``push_weights`` asks for it).
         """
+
         def receive() -> dict[str, Any]:
             if not isinstance(endpoint, str):
                 raise InvalidInput(f"endpoint must be a str (name or ipc:///path), got {type(endpoint).__name__}")
@@ -288,16 +321,21 @@ class RefitWorkerExtension:
         return self._refit_outcome(receive, failure_as_result)
 
     def refit_receive_broadcast(
-        self, rendezvous: str, secret: str | bytes, timeout_s: float = 120.0, first_rank: int = 1,
-        backend: str = "gloo", failure_as_result: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        rendezvous: str,
+        secret: str | bytes,
+        timeout_s: float = 120.0,
+        first_rank: int = 1,
+        backend: str = "gloo",
+        failure_as_result: bool = False,
+    ) -> dict[str, Any]:
         """Join the ``BroadcastWeightSender`` at ``rendezvous`` (as rank ``first_rank`` + this worker's rank) for
         its next session and load the stream; the version is the one the sender gives the session.
         ``failure_as_result`` as in ``refit_receive``."""
         return self._refit_outcome(
             lambda: self._refit_receiver().receive_broadcast(rendezvous, secret, timeout_s, first_rank, backend),
             failure_as_result,
-        )  # fmt: skip
+        )
 
     def refit_weight_version(self) -> dict[str, Any]:
         """This worker's weight state: version, incomplete, clean, and the last sync's coverage (plain values)."""
@@ -323,9 +361,12 @@ class RefitWorkerExtension:
         """This worker's pid, rank, device, load path, and whether its weights are clean (plain values)."""
         receiver = self._refit_receiver()
         return {
-            "pid": os.getpid(), "rank": receiver.rank, "device": str(receiver.device),
-            "weights_consistent": receiver.weights.version.clean, "load_path": receiver.load_path,
-        }  # fmt: skip
+            "pid": os.getpid(),
+            "rank": receiver.rank,
+            "device": str(receiver.device),
+            "weights_consistent": receiver.weights.version.clean,
+            "load_path": receiver.load_path,
+        }
 
     def refit_checksums(self, names: list[str] | None = None) -> dict[str, str]:
         """sha256 of each named parameter's bytes as the engine holds them (all parameters by default)."""
@@ -353,7 +394,9 @@ class RefitWorkerExtension:
             names = sorted(params)
         missing = [name for name in names if name not in params]
         if missing:
-            raise InvalidInput(f"no parameter(s) {missing} in the vLLM model (it has {len(params)}, e.g. {sorted(params)[:4]})")
+            raise InvalidInput(
+                f"no parameter(s) {missing} in the vLLM model (it has {len(params)}, e.g. {sorted(params)[:4]})"
+            )
         return [(name, params[name]) for name in names]
 
     def _refit_receiver(self) -> WorkerReceiver:
@@ -364,10 +407,12 @@ class RefitWorkerExtension:
             return shared
         if self._refit_own is None:
             self._refit_own = WorkerReceiver(
-                model=internals.vllm_model(self), vllm_config=self.vllm_config,  # type: ignore[attr-defined]
-                device=internals.worker_device(self), rank=internals.worker_rank(self),
+                model=internals.vllm_model(self),
+                vllm_config=self.vllm_config,  # type: ignore[attr-defined]
+                device=internals.worker_device(self),
+                rank=internals.worker_rank(self),
                 layerwise=lambda weights: self.reload_weights(weights_iterator=weights),  # type: ignore[attr-defined]
-            )  # fmt: skip
+            )
         return self._refit_own
 
 
@@ -375,9 +420,14 @@ VllmPushStats = PushStats  # the name of one push's stats before SGLang's and vL
 
 
 def push_weights(
-    llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None,
-    timeout_s: float | None = None, reset_prefix_cache: bool = True,
-) -> PushStats:  # fmt: skip
+    llm: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int | None = None,
+    timeout_s: float | None = None,
+    reset_prefix_cache: bool = True,
+) -> PushStats:
     """Send ``weights`` through a ``BucketedWeightSender`` into a vLLM ``LLM`` running ``RefitWorkerExtension``.
 
     The workers' ``refit_receive`` runs in a helper thread while this thread sends. ``version``
@@ -418,9 +468,16 @@ def push_weights(
 
 
 def push_weights_broadcast(
-    llm: Any, sender: Any, weights: Iterable[tuple[str, torch.Tensor]], *, secret: str | bytes, version: int,
-    first_rank: int = 1, timeout_s: float | None = None, reset_prefix_cache: bool = True,
-) -> PushStats:  # fmt: skip
+    llm: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    secret: str | bytes,
+    version: int,
+    first_rank: int = 1,
+    timeout_s: float | None = None,
+    reset_prefix_cache: bool = True,
+) -> PushStats:
     """Broadcast ``weights`` through a ``BroadcastWeightSender`` into a vLLM ``LLM`` as weight ``version``.
 
     The LLM's workers join as ranks ``first_rank``.. (other receivers of the sender take the other
@@ -435,8 +492,13 @@ def push_weights_broadcast(
     first_rank = checked_first_rank(first_rank)
     rendezvous = f"tcp://{sender.host}:{sender.port}"
     if _route(llm) == "weight_transfer":
-        info = {"rendezvous": rendezvous, "secret": secret if isinstance(secret, str) else secret.decode(),
-                "timeout_s": timeout_s, "first_rank": first_rank, "backend": sender.backend}  # fmt: skip
+        info = {
+            "rendezvous": rendezvous,
+            "secret": secret if isinstance(secret, str) else secret.decode(),
+            "timeout_s": timeout_s,
+            "first_rank": first_rank,
+            "backend": sender.backend,
+        }
         send_as = lambda weights, on_hello: sender.send(weights, version=number)  # noqa: E731
         return _push_through_weight_transfer(llm, info, send_as, weights, timeout_s, number, reset)
     args = (rendezvous, secret, timeout_s, first_rank, sender.backend, True)
@@ -457,7 +519,11 @@ def clean_weight_version(llm: Any) -> int | None:
     for rank, state in enumerate(states):
         if not state["clean"]:
             missing = state["missing"]
-            why = f"; it did not deliver {len(missing)} weights, e.g. {missing[:3]}" if missing else " (it failed part-way)"
+            why = (
+                f"; it did not deliver {len(missing)} weights, e.g. {missing[:3]}"
+                if missing
+                else " (it failed part-way)"
+            )
             raise TransferError(
                 f"vLLM worker {rank}'s weights are incomplete: sync of version {state['incomplete']} did not land whole"
                 f"{why}; its last whole sync was version {state['version']}. Push every weight again"
@@ -481,7 +547,7 @@ def tensor_fingerprint(tensor: torch.Tensor) -> list[int]:
 
 def stacked_digests(
     weights: torch.nn.Module | Mapping[str, torch.Tensor], digest: Callable[[torch.Tensor], Any]
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """``digest`` of each Hugging Face Llama/Qwen-named weight (a model's parameters, or a state dict) as a vLLM
     engine holds it after a sync: q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``; what
     ``refit_checksums`` (with ``tensor_sha256``) or ``refit_fingerprints`` (with ``tensor_fingerprint``) must say."""
@@ -516,7 +582,7 @@ class _Tracked:
 
     def __init__(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, clone: bool, progress: SyncProgress, check: WeightCheck
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.weights, self.clone, self.progress, self.check = weights, clone, progress, check
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -561,7 +627,9 @@ def register_with_vllm() -> None:
         log.debug("this vLLM has no weight-transfer registry; backend %r not registered", WEIGHT_TRANSFER_BACKEND)
         return
     try:
-        WeightTransferEngineFactory.register_engine(WEIGHT_TRANSFER_BACKEND, "refitkit.rollout._vllm_engine", "RefitTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            WEIGHT_TRANSFER_BACKEND, "refitkit.rollout._vllm_engine", "RefitTransferEngine"
+        )
     except ValueError:  # already registered: vLLM may load plugins more than once in a process
         pass
 
@@ -591,9 +659,11 @@ def _extension_call(llm: Any, method: str, args: tuple[Any, ...], timeout_s: flo
     """The workers' ``method`` of ``RefitWorkerExtension`` through ``collective_rpc``: each worker's stats, or its
     failure as plain values (``failure_as_result``, the last argument)."""
     return EngineCall(
-        what=f"vLLM's {method}", call=lambda: llm.collective_rpc(method, timeout=timeout_s + RPC_SLACK_S, args=args),
-        reports=list, rank_name=_worker,
-    )  # fmt: skip
+        what=f"vLLM's {method}",
+        call=lambda: llm.collective_rpc(method, timeout=timeout_s + RPC_SLACK_S, args=args),
+        reports=list,
+        rank_name=_worker,
+    )
 
 
 def _checked_push(pushed: PushStats, call: EngineCall) -> PushStats:
@@ -611,9 +681,14 @@ def _checked_push(pushed: PushStats, call: EngineCall) -> PushStats:
 
 
 def _push_through_weight_transfer(
-    llm: Any, info: dict[str, Any], send: Callable[[Any, Callable[[], Any]], TransferStats], weights: Any,
-    timeout_s: float, version: int | None, reset: Callable[[], bool | None] | None,
-) -> PushStats:  # fmt: skip
+    llm: Any,
+    info: dict[str, Any],
+    send: Callable[[Any, Callable[[], Any]], TransferStats],
+    weights: Any,
+    timeout_s: float,
+    version: int | None,
+    reset: Callable[[], bool | None] | None,
+) -> PushStats:
     """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send`` runs, finish;
     then the prefix-cache reset, bounded like the rpcs.
 
@@ -623,9 +698,11 @@ def _push_through_weight_transfer(
     bounded = timeout_s + RPC_SLACK_S
     sent = _SentNames(weights)
     call = EngineCall(
-        what="vLLM's update_weights", rank_name=lambda rank: "vLLM's workers", reports=lambda answer: [],
+        what="vLLM's update_weights",
+        rank_name=lambda rank: "vLLM's workers",
+        reports=lambda answer: [],
         call=lambda: llm.collective_rpc("update_weights", timeout=bounded, kwargs={"update_info": info}),
-    )  # fmt: skip
+    )
     llm.collective_rpc("start_weight_update", timeout=bounded)
     try:  # (a failure ends vLLM's update session: no finish then)
         pushed = drive(call, lambda on_hello: send(sent.stream, on_hello), timeout_s=timeout_s, version=version)
@@ -676,7 +753,7 @@ class _SentNames:
             return None
         return partial_push(
             "vLLM's workers", version=version, expected=len(expected), broke=f"{type(error).__name__}: {error}"
-        )  # fmt: skip
+        )
 
 
 def _checked_reset(llm: Any, reset_prefix_cache: Any) -> Callable[[], bool | None] | None:

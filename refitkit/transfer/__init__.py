@@ -15,11 +15,16 @@ Both share ``protocol`` (the wire format), ``packing`` (checking items, laying o
 
 from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
-from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion
 from refitkit.transfer._ipc.receiver import BucketedWeightReceiver
 from refitkit.transfer._ipc.sender import BucketedWeightSender
+from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion
 
 __all__ = [
-    "BroadcastWeightReceiver", "BroadcastWeightSender", "BucketedWeightReceiver", "BucketedWeightSender",
-    "SessionPhase", "TransferStats", "WeightVersion",
+    "BroadcastWeightReceiver",
+    "BroadcastWeightSender",
+    "BucketedWeightReceiver",
+    "BucketedWeightSender",
+    "SessionPhase",
+    "TransferStats",
+    "WeightVersion",
 ]

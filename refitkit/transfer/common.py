@@ -36,9 +36,13 @@ BUCKET_LIMIT = "1 TiB, the most a transport maps or allocates as one bucket; a f
 
 
 def checked_knobs(
-    *, timeout_s: object, bucket_bytes: object = _UNCHECKED, transport: object = _UNCHECKED, min_bucket_bytes: int = 1,
+    *,
+    timeout_s: object,
+    bucket_bytes: object = _UNCHECKED,
+    transport: object = _UNCHECKED,
+    min_bucket_bytes: int = 1,
     max_bucket_bytes: tuple[int, str] = (MAX_BUCKET_BYTES, BUCKET_LIMIT),
-) -> tuple[float, int | None, str | None]:  # fmt: skip
+) -> tuple[float, int | None, str | None]:
     """``timeout_s`` as a float, ``bucket_bytes`` as an int, ``transport`` as is (None for a knob not
     given), or InvalidInput naming the knob, the value and what is accepted (``max_bucket_bytes``: the largest
     bucket and why). Both ends' constructors use it."""
@@ -118,7 +122,9 @@ def checked_version(version: object) -> int:
     try:
         value = operator.index(version)
     except TypeError as exc:
-        raise InvalidInput(f"version={version!r} is a {type(version).__name__}; need an int >= 0 (e.g. the training step)") from exc
+        raise InvalidInput(
+            f"version={version!r} is a {type(version).__name__}; need an int >= 0 (e.g. the training step)"
+        ) from exc
     if not 0 <= value < 1 << 63:
         raise InvalidInput(f"version={version!r}; need an int >= 0 and below 2**63")
     return value

@@ -43,7 +43,14 @@ from typing import Any
 import torch
 
 from refitkit.errors import InvalidInput, TransferError
-from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, WIRE_DTYPE_NAMES, align_up, contiguous_strides, entry_to_wire
+from refitkit.transfer.protocol import (
+    ALIGN_BYTES,
+    SUPPORTED_DTYPES,
+    WIRE_DTYPE_NAMES,
+    align_up,
+    contiguous_strides,
+    entry_to_wire,
+)
 
 BUCKET_MAX_TENSORS = 64
 BATCH_MAX_BYTES = 16 << 20  # contiguous tensors below this are batched into runs (one copy per run)
@@ -223,9 +230,12 @@ class BucketPacker:
             offset = 0
         # No local name for a destination view: a traceback would keep the bucket alive.
         if (
-            nbytes < BATCH_MAX_BYTES and tensor.get_device() == self._batch_device and tensor.is_contiguous()
-            and not tensor.is_conj() and not tensor.is_neg()  # lazy conj/neg views must be resolved by copy_
-        ):  # fmt: skip
+            nbytes < BATCH_MAX_BYTES
+            and tensor.get_device() == self._batch_device
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()  # lazy conj/neg views must be resolved by copy_
+        ):
             dtype = tensor.dtype
             if dtype is not self._run_dtype:
                 self._end_run()

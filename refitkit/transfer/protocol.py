@@ -121,18 +121,33 @@ def remote_failure(fields: dict[str, Any]) -> RemoteError | None:
     error = error_from_record(fields.get("error_code"), message, fields.get("error_fields"))
     return RemoteError(text("error_type") or "?", message, text("traceback"), error=error)
 
+
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2,
+        torch.float8_e5m2fnuz,
         torch.float8_e8m0fnu,
-        torch.complex128, torch.complex64, torch.complex32,
-        torch.int64, torch.int32, torch.int16, torch.int8,
-        torch.uint64, torch.uint32, torch.uint16, torch.uint8,
+        torch.complex128,
+        torch.complex64,
+        torch.complex32,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint64,
+        torch.uint32,
+        torch.uint16,
+        torch.uint8,
         torch.bool,
     )
-}  # fmt: skip
+}
 
 
 WIRE_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
@@ -201,24 +216,42 @@ def entries_from_wire(raw: Any, *, capacity: int) -> list[Entry]:
         name, dtype_wire, shape, offset = item[:4]
         dtype = SUPPORTED_DTYPES.get(dtype_wire) if type(dtype_wire) is str else None
         if dtype is None or type(shape) is not list or len(shape) > MAX_DIMS:
-            raise ProtocolError(f"malformed bucket entry {brief(item)}: unknown dtype or shape not a list of <= {MAX_DIMS} dims")
+            raise ProtocolError(
+                f"malformed bucket entry {brief(item)}: unknown dtype or shape not a list of <= {MAX_DIMS} dims"
+            )
         total = dtype.itemsize
         span = 1  # the largest stride of its views (empty dims count as 1): it too must fit torch's int64
         for size in shape:
             if type(size) is not int or size < 0:
-                raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range: dim {brief(size)}")
+                raise ProtocolError(
+                    f"bucket entry {brief(item)} has a bad name, shape or byte range: dim {brief(size)}"
+                )
             total *= size
             span *= max(size, 1)
-        if total > MAX_TENSOR_BYTES or span > MAX_TENSOR_BYTES:  # Python ints do not overflow; torch's int64 sizes would
-            raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range: its size overflows int64")
+        if (
+            total > MAX_TENSOR_BYTES or span > MAX_TENSOR_BYTES
+        ):  # Python ints do not overflow; torch's int64 sizes would
+            raise ProtocolError(
+                f"bucket entry {brief(item)} has a bad name, shape or byte range: its size overflows int64"
+            )
         start, nbytes = (0, total) if len(item) == 4 else item[4:]
         if not (
-            type(name) is str and name and type(offset) is int and type(start) is int and type(nbytes) is int
-            and 0 <= offset and offset % ALIGN_BYTES == 0 and offset + nbytes <= capacity
-            and 0 <= start and 0 <= nbytes and start + nbytes <= total
+            type(name) is str
+            and name
+            and type(offset) is int
+            and type(start) is int
+            and type(nbytes) is int
+            and 0 <= offset
+            and offset % ALIGN_BYTES == 0
+            and offset + nbytes <= capacity
+            and 0 <= start
+            and 0 <= nbytes
+            and start + nbytes <= total
             and (len(item) == 4 or 0 < nbytes < total)  # a piece is a proper, non-empty part of its tensor
-        ):  # fmt: skip
-            raise ProtocolError(f"bucket entry {brief(item)} has a bad name, shape or byte range (bucket of {capacity} bytes)")
+        ):
+            raise ProtocolError(
+                f"bucket entry {brief(item)} has a bad name, shape or byte range (bucket of {capacity} bytes)"
+            )
         entries.append(Entry(name, dtype, tuple(shape), offset, nbytes, start, total))
     return entries
 
@@ -260,13 +293,17 @@ def setup_fields(frame: dict[str, Any]) -> tuple[str, str, int, dict[str, Any], 
     cuda_ipc session with no handle yet: the bucket comes with the first bucket frame that uses it)."""
     session, transport, half_bytes = frame.get("session"), frame.get("transport"), frame.get("half_bytes", 0)
     handle, later = frame.get("handle") or {}, frame.get("bucket_later", False)
-    if not (type(session) is str and session and type(transport) is str and type(half_bytes) is int and type(handle) is dict):
+    if not (
+        type(session) is str and session and type(transport) is str and type(half_bytes) is int and type(handle) is dict
+    ):
         raise ProtocolError(
             f"setup: session={brief(session)} transport={brief(transport)} half_bytes={brief(half_bytes)} "
             f"handle={brief(handle)} are not a str, str, int and map"
         )
     if type(later) is not bool or (later and (transport != "cuda_ipc" or handle)):
-        raise ProtocolError(f"setup: bucket_later={brief(later)} is only for a cuda_ipc session that sends no handle yet")
+        raise ProtocolError(
+            f"setup: bucket_later={brief(later)} is only for a cuda_ipc session that sends no handle yet"
+        )
     return session, transport, half_bytes, handle, frame.get("control"), later
 
 
@@ -274,9 +311,14 @@ def bucket_fields(frame: dict[str, Any], seq: int) -> tuple[int, bool, bool]:
     """The checked half, wide and last of a bucket frame that must carry sequence number ``seq``."""
     got, half, wide, last = frame.get("seq"), frame.get("half"), frame.get("wide", False), frame.get("last")
     if not (
-        type(got) is int and got == seq and type(half) is int and half in (0, 1)
-        and type(wide) is bool and type(last) is bool and not (wide and half)
-    ):  # fmt: skip
+        type(got) is int
+        and got == seq
+        and type(half) is int
+        and half in (0, 1)
+        and type(wide) is bool
+        and type(last) is bool
+        and not (wide and half)
+    ):
         raise ProtocolError(
             f"bucket frame seq={brief(got)} half={brief(half)} wide={brief(wide)} last={brief(last)}, "
             f"expected seq {seq} in half 0 or 1 (wide buckets in half 0)"
@@ -298,7 +340,9 @@ def direct_allocs(entries: list[Entry], allocs: list[Any], announced: list[int])
     tensor inside the allocation it names, of the ``announced`` sizes."""
     for entry, index in zip(entries, allocs):
         if type(index) is not int or not 0 <= index < len(announced):
-            raise ProtocolError(f"direct bucket: {entry.name!r} lies in allocation {brief(index)}; {len(announced)} are exported")
+            raise ProtocolError(
+                f"direct bucket: {entry.name!r} lies in allocation {brief(index)}; {len(announced)} are exported"
+            )
         if not entry.whole or entry.offset + entry.nbytes > announced[index]:
             raise ProtocolError(
                 f"direct bucket: {entry.name!r} (bytes {entry.offset}..{entry.offset + entry.nbytes}) is not a whole "
@@ -316,7 +360,12 @@ def direct_header(direct: Any, *, count: int, sizes: list[int]) -> tuple[list[di
     exports, allocs = direct.get("exports"), direct.get("allocs")
     if type(direct.get("kept", False)) is not bool:
         raise ProtocolError(f"direct bucket: kept={brief(direct.get('kept'))} is not a bool")
-    if type(exports) is not list or type(allocs) is not list or len(allocs) != count or not 0 < count <= DIRECT_MAX_TENSORS:
+    if (
+        type(exports) is not list
+        or type(allocs) is not list
+        or len(allocs) != count
+        or not 0 < count <= DIRECT_MAX_TENSORS
+    ):
         raise ProtocolError(
             f"direct bucket: exports={brief(exports)} allocs={brief(allocs)} are not two lists with one allocation per "
             f"entry ({count} entries, 1 to {DIRECT_MAX_TENSORS})"
@@ -337,7 +386,9 @@ def setup_exports(frame: dict[str, Any], transport: str) -> list[dict[str, Any]]
 def _announced(exports: list[Any], sizes: list[int], what: str) -> list[int]:
     """``sizes`` followed by the size each of ``exports`` announces (checked: a positive int, MAX_EXPORTS at most)."""
     if len(sizes) + len(exports) > MAX_EXPORTS:
-        raise ProtocolError(f"{what}: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}")
+        raise ProtocolError(
+            f"{what}: {len(sizes) + len(exports)} exported allocations in one session, at most {MAX_EXPORTS}"
+        )
     announced = list(sizes)
     for handle in exports:
         nbytes = handle.get("nbytes") if type(handle) is dict else None
@@ -361,7 +412,9 @@ def decode(raw: bytes) -> dict[str, Any]:
     try:
         frame = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"undecodable frame ({type(exc).__name__}: {brief(str(exc))}); first bytes {raw[:16]!r}") from exc
+        raise ProtocolError(
+            f"undecodable frame ({type(exc).__name__}: {brief(str(exc))}); first bytes {raw[:16]!r}"
+        ) from exc
     if not isinstance(frame, dict):
         raise ProtocolError(f"frame is a msgpack {type(frame).__name__}, not a map; first bytes {raw[:16]!r}")
     if frame.get("v") != WIRE_VERSION:

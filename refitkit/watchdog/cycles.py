@@ -143,7 +143,9 @@ class CycleAudit(contextlib.ContextDecorator):
         tensors.sort(key=lambda item: item[0].storage_bytes, reverse=True)
         target = tensors[0][1] if tensors else (found[0] if found else None)
         chain = referrer_chain(target, found, max_depth=self.chain_depth) if target is not None else ()
-        notes = (f"{len(added_by_block)} uncollectable objects added to gc.garbage by the block",) if added_by_block else ()
+        notes = (
+            (f"{len(added_by_block)} uncollectable objects added to gc.garbage by the block",) if added_by_block else ()
+        )
         return CycleReport(
             cyclic_objects=len(found),
             by_type=dict(by_type.most_common()),
@@ -190,4 +192,3 @@ def assert_no_cycles(what: str = "block", *, max_objects: int = 0) -> Iterator[C
         raise RefitError(f"assert_no_cycles({what!r}): the audit produced no report")
     if audit.report.cyclic_objects > max_objects:
         raise LeakDetected(f"{what} created cyclic garbage (max_objects={max_objects}): {audit.report.summary()}")
-

@@ -188,10 +188,13 @@ class GcMonitor:
             return
         pause_s = (time.perf_counter_ns() - self._started_ns) / 1e9
         event = GcEvent(
-            generation=info["generation"], explicit=self._start_explicit, pause_s=pause_s,
-            collected=info.get("collected", 0), uncollectable=info.get("uncollectable", 0),
+            generation=info["generation"],
+            explicit=self._start_explicit,
+            pause_s=pause_s,
+            collected=info.get("collected", 0),
+            uncollectable=info.get("uncollectable", 0),
             phase=self._current_phase or "",
-        )  # fmt: skip
+        )
         if self._current_phase is not None:
             self._record(event)
         else:
@@ -202,7 +205,9 @@ class GcMonitor:
     def _flush(self, phase: str) -> None:
         pending, self._pending = self._pending, []
         for event in pending:
-            self._record(GcEvent(event.generation, event.explicit, event.pause_s, event.collected, event.uncollectable, phase))
+            self._record(
+                GcEvent(event.generation, event.explicit, event.pause_s, event.collected, event.uncollectable, phase)
+            )
 
     def _record(self, event: GcEvent) -> None:
         self.events.append(event)
@@ -211,6 +216,10 @@ class GcMonitor:
 
 def _copy(summary: GcPhaseSummary) -> GcPhaseSummary:
     return GcPhaseSummary(
-        list(summary.automatic_by_generation), summary.explicit, summary.automatic_s,
-        summary.explicit_s, summary.max_pause_s, summary.collected,
-    )  # fmt: skip
+        list(summary.automatic_by_generation),
+        summary.explicit,
+        summary.automatic_s,
+        summary.explicit_s,
+        summary.max_pause_s,
+        summary.collected,
+    )

@@ -118,7 +118,9 @@ class GpuMemoryAudit:
             return max(0, sample.allocated_bytes - self._baseline.allocated_bytes)
         return max(0, sample.reserved_bytes - self._baseline.reserved_bytes)
 
-    def check_retained(self, phase: str, *, tolerance_bytes: int = 0, kind: Literal["allocated", "reserved"] = "allocated") -> None:
+    def check_retained(
+        self, phase: str, *, tolerance_bytes: int = 0, kind: Literal["allocated", "reserved"] = "allocated"
+    ) -> None:
         """Raise ``LeakDetected`` if more than ``tolerance_bytes`` are retained after ``phase``."""
         retained = self.retained_after(phase, kind=kind)
         if retained > tolerance_bytes:
@@ -194,7 +196,9 @@ def alive_blocks(snapshot: dict[str, Any], *, frames: int = 3) -> tuple[AliveBlo
                 continue
             python_frames = [f for f in block["frames"] if f.get("filename", "").endswith(".py")]
             chosen = _user_frames(python_frames or block["frames"])[:frames]
-            where = tuple(f"{f.get('filename', '?')}:{f.get('line', '?')} in {f.get('name', '?')}" for f in reversed(chosen))
+            where = tuple(
+                f"{f.get('filename', '?')}:{f.get('line', '?')} in {f.get('name', '?')}" for f in reversed(chosen)
+            )
             found.append(AliveBlock(int(block.get("requested_size") or block["size"]), int(block["address"]), where))
     found.sort(key=lambda block: block.size_bytes, reverse=True)
     return tuple(found)

@@ -7,9 +7,9 @@ import os
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
-from statistics import median
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from statistics import median
+from typing import Literal
 
 from refitkit.errors import InvalidInput, LeakDetected
 from refitkit.watchdog._trend import mann_kendall_p_increasing, theil_sen_slope
@@ -20,7 +20,7 @@ MIB = 1 << 20
 UNMARKED_PHASE = "(unmarked)"
 
 Sampler = Callable[[], int]
-LeakAction = Union[Literal["log", "raise"], Callable[["WatchdogVerdict"], None]]
+LeakAction = Literal["log", "raise"] | Callable[["WatchdogVerdict"], None]
 
 
 @dataclass(frozen=True)
@@ -199,9 +199,17 @@ class RSSWatchdog:
         uss = self._sample_uss() if self._sample_uss is not None else None
         if self.cycle < self.warmup:
             return WatchdogVerdict(
-                cycle=self.cycle, status="warmup", leaking=False, slope_mib_per_cycle=0.0, phase=None,
-                window=0, p_value=1.0, rss_bytes=now, uss_bytes=uss, samples=samples,
-            )  # fmt: skip
+                cycle=self.cycle,
+                status="warmup",
+                leaking=False,
+                slope_mib_per_cycle=0.0,
+                phase=None,
+                window=0,
+                p_value=1.0,
+                rss_bytes=now,
+                uss_bytes=uss,
+                samples=samples,
+            )
         # the last warm-up cycle's end is the window's baseline point
         self._points.append((now, samples))
         verdict = self._judge(now, uss, samples)
@@ -223,10 +231,18 @@ class RSSWatchdog:
         growth = self._growth_by_phase()
         phase = _explaining_phase(growth, slope) if leaking else None
         return WatchdogVerdict(
-            cycle=self.cycle, status="growing" if leaking else "ok", leaking=leaking, slope_mib_per_cycle=slope,
-            phase=phase, window=len(totals), p_value=p_value, rss_bytes=now, uss_bytes=uss,
-            growth_by_phase_mib=growth, samples=samples,
-        )  # fmt: skip
+            cycle=self.cycle,
+            status="growing" if leaking else "ok",
+            leaking=leaking,
+            slope_mib_per_cycle=slope,
+            phase=phase,
+            window=len(totals),
+            p_value=p_value,
+            rss_bytes=now,
+            uss_bytes=uss,
+            growth_by_phase_mib=growth,
+            samples=samples,
+        )
 
     def _rise_persists(self, totals: list[float]) -> bool:
         """Both halves of the window rise: a one-off step (a cache growing once) is not a leak."""

@@ -30,7 +30,12 @@ import refitkit
 from refitkit.engines import DeviceState
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.refit import RefitCycle
-from refitkit.transfer import BroadcastWeightReceiver, BroadcastWeightSender, BucketedWeightReceiver, BucketedWeightSender
+from refitkit.transfer import (
+    BroadcastWeightReceiver,
+    BroadcastWeightSender,
+    BucketedWeightReceiver,
+    BucketedWeightSender,
+)
 
 TIMEOUT_S = 120.0
 SECRET = "install-smoke-secret-0123456789"
@@ -53,7 +58,7 @@ def build_model(world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def refit_rank(rank: int, world_size: int, store: str, endpoint: str, results: "mp.Queue") -> None:
+def refit_rank(rank: int, world_size: int, store: str, endpoint: str, results: mp.Queue) -> None:
     """One trainer rank: train a step, then refit (rank 0 streams to a receiver thread) and resume."""
     import torch.distributed as dist
 
@@ -86,7 +91,9 @@ def refit_rank(rank: int, world_size: int, store: str, endpoint: str, results: "
             receiver_thread.join(60.0)
             sender.close()
         if rank == 0 and received != expected:
-            raise RuntimeError(f"the receiver got {sorted(received)} with other bytes than the trainer's {sorted(expected)}")
+            raise RuntimeError(
+                f"the receiver got {sorted(received)} with other bytes than the trainer's {sorted(expected)}"
+            )
         if not offloaded or adapter.state is not DeviceState.ON_DEVICE:
             raise RuntimeError(f"rank {rank}: offloaded={offloaded}, state after resume {adapter.state}")
         results.put((rank, "ok"))
@@ -97,7 +104,7 @@ def refit_rank(rank: int, world_size: int, store: str, endpoint: str, results: "
             dist.destroy_process_group()
 
 
-def broadcast_receiver(rendezvous: str, results: "mp.Queue") -> None:
+def broadcast_receiver(rendezvous: str, results: mp.Queue) -> None:
     """The engine side of a broadcast: receives one sync and answers each weight's digest."""
     torch.set_num_threads(1)
     try:
@@ -132,7 +139,9 @@ def check_two_rank_refit() -> str:
     with tempfile.TemporaryDirectory(prefix="refitkit-smoke-") as folder:
         endpoint = f"smoke-{uuid.uuid4().hex[:8]}"
         ranks = [
-            context.Process(target=refit_rank, args=(rank, 2, os.path.join(folder, "store"), endpoint, results), daemon=True)
+            context.Process(
+                target=refit_rank, args=(rank, 2, os.path.join(folder, "store"), endpoint, results), daemon=True
+            )
             for rank in range(2)
         ]
         for process in ranks:
@@ -140,7 +149,9 @@ def check_two_rank_refit() -> str:
         try:
             answers = dict(results.get(timeout=TIMEOUT_S) for _ in ranks)
         except queue.Empty:
-            raise RuntimeError(f"a rank gave no answer within {TIMEOUT_S} s (exit codes {[p.exitcode for p in ranks]})") from None
+            raise RuntimeError(
+                f"a rank gave no answer within {TIMEOUT_S} s (exit codes {[p.exitcode for p in ranks]})"
+            ) from None
         finally:
             join_all(ranks)
     if answers != {0: "ok", 1: "ok"}:
@@ -159,11 +170,15 @@ def check_broadcast() -> str:
     torch.manual_seed(1)
     weights = [(f"layer{i}.weight", torch.randn(33, 7 + i)) for i in range(4)]
     try:
-        with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 12, timeout_s=60.0) as sender:
+        with BroadcastWeightSender(
+            rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 12, timeout_s=60.0
+        ) as sender:
             sender.send(iter(weights), version=7)
         status, got, version = results.get(timeout=TIMEOUT_S)
     except queue.Empty:
-        raise RuntimeError(f"the receiver gave no answer within {TIMEOUT_S} s (exit code {receiver.exitcode})") from None
+        raise RuntimeError(
+            f"the receiver gave no answer within {TIMEOUT_S} s (exit code {receiver.exitcode})"
+        ) from None
     finally:
         join_all([receiver])
     expected = {name: sha256(tensor) for name, tensor in weights}
@@ -173,7 +188,9 @@ def check_broadcast() -> str:
 
 
 def refitkit_command(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(REFITKIT), *argv], capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [str(REFITKIT), *argv], capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
+    )
 
 
 def check_demo() -> str:
@@ -186,7 +203,9 @@ def check_demo() -> str:
 def check_help() -> str:
     done = refitkit_command("--help")
     if done.returncode != 0 or "{demo,bench,audit}" not in done.stdout:
-        raise RuntimeError(f"`refitkit --help` exited {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}")
+        raise RuntimeError(
+            f"`refitkit --help` exited {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+        )
     return "`refitkit --help` exited 0"
 
 
@@ -199,7 +218,14 @@ def check_bench_outside_a_checkout() -> str:
     return f"`refitkit bench` exited 1: {lines[0]}"
 
 
-CHECKS = [check_installed_package, check_two_rank_refit, check_broadcast, check_demo, check_help, check_bench_outside_a_checkout]
+CHECKS = [
+    check_installed_package,
+    check_two_rank_refit,
+    check_broadcast,
+    check_demo,
+    check_help,
+    check_bench_outside_a_checkout,
+]
 
 
 def main() -> int:
@@ -210,7 +236,9 @@ def main() -> int:
             said = check()
         except Exception as exc:
             failed += 1
-            print(f"FAILED {check.__name__} ({time.monotonic() - start:.1f} s): {type(exc).__name__}: {exc}", flush=True)
+            print(
+                f"FAILED {check.__name__} ({time.monotonic() - start:.1f} s): {type(exc).__name__}: {exc}", flush=True
+            )
         else:
             print(f"ok {check.__name__} ({time.monotonic() - start:.1f} s): {said}", flush=True)
     print(f"install smoke: {len(CHECKS) - failed} of {len(CHECKS)} checks ok")

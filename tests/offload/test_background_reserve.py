@@ -174,8 +174,12 @@ def background_failure(surface_at: str) -> dict:
         reservation = arena.reserve([small.untyped_storage(), a.untyped_storage()], background=True)
         reservation._thread.join(60.0)
     done, thread_error = reservation.done(), type(reservation.exception()).__name__
-    after = (arena.nbytes, arena.chunks, arena.slot_of(a.untyped_storage()) is None,
-             arena.slot_of(small.untyped_storage()) is None)  # fmt: skip
+    after = (
+        arena.nbytes,
+        arena.chunks,
+        arena.slot_of(a.untyped_storage()) is None,
+        arena.slot_of(small.untyped_storage()) is None,
+    )
     errors = []
     for _ in range(2):  # the failure surfaces once at the offload, then the offload allocates itself
         try:
@@ -192,10 +196,15 @@ def background_failure(surface_at: str) -> dict:
     except RefitError as caught:
         again = str(caught)
     return {
-        "done": done, "thread_error": thread_error, "after": after, "errors": errors, "again": again,
-        "a_intact": bool((a == 0x11).all()), "small_intact": bool((small == 7.0).all()),
+        "done": done,
+        "thread_error": thread_error,
+        "after": after,
+        "errors": errors,
+        "again": again,
+        "a_intact": bool((a == 0x11).all()),
+        "small_intact": bool((small == 7.0).all()),
         "arena_nbytes": arena.nbytes,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("surface_at", ["wait", "offload"])

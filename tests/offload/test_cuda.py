@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from refitkit.errors import InvalidInput
-from refitkit.offload import HostArena, flush_device, offload_optimizer, offload_tensors, reload_optimizer, reload_tensors
+from refitkit.offload import (
+    HostArena,
+    flush_device,
+    offload_optimizer,
+    offload_tensors,
+    reload_optimizer,
+    reload_tensors,
+)
 from tests.offload.child import run_in_child
 from tests.offload.test_moves import random_tensor, storage_bytes
 
@@ -165,8 +172,12 @@ def pin_refused_then_retry() -> dict:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
     if error is None:
         return {"refused": False}
-    after_failure = (arena.nbytes, arena.chunks, arena.slot_of(a.untyped_storage()) is not None,
-                     a.untyped_storage().nbytes())
+    after_failure = (
+        arena.nbytes,
+        arena.chunks,
+        arena.slot_of(a.untyped_storage()) is not None,
+        a.untyped_storage().nbytes(),
+    )
     offload_tensors({"b": b}, arena)
     offload_tensors({"a": a}, arena)
     reload_tensors({"a": a, "b": b}, arena)
@@ -337,7 +348,10 @@ def test_grads_zeroed_after_a_flush_share_segments_and_the_next_flush_frees_them
     from refitkit.offload import offload_grads, reload_grads
 
     _warm_up()
-    params = [(f"p{i}", torch.nn.Parameter(torch.randn(1024 + 37 * i, 1024, device="cuda", dtype=torch.bfloat16))) for i in range(24)]
+    params = [
+        (f"p{i}", torch.nn.Parameter(torch.randn(1024 + 37 * i, 1024, device="cuda", dtype=torch.bfloat16)))
+        for i in range(24)
+    ]
     arena = HostArena()
     for _, param in params:
         param.grad = torch.ones_like(param)
@@ -347,7 +361,9 @@ def test_grads_zeroed_after_a_flush_share_segments_and_the_next_flush_frees_them
     segments_before = torch.cuda.memory_stats()["segment.all.current"]
     reload_grads(params, arena, zero=True)
     grads = [param.grad for _, param in params]
-    assert all(grad is not None and grad.shape == param.shape and not grad.any() for grad, (_, param) in zip(grads, params))
+    assert all(
+        grad is not None and grad.shape == param.shape and not grad.any() for grad, (_, param) in zip(grads, params)
+    )
     # One new segment for all 77 MiB (before: one 20 MiB segment per few grads). The first grads may take the free
     # tails of the params' own segments instead (best fit), which no flush returns while the params live.
     assert torch.cuda.memory_stats()["segment.all.current"] - segments_before == 1

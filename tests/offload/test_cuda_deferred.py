@@ -124,6 +124,7 @@ def test_releasing_the_arena_while_deferred_copies_are_queued_waits_for_them():
         if not spun:
             spun.append(True)
             torch.cuda._sleep(4 * SPIN_CYCLES)  # the copies queue behind ~0.4 s of spin
+
     adapter._deferred_before_copy = before_copy
     adapter.reload(defer_optimizer=True)
     adapter.wait_deferred()  # the slots are free now; the copies may not have run

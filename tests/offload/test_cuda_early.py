@@ -38,7 +38,9 @@ def test_steady_rounds_with_early_copies_and_grouped_frees_are_exact_and_free_ev
         plan.issue_reload(arena)
         reload_tensors(tensors, arena, plan=plan)
         torch.cuda.synchronize()
-        assert all(torch.equal(tensors[name].cpu().view(torch.int32), expected[name].view(torch.int32)) for name in tensors)
+        assert all(
+            torch.equal(tensors[name].cpu().view(torch.int32), expected[name].view(torch.int32)) for name in tensors
+        )
 
 
 def test_a_reload_refused_after_early_copies_leaves_nothing_regrown_or_queued():

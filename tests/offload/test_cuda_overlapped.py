@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from refitkit.errors import RefitError
-from refitkit.offload import HostArena
-from refitkit.offload import overlapped
+from refitkit.offload import HostArena, overlapped
 from refitkit.offload.overlapped import cancel_offload, finish_offload, start_offload
 from tests.offload.test_moves import random_tensor
 
@@ -17,7 +16,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.timeout(180)]
 # more copies than a stream's launch queue holds (~1020 on the H200 machine): issuing them all from the caller's
 # thread would hold it until the copy engine drained most of them
 COPIES = 2500
-SLEEP_CYCLES = 1_000_000_000  # ~0.5 s (at ~2 GHz) of a busy kernel on the current stream, ahead of the side stream's copies
+SLEEP_CYCLES = (
+    1_000_000_000  # ~0.5 s (at ~2 GHz) of a busy kernel on the current stream, ahead of the side stream's copies
+)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -39,7 +40,9 @@ def test_start_offload_returns_while_the_copies_wait_and_finish_is_exact():
     assert all(t.untyped_storage().nbytes() == 0 for t in state.values())
     for name, tensor in state.items():
         slot = arena.slot_of(tensor.untyped_storage())
-        assert torch.equal(arena.host_bytes(slot, slot.nbytes).view(torch.int32), expected[name].view(torch.int32)), name
+        assert torch.equal(arena.host_bytes(slot, slot.nbytes).view(torch.int32), expected[name].view(torch.int32)), (
+            name
+        )
 
 
 def test_a_stalled_issue_times_out_frees_nothing_and_cancel_waits(monkeypatch):
@@ -49,8 +52,11 @@ def test_a_stalled_issue_times_out_frees_nothing_and_cancel_waits(monkeypatch):
     torch.cuda._sleep(4 * SLEEP_CYCLES)  # the copy engine "stalls" behind it for ~2 s
     monkeypatch.setattr(overlapped, "ISSUE_TIMEOUT_S", 0.05)
     copies = start_offload(state, arena)
-    with pytest.raises(RefitError, match=r"finish_offload: the overlapped offload's copies were not all issued within "
-                       r"0\.05 s .*nothing was freed; raise refitkit\.offload\.overlapped\.ISSUE_TIMEOUT_S"):
+    with pytest.raises(
+        RefitError,
+        match=r"finish_offload: the overlapped offload's copies were not all issued within "
+        r"0\.05 s .*nothing was freed; raise refitkit\.offload\.overlapped\.ISSUE_TIMEOUT_S",
+    ):
         finish_offload(copies)
     monkeypatch.setattr(overlapped, "ISSUE_TIMEOUT_S", 60.0)
     cancel_offload(copies)

@@ -150,10 +150,14 @@ def test_a_failed_deferred_reload_surfaces_at_the_next_adapter_call_and_can_be_r
     model, optimizer, adapter, losses = offloaded_after_two_steps()
     adapter._deferred_before_copy = lambda name: (_ for _ in ()).throw(RuntimeError("injected copy error"))
     adapter.reload(defer_optimizer=True)
-    with pytest.raises(RefitError, match=r"'optimizer\.param_groups\[0\]\.params\[0\]\.(step|exp_avg)'.*injected copy error"):
+    with pytest.raises(
+        RefitError, match=r"'optimizer\.param_groups\[0\]\.params\[0\]\.(step|exp_avg)'.*injected copy error"
+    ):
         adapter.offload(optimizer=False)
     adapter.offload(optimizer=False)  # the failure was raised once; the adapter works on
-    assert adapter.part_states == type(adapter.part_states)(DeviceState.OFFLOADED, DeviceState.OFFLOADED, DeviceState.OFFLOADED)
+    assert adapter.part_states == type(adapter.part_states)(
+        DeviceState.OFFLOADED, DeviceState.OFFLOADED, DeviceState.OFFLOADED
+    )
     adapter._deferred_before_copy = None
     adapter.reload(defer_optimizer=True)
     losses += [train_step(model, optimizer, s) for s in range(2, 4)]

@@ -36,8 +36,10 @@ def test_a_steady_round_copies_early_and_stays_bit_exact():
 
     plan.issue_offload(arena)
     slots = {name: arena.slot_of(t.untyped_storage()) for name, t in tensors.items()}
-    early = {name: bytes(arena.host_bytes(slot, slot.capacity_bytes)[: t.nbytes].tolist()) for name, (t, slot) in
-             ((n, (tensors[n], s)) for n, s in slots.items())}  # fmt: skip
+    early = {
+        name: bytes(arena.host_bytes(slot, slot.capacity_bytes)[: t.nbytes].tolist())
+        for name, (t, slot) in ((n, (tensors[n], s)) for n, s in slots.items())
+    }
     assert early == expected, "every storage's bytes were copied before the round was planned"
     offload_tensors(tensors, arena, plan=plan)
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors.values())

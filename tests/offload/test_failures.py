@@ -68,8 +68,12 @@ def test_a_failed_reservation_leaves_the_arena_as_it_was_and_a_retry_keeps_bytes
     assert result["a_intact"]
     assert result["held"] == 128 * MIB
     assert result["after_failure"] == {
-        "a_device_bytes": 64 * MIB, "arena_nbytes": 4096, "chunks": 1, "a_has_slot": False,
-        "small_has_slot": False, "small_device_bytes": 4096,
+        "a_device_bytes": 64 * MIB,
+        "arena_nbytes": 4096,
+        "chunks": 1,
+        "a_has_slot": False,
+        "small_has_slot": False,
+        "small_device_bytes": 4096,
     }
     kind, message = result["error"]
     assert kind == "RefitError", result["error"]

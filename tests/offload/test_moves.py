@@ -55,8 +55,17 @@ def storage_bytes(t: torch.Tensor) -> bytes:
 
 
 def test_dtype_list_covers_the_hard_cases():
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.int8,
-                  torch.uint16, torch.complex64, torch.complex128, torch.float64):
+    for dtype in (
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.bool,
+        torch.int8,
+        torch.uint16,
+        torch.complex64,
+        torch.complex128,
+        torch.float64,
+    ):
         assert dtype in ALL_DTYPES
 
 
@@ -124,7 +133,10 @@ def test_move_stats_repr_shows_every_documented_figure_gbps_included():
     for stats in (offload_tensors(weights, arena), reload_tensors(weights, arena)):
         assert stats.gbps > 0
         assert repr(stats) == f"MoveStats(bytes={4 << 16}, storages=1, seconds={stats.seconds!r}, gbps={stats.gbps!r})"
-    assert repr(MoveStats(bytes=2_000_000_000, storages=3, seconds=0.5)) == "MoveStats(bytes=2000000000, storages=3, seconds=0.5, gbps=4.0)"
+    assert (
+        repr(MoveStats(bytes=2_000_000_000, storages=3, seconds=0.5))
+        == "MoveStats(bytes=2000000000, storages=3, seconds=0.5, gbps=4.0)"
+    )
 
 
 def test_second_round_allocates_no_host_memory():
@@ -386,12 +398,13 @@ def test_small_reloads_beside_many_live_records_do_not_sweep_them_every_time():
     assert arena.resident_views is kept and len(kept) == 2001
 
 
-
 def test_a_reload_regrows_the_storages_ahead_first_and_largest_first_among_them():
     # a model's weights and its optimizer's state of the same shapes: by size alone the two interleave, and after a
     # flush each shared segment then holds some of both (a sync exports every segment that holds a weight)
     weights = [(f"w{i}", random_tensor((256 * size, 8), torch.float32, seed=i)) for i, size in enumerate((1, 4, 2, 3))]
-    states = [(f"s{i}", random_tensor((256 * size, 8), torch.float32, seed=10 + i)) for i, size in enumerate((1, 4, 2, 3))]
+    states = [
+        (f"s{i}", random_tensor((256 * size, 8), torch.float32, seed=10 + i)) for i, size in enumerate((1, 4, 2, 3))
+    ]
     key = {name: tensor.untyped_storage()._cdata for name, tensor in weights + states}
     before = {name: storage_bytes(tensor) for name, tensor in weights + states}
     arena = HostArena()

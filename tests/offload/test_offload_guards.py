@@ -19,7 +19,10 @@ def test_a_consumed_generator_is_refused_while_the_arena_holds_its_bytes():
     offload_tensors(params, arena)
     assert all(param.untyped_storage().nbytes() == 0 for param in model.parameters())
 
-    with pytest.raises(InvalidInput, match=r"reload_tensors got no tensors from a generator while the arena still holds \d+ offloaded bytes"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"reload_tensors got no tensors from a generator while the arena still holds \d+ offloaded bytes",
+    ):
         reload_tensors(params, arena)
     assert arena.held_bytes == sum(param.nbytes for param in before)  # nothing lost, nothing moved
 

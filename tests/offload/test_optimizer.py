@@ -167,8 +167,11 @@ def test_a_state_tensor_replaced_while_offloaded_is_refused_by_name_and_nothing_
         reload_optimizer(optimizer, arena)
     assert str(raised.value) == message
     assert arena.held_bytes == held
-    assert all(tensor.untyped_storage().nbytes() == 0 for name, tensor in optimizer_state_tensors(optimizer)
-               if name != "param_groups[0].params[2].exp_avg")  # fmt: skip
+    assert all(
+        tensor.untyped_storage().nbytes() == 0
+        for name, tensor in optimizer_state_tensors(optimizer)
+        if name != "param_groups[0].params[2].exp_avg"
+    )
     assert original.untyped_storage().nbytes() == 0
     del state["exp_avg"]  # removed instead of replaced: the same refusal
     with pytest.raises(InvalidInput, match=r"^'param_groups\[0\]\.params\[2\]\.exp_avg' was replaced in or removed"):
@@ -186,7 +189,7 @@ def test_a_state_tensor_replaced_while_offloaded_is_refused_by_name_and_nothing_
 def test_two_optimizers_sharing_an_arena_and_their_names_reload_each_alone():
     """Both name their state ``param_groups[0].params[i]....``: the other optimizer's offloaded tensors under the same
     names are not a replacement."""
-    (model_a, adam_a), (model_b, adam_b) = _adam_after_a_step(), _adam_after_a_step()
+    (_model_a, adam_a), (_model_b, adam_b) = _adam_after_a_step(), _adam_after_a_step()
     arena = HostArena()
     offload_optimizer(adam_b, arena)
     reload_optimizer(adam_a, arena)  # never offloaded: nothing to restore, nothing refused

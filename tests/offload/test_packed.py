@@ -7,8 +7,7 @@ import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena, offload_tensors, reload_tensors
-from refitkit.offload.moves import packed_runs
-from refitkit.offload.moves import _group_by_storage, named_tensors
+from refitkit.offload.moves import _group_by_storage, named_tensors, packed_runs
 from tests.helpers.bits import bits_equal
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,7 +80,7 @@ def test_pack_below_bytes_must_be_a_non_negative_int():
 
 def test_an_adapter_with_pack_below_bytes_trains_bit_identically():
     from refitkit.engines.fsdp import FSDPAdapter
-    from tests.offload.test_deferred import make, serial_run, snapshot, same, train_step
+    from tests.offload.test_deferred import make, same, serial_run, snapshot, train_step
 
     reference_losses, reference = serial_run()
     model, optimizer = make()

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -129,7 +130,9 @@ class Trainer:
     def engine_exact(self) -> bool | None:
         if self.link is None:
             return None
-        return sorted(self.link.engine) == sorted(self.full) and all(bits_equal(self.link.engine[n], t) for n, t in self.full.items())
+        return sorted(self.link.engine) == sorted(self.full) and all(
+            bits_equal(self.link.engine[n], t) for n, t in self.full.items()
+        )
 
 
 def trainer(rank: int, world_size: int, *, barrier_timeout_s: float = 60.0) -> Trainer:

@@ -50,7 +50,8 @@ def refit_two_ranks(rank: int, world_size: int) -> dict:
         "sync_bytes": report.phase("sync_weights").bytes,
         "offloaded": offloaded,
         "received_equal": sorted(received) == sorted(full) and all(bits_equal(received[n], full[n]) for n in full)
-        if rank == 0 else None,
+        if rank == 0
+        else None,
         "loss_finite": bool(torch.isfinite(torch.tensor(loss))),
     }
 
@@ -77,9 +78,11 @@ def attempt_refit(cycle: RefitCycle, *, step: int) -> dict:
         outcome: dict = {"error_type": None}
     except Exception as exc:
         outcome = {
-            "error_type": type(exc).__name__, "error": str(exc), "failures": getattr(exc, "failures", None),
+            "error_type": type(exc).__name__,
+            "error": str(exc),
+            "failures": getattr(exc, "failures", None),
             "recovery": getattr(exc, "recovery", None),
-        }  # fmt: skip
+        }
     outcome["seconds"] = time.monotonic() - start
     return outcome
 
@@ -96,7 +99,9 @@ def sender_loses_its_receiver(rank: int, world_size: int, timeout_s: float, barr
     adapter = FSDPAdapter(model, optimizer)
     sender = None
     if rank == 0:
-        sender = BucketedWeightSender(f"lost-{uuid.uuid4().hex[:8]}", transport="shm", timeout_s=timeout_s, direct=False)
+        sender = BucketedWeightSender(
+            f"lost-{uuid.uuid4().hex[:8]}", transport="shm", timeout_s=timeout_s, direct=False
+        )
     cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
     outcome = attempt_refit(cycle, step=1)
     if sender is not None:
@@ -141,9 +146,11 @@ def late_rank(rank: int, world_size: int, late_s: float) -> dict:
     adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
     offloaded_at: list[float] = []
     cycle = RefitCycle(
-        adapter, None, barrier_timeout_s=60.0,
+        adapter,
+        None,
+        barrier_timeout_s=60.0,
         on_phase=lambda phase: offloaded_at.append(time.time()) if phase == "flush_device" else None,
-    )  # fmt: skip
+    )
     if rank == 1:
         time.sleep(late_s)
     report = cycle.refit(step=1)
@@ -242,7 +249,11 @@ def cuda_ipc_receiver_killed_mid_sync(rank: int, world_size: int, timeout_s: flo
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(8))).to(device)  # 8 x 4 MiB
     adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
     endpoint = f"ipc-kill-{uuid.uuid4().hex[:8]}"
-    sender = BucketedWeightSender(endpoint, bucket_bytes=16 << 20, transport="cuda_ipc", timeout_s=timeout_s, direct=False) if rank == 0 else None
+    sender = (
+        BucketedWeightSender(endpoint, bucket_bytes=16 << 20, transport="cuda_ipc", timeout_s=timeout_s, direct=False)
+        if rank == 0
+        else None
+    )
     cycle = RefitCycle(adapter, sender, barrier_timeout_s=barrier_timeout_s)
 
     def receiver(mode: str, arg: object) -> subprocess.Popen:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 from refitkit.errors import BarrierTimeout
 from refitkit.refit import bounded_barrier
 from tests.helpers.world import run_world

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from refitkit.demo import build_model, run_demo
@@ -32,7 +31,9 @@ def test_refit_rounds_deliver_identical_weights_and_free_the_trainer():
 
 def test_phase_record_repr_shows_its_rate():
     record = PhaseRecord("offload", start_s=0.25, seconds=0.5, bytes=3_000_000_000)
-    assert repr(record) == "PhaseRecord(name='offload', start_s=0.25, seconds=0.5, bytes=3000000000, extra={}, gbps=6.0)"
+    assert (
+        repr(record) == "PhaseRecord(name='offload', start_s=0.25, seconds=0.5, bytes=3000000000, extra={}, gbps=6.0)"
+    )
 
 
 @pytest.mark.timeout(240)
@@ -61,7 +62,9 @@ def _phases_device_in_the_worker_thread() -> dict:
     model(torch.randn(4, 64, device="cuda")).sum().backward()
     optimizer.step()
     seen: list[tuple[str, int]] = []
-    cycle = RefitCycle(FSDPAdapter(model, optimizer), None, on_phase=lambda name: seen.append((name, torch.cuda.current_device())))
+    cycle = RefitCycle(
+        FSDPAdapter(model, optimizer), None, on_phase=lambda name: seen.append((name, torch.cuda.current_device()))
+    )
 
     async def cycle_once() -> None:
         await cycle.arefit(1)

@@ -63,17 +63,23 @@ def test_the_cycle_drives_the_engines_memory_in_order():
     with cycle:
         report = cycle.refit(0)
         assert [phase.name for phase in report.phases] == [
-            "engine_wake_weights", "sync_weights", "offload", "flush_device", "barrier", "engine_wake_kv_cache",
-        ]  # fmt: skip
+            "engine_wake_weights",
+            "sync_weights",
+            "offload",
+            "flush_device",
+            "barrier",
+            "engine_wake_kv_cache",
+        ]
         for earlier, later in zip(report.phases, report.phases[1:]):  # one after the other, none inside another
             assert earlier.start_s + earlier.seconds <= later.start_s
         resumed = cycle.resume(0)
     assert [phase.name for phase in resumed.phases] == ["engine_sleep", "reload", "barrier"]
     assert link.events == [
-        ("wake_for_sync", "on_device"), ("send", "on_device"),
+        ("wake_for_sync", "on_device"),
+        ("send", "on_device"),
         ("wake_for_rollout", "offloaded"),  # the KV cache comes back only once the trainer's state is off the device
         ("sleep_for_training", "offloaded"),  # and the engine lets go before the trainer's state returns
-    ]  # fmt: skip
+    ]
     assert adapter.state is DeviceState.ON_DEVICE
     assert all(torch.equal(link.engine[name], tensor) for name, tensor in expected.items())
 
@@ -90,7 +96,9 @@ def test_a_refused_kv_wake_is_raised_after_the_offload():
     _, adapter, link, cycle = cycle_with(fail="wake_for_rollout")
     with cycle, pytest.raises(RecoveryNeeded, match="the engine refused wake_for_rollout") as caught:
         cycle.refit(0)
-    assert caught.value.recovery == "call cycle.resume() on every rank" and str(caught.value).endswith(caught.value.recovery)
+    assert caught.value.recovery == "call cycle.resume() on every rank" and str(caught.value).endswith(
+        caught.value.recovery
+    )
     assert isinstance(caught.value.__cause__, RuntimeError)  # the link's own error
     assert adapter.state is DeviceState.OFFLOADED  # the trainer's memory is free; the wake can be retried
     link.fail = None

@@ -102,7 +102,7 @@ def _long_errors_and_close(rank: int, world_size: int) -> dict:
         group.close()
     fds_after = len(os.listdir("/proc/self/fd"))
     group = RankGroup(timeout_s=30.0)
-    message = "\U0001F525" * 300 if rank == 1 else "x" * 2100  # 12 JSON bytes a character; 2100 that nearly fit
+    message = "\U0001f525" * 300 if rank == 1 else "x" * 2100  # 12 JSON bytes a character; 2100 that nearly fit
     try:
         group.settle("offload", RuntimeError(message))
     except RuntimeError as exc:

@@ -24,7 +24,8 @@ import tempfile
 import time
 import traceback
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -52,7 +53,11 @@ def _entry(fn: Callable, rank: int, world: int, device_type: str, store_path: st
         if device_type == "cuda":
             torch.cuda.set_device(rank)
             dist.init_process_group(
-                "nccl", init_method=f"file://{store_path}", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+                "nccl",
+                init_method=f"file://{store_path}",
+                rank=rank,
+                world_size=world,
+                device_id=torch.device("cuda", rank),
             )
         else:  # only for checking this module's logic on a CPU box by hand (see the report); tests use cuda
             torch.set_num_threads(1)
@@ -125,7 +130,10 @@ def receiver_process(endpoint: str, device: str, mode: str, timeout_s: float) ->
             params.setdefault(name, torch.empty_like(tensor)).copy_(tensor)
 
     receiver.receive(load)
-    print(json.dumps({"bytes": sum(t.numel() * t.element_size() for t in params.values()), "tensors": len(params)}), flush=True)
+    print(
+        json.dumps({"bytes": sum(t.numel() * t.element_size() for t in params.values()), "tensors": len(params)}),
+        flush=True,
+    )
 
 
 def start_receiver(device: str, mode: str, timeout_s: float) -> tuple[str, subprocess.Popen]:
@@ -154,7 +162,9 @@ class Trainer:
     """FSDP2 over all ranks: ``layers`` square bf16 linears (one FSDP unit each), AdamW, one step taken.
     ``read_memory``: rank 0 reads every GPU's used memory before the model exists and once it is trained."""
 
-    def __init__(self, rank: int, world: int, device_type: str, dim: int, layers: int, *, read_memory: bool = False) -> None:
+    def __init__(
+        self, rank: int, world: int, device_type: str, dim: int, layers: int, *, read_memory: bool = False
+    ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -251,13 +261,17 @@ def late_rank(rank: int, world: int, device_type: str, dim: int, layers: int) ->
     readings: dict[str, Any] = {}
     sender = process = None
     if rank == 0:
-        endpoint, process = start_receiver(str(torch.device(device_type, 0)) if device_type == "cuda" else "cpu", "copy", 60.0)
+        endpoint, process = start_receiver(
+            str(torch.device(device_type, 0)) if device_type == "cuda" else "cpu", "copy", 60.0
+        )
         transport = "cuda_ipc" if device_type == "cuda" else "shm"
         sender = BucketedWeightSender(endpoint, bucket_bytes=trainer.bucket_bytes, transport=transport, timeout_s=60.0)
 
     def on_phase(phase: str) -> None:
         if rank == late and phase == "sync_weights":
-            time.sleep(LATE_S)  # test input: this rank is late to offload (FSDP's gathers would absorb an earlier delay)
+            time.sleep(
+                LATE_S
+            )  # test input: this rank is late to offload (FSDP's gathers would absorb an earlier delay)
         if rank == 0 and phase == "flush_device":
             readings["before_barrier"] = gpu_used_bytes(world)
 
@@ -268,9 +282,15 @@ def late_rank(rank: int, world: int, device_type: str, dim: int, layers: int) ->
     cycle.resume(1)
     loss = trainer.step(1)
     outcome = {
-        "refit_s": report.seconds, "returned_at": returned_at, "barrier_s": report.phase("barrier").seconds,
-        "baseline": trainer.baseline, "loaded": trainer.loaded, **readings, "loss": loss, "model_bytes": trainer.model_bytes,
-    }  # fmt: skip
+        "refit_s": report.seconds,
+        "returned_at": returned_at,
+        "barrier_s": report.phase("barrier").seconds,
+        "baseline": trainer.baseline,
+        "loaded": trainer.loaded,
+        **readings,
+        "loss": loss,
+        "model_bytes": trainer.model_bytes,
+    }
     if process is not None:
         sender.close()
         outcome["receiver"] = receiver_result(process)
@@ -278,7 +298,9 @@ def late_rank(rank: int, world: int, device_type: str, dim: int, layers: int) ->
     return outcome
 
 
-def rank_misses_the_barrier(rank: int, world: int, device_type: str, dim: int, layers: int, barrier_timeout_s: float) -> dict:
+def rank_misses_the_barrier(
+    rank: int, world: int, device_type: str, dim: int, layers: int, barrier_timeout_s: float
+) -> dict:
     """The last rank never calls refit() (test input: it stays in its own 'step'); the others must time out at
     the exchange that opens every refit, before any gather, and every rank's NCCL group must still work."""
     from refitkit.refit import RefitCycle
@@ -310,9 +332,13 @@ def sender_loses_its_receiver(
     trainer = Trainer(rank, world, device_type, dim, layers)
     sender = process = None
     if rank == 0:
-        endpoint, process = start_receiver(str(torch.device(device_type, 0)) if device_type == "cuda" else "cpu", "kill", 60.0)
+        endpoint, process = start_receiver(
+            str(torch.device(device_type, 0)) if device_type == "cuda" else "cpu", "kill", 60.0
+        )
         transport = "cuda_ipc" if device_type == "cuda" else "shm"
-        sender = BucketedWeightSender(endpoint, bucket_bytes=trainer.bucket_bytes, transport=transport, timeout_s=timeout_s)
+        sender = BucketedWeightSender(
+            endpoint, bucket_bytes=trainer.bucket_bytes, transport=transport, timeout_s=timeout_s
+        )
     cycle = RefitCycle(trainer.adapter, sender, barrier_timeout_s=barrier_timeout_s)
     outcome = attempt_refit(cycle, 1)
     outcome["state"] = trainer.adapter.state.name
@@ -344,7 +370,10 @@ def test_a_late_rank_holds_rank_0_until_every_gpu_is_freed(world):
     late = world - 1
     state_bytes = 3 * rank0["model_bytes"] // world  # bf16 params + two AdamW moments, sharded
     for gpu in range(1, world):
-        assert rank0["loaded"][gpu] - rank0["baseline"][gpu] > state_bytes // 2, (gpu, rank0)  # the reading sees the state
+        assert rank0["loaded"][gpu] - rank0["baseline"][gpu] > state_bytes // 2, (
+            gpu,
+            rank0,
+        )  # the reading sees the state
     # before rank 0's barrier the late GPU still holds its state: the reading would catch an early return
     assert rank0["before_barrier"][late] - rank0["baseline"][late] > state_bytes // 2, rank0
     for gpu in range(1, world):
@@ -390,6 +419,10 @@ def test_a_sending_rank_whose_receiver_is_gone_fails_every_rank_within_the_bound
 
 
 if __name__ == "__main__":  # the rank functions' logic on a CPU box over gloo (no NVML, no asserts): by hand only
-    for scenario, extra in ((late_rank, ()), (rank_misses_the_barrier, (4.0,)), (sender_loses_its_receiver, (2.0, 20.0))):
+    for scenario, extra in (
+        (late_rank, ()),
+        (rank_misses_the_barrier, (4.0,)),
+        (sender_loses_its_receiver, (2.0, 20.0)),
+    ):
         for outcome in run_ranks(scenario, 2, 256, 16, *extra, device_type="cpu", timeout_s=200):
             print(scenario.__name__, json.dumps(outcome)[:400])

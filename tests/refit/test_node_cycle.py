@@ -22,7 +22,9 @@ def run_node_cycle(*args: str, timeout_s: float) -> tuple[dict, list[dict]]:
     command = [sys.executable, "-m", "benchmarks.node_cycle", *args]
     done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+        )
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     limits = [record for record in records if "limits" in record]
     assert len(limits) == 1, done.stdout
@@ -32,9 +34,20 @@ def run_node_cycle(*args: str, timeout_s: float) -> tuple[dict, list[dict]]:
 @pytest.mark.parametrize("receivers", ["per-gpu", "rank0"])
 def test_node_cycle_runs_on_two_cpu_ranks(receivers):
     limits, rounds = run_node_cycle(
-        "--device", "cpu", "--backend", "gloo", "--model", "tiny", "--nproc", "2", "--rounds", "2",
-        "--receivers", receivers, timeout_s=100,
-    )  # fmt: skip
+        "--device",
+        "cpu",
+        "--backend",
+        "gloo",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--rounds",
+        "2",
+        "--receivers",
+        receivers,
+        timeout_s=100,
+    )
     flat = limits["limits"]
     assert limits["world_size"] == 2
     for direction in ("d2h", "h2d"):

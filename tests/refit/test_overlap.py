@@ -77,12 +77,16 @@ def _rounds(overlap: bool, keep_grads: bool, rounds: int = 2, device: str = "cpu
     out: dict = {"received": [], "phases": [], "offload_bytes": [], "states": []}
     try:
         for step in range(1, rounds + 1):
-            expected = {name: t.to("cpu", copy=True) for name, t in adapter.named_weights()}  # the peer receives on the CPU
+            expected = {
+                name: t.to("cpu", copy=True) for name, t in adapter.named_weights()
+            }  # the peer receives on the CPU
             peer = _Peer(endpoint)
             report = cycle.refit(step)
             peer.join()
-            out["received"].append(sorted(peer.weights) == sorted(expected)
-                                   and all(torch.equal(peer.weights[n], expected[n]) for n in expected))  # fmt: skip
+            out["received"].append(
+                sorted(peer.weights) == sorted(expected)
+                and all(torch.equal(peer.weights[n], expected[n]) for n in expected)
+            )
             out["phases"].append([p.name for p in report.phases])
             out["offload_bytes"].append(report.phase("offload").bytes)
             out["states"].append((adapter.part_states, adapter.state_bytes().device_bytes))
@@ -266,7 +270,10 @@ def test_the_state_in_flight_is_freed_inside_the_params_move_while_the_params_st
     assert (states.model, states.optimizer, states.grad) == (DeviceState.OFFLOADED,) * 3
     assert adapter.state_bytes().device_bytes == 0
     adapter.reload()
-    assert all(torch.equal(a, b) for a, b in zip([t for s in optimizer.state.values() for t in s.values()], before, strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip([t for s in optimizer.state.values() for t in s.values()], before, strict=True)
+    )
     assert all(torch.equal(p, params_before[n]) for n, p in model.named_parameters())
 
 
@@ -276,15 +283,20 @@ def test_finishing_refuses_parts_already_in_flight_and_a_move_with_nothing_left_
     before = [t.clone() for s in optimizer.state.values() for t in s.values()]
     adapter = FSDPAdapter(model, optimizer, arena=HostArena(pin_memory=False))
     flight = adapter.begin_offload()
-    with pytest.raises(InvalidInput, match=r"\['grad', 'optimizer'\] already in flight \(finishing=\); pass them as False"):
+    with pytest.raises(
+        InvalidInput, match=r"\['grad', 'optimizer'\] already in flight \(finishing=\); pass them as False"
+    ):
         adapter.offload(finishing=flight)
     with pytest.raises(InvalidInput, match=r"offload\(finishing=\): expected begin_offload\(\)'s result, got 'flight'"):
         adapter.offload(optimizer=False, finishing="flight")  # type: ignore[arg-type]
     other_model, other_optimizer = _model()
     _train(other_model, other_optimizer, 0)
     other = FSDPAdapter(other_model, other_optimizer, arena=HostArena(pin_memory=False))
-    for call in (lambda: other.offload(optimizer=False, grad=False, finishing=flight), lambda: other.finish_offload(flight),
-                 lambda: other.cancel_offload(flight)):  # fmt: skip
+    for call in (
+        lambda: other.offload(optimizer=False, grad=False, finishing=flight),
+        lambda: other.finish_offload(flight),
+        lambda: other.cancel_offload(flight),
+    ):
         with pytest.raises(InvalidInput, match=r"begun by another adapter; finish or cancel it there"):
             call()
     assert other.part_states.model is DeviceState.ON_DEVICE  # nothing moved there either
@@ -300,7 +312,10 @@ def test_finishing_refuses_parts_already_in_flight_and_a_move_with_nothing_left_
     assert flight.finished is not None and flight.finished.total.bytes == _state_bytes_before(before)
     assert adapter.part_states.optimizer is DeviceState.OFFLOADED and adapter.state_bytes().device_bytes == 0
     adapter.reload()
-    assert all(torch.equal(a, b) for a, b in zip([t for s in optimizer.state.values() for t in s.values()], before, strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip([t for s in optimizer.state.values() for t in s.values()], before, strict=True)
+    )
 
 
 def _state_bytes_before(before: list[torch.Tensor]) -> int:

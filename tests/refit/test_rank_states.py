@@ -50,7 +50,10 @@ def assert_recovers(outcome, rank, *, via_call=True):
 def assert_told(outcome, rank, *, phase, failed, recovery):
     """A rank where the phase succeeded: RankFailure naming the failed ranks and the recovery."""
     assert outcome["error_type"] == "RankFailure", (rank, outcome)
-    assert f"{phase} failed on rank(s) {', '.join(map(str, failed))} (this is rank {rank}, where it succeeded)" in outcome["error"]
+    assert (
+        f"{phase} failed on rank(s) {', '.join(map(str, failed))} (this is rank {rank}, where it succeeded)"
+        in outcome["error"]
+    )
     assert sorted(outcome["failures"]) == sorted(failed), (rank, outcome)
     assert outcome["recovery"] == recovery, (rank, outcome)
     if recovery is not None:
@@ -101,7 +104,10 @@ def test_a_rollback_that_fails_tells_every_rank_to_resume_and_resume_recovers(wo
             assert outcome["states"] == [OFF, OFF, OFF], outcome
         elif rank == last:  # its offload failed: its own error is the cause
             assert outcome["error_type"] == "RecoveryNeeded", outcome
-            assert outcome["cause_type"] == "RuntimeError" and outcome["cause"] == f"planted: offload failed on rank {last}"
+            assert (
+                outcome["cause_type"] == "RuntimeError"
+                and outcome["cause"] == f"planted: offload failed on rank {last}"
+            )
             assert outcome["states"] == [ON, ON, ON], outcome
         else:
             assert outcome["error_type"] == "RankFailure", outcome
@@ -132,7 +138,10 @@ def test_a_kv_cache_that_does_not_wake_leaves_every_rank_offloaded_and_says_resu
 def test_an_engine_that_does_not_sleep_leaves_every_rank_offloaded_and_resume_again_recovers(world):
     for rank, outcome in enumerate(outcomes(world, "engine_sleep_fails")):
         if rank == 0:
-            assert outcome["error_type"] == "RecoveryNeeded" and outcome["cause"] == "planted: the engine refused sleep_for_training"
+            assert (
+                outcome["error_type"] == "RecoveryNeeded"
+                and outcome["cause"] == "planted: the engine refused sleep_for_training"
+            )
             assert outcome["recovery"] == RESUME
         else:
             assert_told(outcome, rank, phase="engine_sleep", failed=[0], recovery=RESUME)
@@ -147,7 +156,9 @@ def test_a_reload_that_fails_part_way_on_one_rank_says_resume_again_and_that_rec
     for rank, outcome in enumerate(outcomes(world, "reload_fails")):
         if rank == last:
             assert outcome["error_type"] == "RecoveryNeeded" and outcome["cause_type"] == "RefitError", outcome
-            assert f"planted: reload failed on rank {last}" in outcome["cause"] and "call reload again" in outcome["cause"]
+            assert (
+                f"planted: reload failed on rank {last}" in outcome["cause"] and "call reload again" in outcome["cause"]
+            )
             assert outcome["recovery"] == RESUME and outcome["error"].endswith(f": {RESUME}")
             assert outcome["states"] == [OFF, OFF, OFF], outcome  # every byte still in its arena
         else:

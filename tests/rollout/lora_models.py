@@ -13,7 +13,9 @@ TARGETS = ("q_proj", "v_proj", "gate_proj", "down_proj")
 
 
 class LoraLinear(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float, generator: torch.Generator, adapter: str = "default") -> None:
+    def __init__(
+        self, base: torch.nn.Linear, rank: int, alpha: float, generator: torch.Generator, adapter: str = "default"
+    ) -> None:
         super().__init__()
         self.base_layer = base
         self.lora_A = torch.nn.ModuleDict({adapter: torch.nn.Linear(base.in_features, rank, bias=False)})
@@ -29,10 +31,12 @@ class LoraLinear(torch.nn.Module):
         return self.base_layer(x) + self.lora_B[self.adapter](self.lora_A[self.adapter](x)) * self.scaling
 
 
-def add_lora(model: torch.nn.Module, *, seed: int, rank: int = 8, alpha: float = 16.0, targets=TARGETS) -> torch.nn.Module:
+def add_lora(
+    model: torch.nn.Module, *, seed: int, rank: int = 8, alpha: float = 16.0, targets=TARGETS
+) -> torch.nn.Module:
     """Wrap every Linear named in ``targets`` of ``model`` (in place) with a LoraLinear drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
-    for name, module in list(model.named_modules()):
+    for _name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, torch.nn.Linear):
                 setattr(module, child_name, LoraLinear(child, rank, alpha, generator))
@@ -67,7 +71,9 @@ class ToyLoraModel(torch.nn.Module):
         add_lora(self, seed=seed + 1, rank=rank, alpha=alpha, targets=("q_proj", "v_proj"))
 
 
-def sender_main(url: str, secret: str, model_kind: str, seeds: tuple[int, int], version: int, base: bool, answers: Any) -> None:
+def sender_main(
+    url: str, secret: str, model_kind: str, seeds: tuple[int, int], version: int, base: bool, answers: Any
+) -> None:
     """Send one LoRA sync of a model rebuilt from ``seeds`` over the broadcast; answer with the outcome."""
     from refitkit.rollout.lora import LoraSync
     from refitkit.transfer._broadcast.sender import BroadcastWeightSender
@@ -81,9 +87,13 @@ def sender_main(url: str, secret: str, model_kind: str, seeds: tuple[int, int], 
         answers.put((type(exc).__name__, str(exc)))
 
 
-def start_sender(url: str, secret: str, model_kind: str, seeds: tuple[int, int], version: int, *, base: bool) -> tuple[Any, Any]:
+def start_sender(
+    url: str, secret: str, model_kind: str, seeds: tuple[int, int], version: int, *, base: bool
+) -> tuple[Any, Any]:
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
-    process = ctx.Process(target=sender_main, args=(url, secret, model_kind, seeds, version, base, answers), daemon=True)
+    process = ctx.Process(
+        target=sender_main, args=(url, secret, model_kind, seeds, version, base, answers), daemon=True
+    )
     process.start()
     return process, answers

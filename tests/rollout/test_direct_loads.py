@@ -43,8 +43,16 @@ class FusingModel(nn.Module):
                 raise KeyError(name)
 
 
-SHAPES = {"q": (4, 4), "k": (4, 4), "v": (4, 4), "norm": (4,), "big": (SMALL_COPY_BYTES // 2,), "proj_t": (6, 4),
-          "pad": (6, 4), "scaled": (4,)}  # fmt: skip
+SHAPES = {
+    "q": (4, 4),
+    "k": (4, 4),
+    "v": (4, 4),
+    "norm": (4,),
+    "big": (SMALL_COPY_BYTES // 2,),
+    "proj_t": (6, 4),
+    "pad": (6, 4),
+    "scaled": (4,),
+}
 DIRECT = {"q", "k", "v", "norm", "big"}
 
 

@@ -10,9 +10,9 @@ from refitkit.errors import InvalidInput
 from refitkit.refit import RefitCycle
 from refitkit.rollout import BroadcastLink
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
+from tests.helpers.ports import free_port
 from tests.transfer.broadcast_peers import ReceiverProcess
 from tests.transfer.peers import digest
-from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,7 +32,9 @@ def test_each_refit_is_one_broadcast_session_with_the_next_version(receiver):
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
-    with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 14, timeout_s=TIMEOUT_S) as sender:
+    with BroadcastWeightSender(
+        rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 14, timeout_s=TIMEOUT_S
+    ) as sender:
         link = BroadcastLink(sender, first_version=10)
         with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
             for step in range(2):
@@ -54,8 +56,12 @@ def test_each_refit_is_one_broadcast_session_with_the_next_version(receiver):
 
 def test_links_refuse_the_wrong_sender():
     with BucketedWeightSender("links-wrong", transport="shm", timeout_s=TIMEOUT_S) as sender:
-        with pytest.raises(InvalidInput, match="BroadcastLink: sender must be a BroadcastWeightSender, got a BucketedWeightSender"):
+        with pytest.raises(
+            InvalidInput, match="BroadcastLink: sender must be a BroadcastWeightSender, got a BucketedWeightSender"
+        ):
             BroadcastLink(sender)
-    with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S) as sender:
+    with BroadcastWeightSender(
+        f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S
+    ) as sender:
         with pytest.raises(InvalidInput, match=r"version=-1; need an int >= 0"):
             BroadcastLink(sender, first_version=-1)

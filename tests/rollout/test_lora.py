@@ -10,8 +10,14 @@ import torch
 
 from refitkit.errors import InvalidInput, ProtocolError
 from refitkit.rollout.lora import (
-    LORA_CONFIG_NAME, LoraCollector, LoraSpec, LoraSync, base_tensors, lora_spec, lora_tensors,
-)  # fmt: skip
+    LORA_CONFIG_NAME,
+    LoraCollector,
+    LoraSpec,
+    LoraSync,
+    base_tensors,
+    lora_spec,
+    lora_tensors,
+)
 from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 from tests.rollout.lora_models import ToyLoraModel, start_sender
 from tests.transfer.peers import digest
@@ -21,7 +27,11 @@ pytestmark = pytest.mark.timeout(180)
 SECRET = "job-secret-0123456789abcdef"
 PEFT = "base_model.model.model.layers"
 LORA_NAMES = [f"{PEFT}.{i}.self_attn.{m}.lora_{p}.weight" for i in (0, 1) for m in ("q_proj", "v_proj") for p in "AB"]
-BASE_NAMES = [f"model.layers.{i}.{n}" for i in (0, 1) for n in ("self_attn.q_proj.weight", "self_attn.v_proj.weight", "norm.weight", "norm.bias")]
+BASE_NAMES = [
+    f"model.layers.{i}.{n}"
+    for i in (0, 1)
+    for n in ("self_attn.q_proj.weight", "self_attn.v_proj.weight", "norm.weight", "norm.bias")
+]
 
 
 def test_sync_streams_the_base_once_then_only_the_adapter():
@@ -48,8 +58,14 @@ def test_sync_streams_the_base_once_then_only_the_adapter():
     assert sorted(sent[1]) == sorted(LORA_NAMES + [LORA_CONFIG_NAME])
     assert sorted(sent[2]) == sorted(sent[0])
     params = dict(model.named_parameters())
-    assert torch.equal(dict(base_tensors(model))["model.layers.1.self_attn.v_proj.weight"], params["model.layers.1.self_attn.v_proj.base_layer.weight"])
-    assert torch.equal(dict(lora_tensors(model))[f"{PEFT}.0.self_attn.q_proj.lora_B.weight"], params["model.layers.0.self_attn.q_proj.lora_B.default.weight"])
+    assert torch.equal(
+        dict(base_tensors(model))["model.layers.1.self_attn.v_proj.weight"],
+        params["model.layers.1.self_attn.v_proj.base_layer.weight"],
+    )
+    assert torch.equal(
+        dict(lora_tensors(model))[f"{PEFT}.0.self_attn.q_proj.lora_B.weight"],
+        params["model.layers.0.self_attn.q_proj.lora_B.default.weight"],
+    )
     assert list(lora_tensors(model, adapter="other")) == []
 
 
@@ -94,7 +110,9 @@ def test_adapter_arrives_bit_exact_over_the_broadcast(base):
     model = ToyLoraModel(seed=5)
     adapter = collector.adapter()
     assert adapter.spec == LoraSpec(4, 8.0, ("q_proj", "v_proj"))
-    assert {name: digest(tensor) for name, tensor in adapter.tensors.items()} == {name: digest(t) for name, t in lora_tensors(model)}
+    assert {name: digest(tensor) for name, tensor in adapter.tensors.items()} == {
+        name: digest(t) for name, t in lora_tensors(model)
+    }
     assert sorted(collector.base_names) == (sorted(BASE_NAMES) if base else [])
     assert tensors == len(LORA_NAMES) + 1 + (len(BASE_NAMES) if base else 0)
     assert loaded[-1][1] is True  # on_base heard the end of the stream
@@ -113,13 +131,24 @@ def test_collector_refuses_what_is_not_an_adapter():
         ([(f"{name}.lora_A.weight", a)], ProtocolError, f"carried no '{LORA_CONFIG_NAME}'"),
         ([(LORA_CONFIG_NAME, spec)], ProtocolError, "a config but no lora_A/lora_B tensors"),
         ([(LORA_CONFIG_NAME, spec), (f"{name}.lora_A.weight", a)], ProtocolError, r"arrived with \['lora_A'\] only"),
-        ([(LORA_CONFIG_NAME, spec), (f"{name}.lora_A.weight", torch.zeros(2, 16)), (f"{name}.lora_B.weight", b)],
-         ProtocolError, r"lora_A \(2, 16\) and lora_B \(16, 4\) do not fit rank r=4"),
+        (
+            [(LORA_CONFIG_NAME, spec), (f"{name}.lora_A.weight", torch.zeros(2, 16)), (f"{name}.lora_B.weight", b)],
+            ProtocolError,
+            r"lora_A \(2, 16\) and lora_B \(16, 4\) do not fit rank r=4",
+        ),
         ([(LORA_CONFIG_NAME, config_tensor("{not json"))], ProtocolError, "is not JSON"),
-        ([(LORA_CONFIG_NAME, config_tensor('{"r": 0, "lora_alpha": 8, "target_modules": ["q"]}'))], ProtocolError, "has r=0"),
+        (
+            [(LORA_CONFIG_NAME, config_tensor('{"r": 0, "lora_alpha": 8, "target_modules": ["q"]}'))],
+            ProtocolError,
+            "has r=0",
+        ),
         ([(LORA_CONFIG_NAME, torch.zeros(3, dtype=torch.float32))], ProtocolError, "expected up to 65536 uint8 bytes"),
-        ([("model.norm.weight", torch.zeros(3))], InvalidInput, "base weight 'model.norm.weight' arrived but .* no on_base"),
-    ]  # fmt: skip
+        (
+            [("model.norm.weight", torch.zeros(3))],
+            InvalidInput,
+            "base weight 'model.norm.weight' arrived but .* no on_base",
+        ),
+    ]
     for weights, error, message in cases:
         collector = LoraCollector()
         with pytest.raises(error, match=message):

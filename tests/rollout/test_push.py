@@ -13,9 +13,19 @@ import torch
 
 from refitkit._knobs import RENAMED_KNOBS, renamed_knob
 from refitkit.errors import (
-    CROSSING, EngineAsleep, EngineError, InvalidInput, KVCacheWontFit, PartialPush, RemoteError, TransferError,
-    TransferTimeout, WeightShapeMismatch, error_from_record, error_record,
-)  # fmt: skip
+    CROSSING,
+    EngineAsleep,
+    EngineError,
+    InvalidInput,
+    KVCacheWontFit,
+    PartialPush,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+    WeightShapeMismatch,
+    error_from_record,
+    error_record,
+)
 from refitkit.rollout import PushStats, SglangLink, SglangPushStats, VllmLink, VllmPushStats, sglang, vllm
 from refitkit.rollout._push import partial_push, peer_error, rank_error
 from refitkit.rollout.sessions import refuse_session
@@ -66,9 +76,12 @@ def test_a_former_spelling_still_works_for_one_release_and_names_the_new_one():
             raise AssertionError("not called: the list is refused first")
 
         release_memory_occupation = resume_memory_occupation = update_weights_from_ipc
+
     with BucketedWeightSender("push-core", transport="shm", timeout_s=5.0) as sender:
         with pytest.warns(DeprecationWarning, match=r"flush_cache= is deprecated: use reset_prefix_cache="):
-            with pytest.raises(InvalidInput, match="is a list, not a torch.Tensor"):  # refused before the engine is asked
+            with pytest.raises(
+                InvalidInput, match="is a list, not a torch.Tensor"
+            ):  # refused before the engine is asked
                 sglang.push_weights(Engine(), sender, [("w", [1.0])], flush_cache=False)
     with pytest.warns(DeprecationWarning):
         assert renamed_knob("reset_prefix_cache", True, default=True, old="flush_cache", old_value=False) is False
@@ -89,7 +102,9 @@ def test_one_push_stats_for_both_engines_and_the_old_names_still_read():
 RECORDED = [
     EngineAsleep("weights asleep"),
     KVCacheWontFit("no room", needed_bytes=5 << 30, free_bytes=3 << 30),
-    WeightShapeMismatch("refused", weight="w", shape=(3, 2), expected_shape=(2, 2), engine="vLLM worker 1", phase="shape check"),
+    WeightShapeMismatch(
+        "refused", weight="w", shape=(3, 2), expected_shape=(2, 2), engine="vLLM worker 1", phase="shape check"
+    ),
     PartialPush("partial", version=7, delivered=3, expected=21, missing=("a", "b"), engine="SGLang's TP rank 0"),
     TransferTimeout("silent", remote_message=None, remote_type=None, remote_traceback=None),
 ]
@@ -99,10 +114,16 @@ RECORDED = [
 @pytest.mark.parametrize("codec", ["json", "msgpack"])
 def test_an_error_crosses_as_its_code_and_fields_through_either_codec(error, codec):
     record = error_record(error)
-    carried = json.loads(json.dumps(record)) if codec == "json" else msgpack.unpackb(msgpack.packb(record), strict_map_key=True)
+    carried = (
+        json.loads(json.dumps(record))
+        if codec == "json"
+        else msgpack.unpackb(msgpack.packb(record), strict_map_key=True)
+    )
     rebuilt = error_from_record(carried["error_code"], str(error), carried["error_fields"])
     assert type(rebuilt) is type(error) and str(rebuilt) == str(error)
-    assert {name: getattr(rebuilt, name) for name in type(error).fields} == {name: getattr(error, name) for name in type(error).fields}
+    assert {name: getattr(rebuilt, name) for name in type(error).fields} == {
+        name: getattr(error, name) for name in type(error).fields
+    }
 
 
 def test_a_record_that_is_not_one_of_ours_is_refused_not_guessed():
@@ -122,12 +143,21 @@ def _rank(error: Exception) -> dict:
 def test_a_ranks_failure_comes_back_as_its_type_whatever_its_message_says():
     worker = lambda rank: f"vLLM worker {rank}"  # noqa: E731
     mismatch = WeightShapeMismatch(
-        "vLLM worker 1 refused 'w'", weight="w", shape=(3, 2), expected_shape=(2, 2), engine="vLLM worker 1",
+        "vLLM worker 1 refused 'w'",
+        weight="w",
+        shape=(3, 2),
+        expected_shape=(2, 2),
+        engine="vLLM worker 1",
         phase="shape check",
-    )  # fmt: skip
+    )
     rebuilt = rank_error([{"version": 1}, _rank(mismatch)], [1], what="vLLM's refit_receive", rank_name=worker)
     assert type(rebuilt) is WeightShapeMismatch and str(rebuilt) == "vLLM worker 1 refused 'w'"  # it names the rank
-    assert (rebuilt.weight, rebuilt.shape, rebuilt.expected_shape, rebuilt.phase) == ("w", (3, 2), (2, 2), "shape check")
+    assert (rebuilt.weight, rebuilt.shape, rebuilt.expected_shape, rebuilt.phase) == (
+        "w",
+        (3, 2),
+        (2, 2),
+        "shape check",
+    )
     assert isinstance(rebuilt.__cause__, RemoteError)  # the rank's own exception, as its report described it
     assert rebuilt.__cause__.remote_type == "refitkit.errors.WeightShapeMismatch"
 
@@ -138,10 +168,14 @@ def test_a_ranks_failure_comes_back_as_its_type_whatever_its_message_says():
     assert type(words) is EngineError  # its message names a type: not read as one
     assert str(words) == "vLLM worker 0 in a call raised RuntimeError: EngineAsleep? no: out of memory"
     both = rank_error(
-        [_rank(EngineAsleep("one")), _rank(KeyError("x"))], [0, 1], what="SGLang's receive",
+        [_rank(EngineAsleep("one")), _rank(KeyError("x"))],
+        [0, 1],
+        what="SGLang's receive",
         rank_name=lambda rank: f"SGLang's TP rank {rank}",
-    )  # fmt: skip
-    assert type(both) is EngineAsleep and str(both).endswith("raised EngineAsleep: one; SGLang's TP rank 1: KeyError: 'x'")
+    )
+    assert type(both) is EngineAsleep and str(both).endswith(
+        "raised EngineAsleep: one; SGLang's TP rank 1: KeyError: 'x'"
+    )
 
 
 def test_a_partial_push_names_how_many_of_how_many_landed_the_version_and_what_to_do():
@@ -180,7 +214,10 @@ def _refuse_in_a_thread(endpoint: str, error: Exception) -> threading.Thread:
 
 @pytest.mark.parametrize(
     "refusal",
-    [EngineAsleep("the weights are asleep"), KVCacheWontFit("the KV cache would not fit", needed_bytes=7 << 20, free_bytes=1 << 20)],
+    [
+        EngineAsleep("the weights are asleep"),
+        KVCacheWontFit("the KV cache would not fit", needed_bytes=7 << 20, free_bytes=1 << 20),
+    ],
     ids=lambda error: type(error).__name__,
 )
 def test_a_receivers_refusal_reaches_the_sender_as_its_type_and_fields(refusal):
@@ -193,7 +230,7 @@ def test_a_receivers_refusal_reaches_the_sender_as_its_type_and_fields(refusal):
     assert type(typed) is type(refusal) and str(typed) == str(refusal)
     assert {name: getattr(typed, name) for name in type(refusal).fields} == {
         name: getattr(refusal, name) for name in type(refusal).fields
-    }  # fmt: skip
+    }
     assert caught.value.__cause__.error is typed
 
 

@@ -97,7 +97,7 @@ def test_a_weight_unlike_the_checkpoints_is_refused_before_the_loader_sees_it():
     assert str(refused).startswith(
         "engine rank 3 refused weight 'b': pushed with shape [9], but the checkpoint it loaded has [8] (phase: shape "
         "check, before loading it). The weights before it were loaded"
-    )  # fmt: skip
+    )
     assert (refused.weight, refused.shape, refused.expected_shape, refused.engine) == ("b", (9,), (8,), "engine rank 3")
     assert sent.endswith(f"on_bucket raised WeightShapeMismatch: {refused}")  # the bucket released cleanly
     assert progress.names == set()  # nothing of that bucket reached the loader
@@ -115,7 +115,7 @@ def test_a_loaders_refusal_names_the_weight_and_keeps_no_bucket_view():
     assert str(refused).startswith(
         "engine rank 0 has no parameter for pushed weight 'zz' (shape [3]; the checkpoint it loaded has no such name): "
         "its loader raised AttributeError: 'TwoParams' object has no attribute 'zz' (phase: landing)"
-    )  # fmt: skip
+    )
     assert refused.remote_type == "AttributeError"
     assert refused.remote_message == "'TwoParams' object has no attribute 'zz'"
     unchecked = WeightCheck(None, "engine rank 0").rejection(progress, phase="landing")  # no checkpoint to tell by
@@ -123,4 +123,4 @@ def test_a_loaders_refusal_names_the_weight_and_keeps_no_bucket_view():
     assert str(unchecked).startswith(
         "engine rank 0's loader refused one of the weights ['a', 'zz'] (the checkpoint's shapes are unknown): "
         "AttributeError"
-    )  # fmt: skip
+    )

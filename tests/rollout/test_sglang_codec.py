@@ -9,9 +9,19 @@ import pytest
 from refitkit.errors import EngineAsleep, EngineError, InvalidInput, WeightShapeMismatch
 from refitkit.rollout.links import SglangLink
 from refitkit.rollout.sglang import (
-    PROTOCOL, call_engine, decode_reply, decode_request, encode_reply, encode_request, gather_replies, handle_update,
-    merge_replies, push_weights, push_weights_broadcast, receive_from,
-)  # fmt: skip
+    PROTOCOL,
+    call_engine,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    gather_replies,
+    handle_update,
+    merge_replies,
+    push_weights,
+    push_weights_broadcast,
+    receive_from,
+)
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
 from tests.helpers.ports import free_port
 from tests.helpers.world import run_world
@@ -19,7 +29,13 @@ from tests.helpers.world import run_world
 
 def test_a_receive_request_round_trips_as_plain_json():
     text = encode_request("receive", endpoint="ipc:///tmp/x", timeout_s=5.0, version=7)
-    assert json.loads(text) == {"refitkit": PROTOCOL, "op": "receive", "endpoint": "ipc:///tmp/x", "timeout_s": 5.0, "version": 7}
+    assert json.loads(text) == {
+        "refitkit": PROTOCOL,
+        "op": "receive",
+        "endpoint": "ipc:///tmp/x",
+        "timeout_s": 5.0,
+        "version": 7,
+    }
     assert decode_request(text)["version"] == 7
 
 
@@ -55,23 +71,34 @@ def test_a_schedulers_refusal_crosses_as_its_code_and_fields_not_as_text():
     """A refusal with fields (which weight, both shapes) comes back as its own type with every field, through the JSON
     SGLang carries; the reply names the type as a code, and its message is never read for it."""
     refused = WeightShapeMismatch(
-        "SGLang scheduler (TP rank 0) refused weight 'w': shape [3, 2], checkpoint [2, 2]", weight="w", shape=(3, 2),
-        expected_shape=(2, 2), engine="SGLang scheduler (TP rank 0)", phase="shape check",
-    )  # fmt: skip
+        "SGLang scheduler (TP rank 0) refused weight 'w': shape [3, 2], checkpoint [2, 2]",
+        weight="w",
+        shape=(3, 2),
+        expected_shape=(2, 2),
+        engine="SGLang scheduler (TP rank 0)",
+        phase="shape check",
+    )
     reply = json.loads(encode_reply(error=refused, weights={"version": 1, "failed": None}))
     assert reply["failure"]["error_code"] == "WeightShapeMismatch" and reply["weights"]["version"] == 1
     reply["failure"]["error_message"] = "words that say EngineAsleep"  # the text says nothing about the type
     with pytest.raises(WeightShapeMismatch) as caught:
         decode_reply(False, json.dumps(reply), what="receive")
     rebuilt = caught.value
-    assert (rebuilt.weight, rebuilt.shape, rebuilt.expected_shape, rebuilt.phase) == ("w", (3, 2), (2, 2), "shape check")
+    assert (rebuilt.weight, rebuilt.shape, rebuilt.expected_shape, rebuilt.phase) == (
+        "w",
+        (3, 2),
+        (2, 2),
+        "shape check",
+    )
     assert not isinstance(rebuilt, EngineAsleep)
 
 
 def test_an_answer_that_is_not_refitkits_says_the_plugin_is_missing():
     """SGLang's own checkpoint-engine path answers when the hook is not installed."""
     with pytest.raises(InvalidInput, match="without refitkit's plugin .* sglang.srt.plugins"):
-        decode_reply(False, "IPC weight update failed: ImportError No module named 'checkpoint_engine'", what="state query")
+        decode_reply(
+            False, "IPC weight update failed: ImportError No module named 'checkpoint_engine'", what="state query"
+        )
 
 
 def test_the_hook_hands_other_requests_to_sglang_and_answers_bad_ones_without_raising(monkeypatch):
@@ -87,11 +114,16 @@ def test_the_hook_hands_other_requests_to_sglang_and_answers_bad_ones_without_ra
     monkeypatch.setattr(internals, "tp_replies", lambda updater, reply, gather: [reply])  # one TP rank
     monkeypatch.setattr(internals, "update_output", lambda success, message: (success, message))
     original = lambda updater, req: ("sglang's own", req.zmq_handles)  # noqa: E731
-    assert handle_update(original, "updater", Request({"GPU-1": "ipc:///ce"})) == ("sglang's own", {"GPU-1": "ipc:///ce"})
+    assert handle_update(original, "updater", Request({"GPU-1": "ipc:///ce"})) == (
+        "sglang's own",
+        {"GPU-1": "ipc:///ce"},
+    )
     assert barriers == []  # SGLang's own handler runs its own barrier
 
     success, message = handle_update(original, "updater", Request({"refitkit": '{"refitkit": 2, "op": "nope"}'}))
-    assert success is False and json.loads(message)["failure"]["error_code"] == "InvalidInput" and barriers == ["updater"]
+    assert (
+        success is False and json.loads(message)["failure"]["error_code"] == "InvalidInput" and barriers == ["updater"]
+    )
 
 
 def test_the_link_and_push_refuse_an_object_that_is_not_an_sglang_engine():
@@ -120,15 +152,26 @@ class FakeEngine:
 @pytest.mark.parametrize(
     "server_args,kwargs,message",
     [
-        ({"tp_size": 2}, {}, r"tp_size=2 with a BucketedWeightSender, which feeds one scheduler; give a BroadcastWeightSender\(receivers=2\)"),
+        (
+            {"tp_size": 2},
+            {},
+            r"tp_size=2 with a BucketedWeightSender, which feeds one scheduler; give a BroadcastWeightSender\(receivers=2\)",
+        ),
         ({"dp_size": 2}, {}, "dp_size=2, pp_size=1; refitkit feeds one data-parallel replica of one pipeline stage"),
         ({"pp_size": 2}, {}, "dp_size=1, pp_size=2; refitkit feeds one data-parallel replica of one pipeline stage"),
         ({}, {"sleep_level": 1}, "sleep_level needs an engine made with enable_memory_saver=True"),
         ({}, {"release_memory": True}, "sleep_level needs an engine made with enable_memory_saver=True"),
         ({"enable_memory_saver": True}, {"sleep_level": 3}, "sleep_level=3; need 1"),
-        ({"enable_memory_saver": True}, {"sleep_level": 1}, r"sleep_level=1 but this engine discards .* pass sleep_level=2"),
-        ({"enable_memory_saver": True, "enable_weights_cpu_backup": True}, {"sleep_level": 2},
-         r"sleep_level=2 but this engine keeps .* \(enable_weights_cpu_backup=True\): pass sleep_level=1"),
+        (
+            {"enable_memory_saver": True},
+            {"sleep_level": 1},
+            r"sleep_level=1 but this engine discards .* pass sleep_level=2",
+        ),
+        (
+            {"enable_memory_saver": True, "enable_weights_cpu_backup": True},
+            {"sleep_level": 2},
+            r"sleep_level=2 but this engine keeps .* \(enable_weights_cpu_backup=True\): pass sleep_level=1",
+        ),
         ({}, {"release_memory": 1}, "release_memory=1; need a bool"),
         ({}, {"kv_headroom_bytes": -1}, "kv_headroom_bytes=-1"),
         ({}, {"engine_timeout_s": 0}, "engine_timeout_s"),
@@ -159,7 +202,10 @@ def test_the_former_release_memory_still_works_for_a_release_and_says_sleep_leve
         assert link.sleep_level == level and link.drives_memory is True
         with pytest.warns(DeprecationWarning, match="use sleep_level="):
             assert SglangLink(engine, sender, release_memory=False).drives_memory is False
-        with pytest.warns(DeprecationWarning), pytest.raises(InvalidInput, match="release_memory is sleep_level's former name"):
+        with (
+            pytest.warns(DeprecationWarning),
+            pytest.raises(InvalidInput, match="release_memory is sleep_level's former name"),
+        ):
             SglangLink(engine, sender, release_memory=True, sleep_level=level)
 
 
@@ -167,7 +213,11 @@ def _gather_from_every_rank(rank: int, world_size: int) -> list[str]:
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo")  # like SGLang's TP CPU group: not the default group
-    reply = encode_reply(result={"rank": rank, "note": "é" * (rank * 700 + 1)}) if rank != 1 else encode_reply(error=EngineAsleep("released"))
+    reply = (
+        encode_reply(result={"rank": rank, "note": "é" * (rank * 700 + 1)})
+        if rank != 1
+        else encode_reply(error=EngineAsleep("released"))
+    )
     return gather_replies(group, reply)
 
 
@@ -189,7 +239,10 @@ def test_tp_replies_merge_into_one_answer_naming_every_failed_rank():
     failed = [ok[0], encode_reply(error=EngineAsleep("weights released")), encode_reply(error=RuntimeError("boom"))]
     success, merged = merge_replies(failed)
     assert success is False
-    with pytest.raises(EngineAsleep, match="TP rank 1 in SGLang's receive raised EngineAsleep: weights released; SGLang's TP rank 2: RuntimeError: boom"):
+    with pytest.raises(
+        EngineAsleep,
+        match="TP rank 1 in SGLang's receive raised EngineAsleep: weights released; SGLang's TP rank 2: RuntimeError: boom",
+    ):
         decode_reply(success, merged, what="receive")
     assert merge_replies(ok[:1]) == (True, ok[0])  # one TP rank: its reply as it is
 
@@ -197,14 +250,25 @@ def test_tp_replies_merge_into_one_answer_naming_every_failed_rank():
 def test_a_tensor_parallel_engine_takes_the_broadcast_with_one_receiver_per_tp_rank():
     secret = "sglang-codec-secret-0123456789"
     with BucketedWeightSender("sglang-codec", transport="shm", timeout_s=5.0) as sender:
-        with pytest.raises(InvalidInput, match=r"tp_size=2 schedulers and a BucketedWeightSender feeds one; use push_weights_broadcast .*receivers=2"):
+        with pytest.raises(
+            InvalidInput,
+            match=r"tp_size=2 schedulers and a BucketedWeightSender feeds one; use push_weights_broadcast .*receivers=2",
+        ):
             push_weights(FakeEngine(tp_size=2), sender, [])
-    with pytest.raises(InvalidInput, match=r"receive_from: this SGLang engine runs tp_size=2 schedulers .* put '\{rank\}' in the endpoint"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"receive_from: this SGLang engine runs tp_size=2 schedulers .* put '\{rank\}' in the endpoint",
+    ):
         receive_from(FakeEngine(tp_size=2), "ipc:///tmp/one-sender")
-    with pytest.raises(InvalidInput, match=r"receive_from: dp_size=1, pp_size=2; refitkit feeds one data-parallel replica of one pipeline stage"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"receive_from: dp_size=1, pp_size=2; refitkit feeds one data-parallel replica of one pipeline stage",
+    ):
         receive_from(FakeEngine(pp_size=2), "ipc:///tmp/one-sender")
     with BroadcastWeightSender(("127.0.0.1", free_port()), secret=secret, receivers=2, timeout_s=5.0) as sender:
-        message = r"2 scheduler\(s\) join the broadcast as rank\(s\) 2..3 but the sender expects receivers=2 \(ranks 1..2\)"
+        message = (
+            r"2 scheduler\(s\) join the broadcast as rank\(s\) 2..3 but the sender expects receivers=2 \(ranks 1..2\)"
+        )
         with pytest.raises(InvalidInput, match="push_weights_broadcast: this SGLang engine's " + message):
             push_weights_broadcast(FakeEngine(tp_size=2), sender, [], secret=secret, version=1, first_rank=2)
         with pytest.raises(InvalidInput, match="SglangLink: this SGLang engine's " + message):
@@ -212,7 +276,9 @@ def test_a_tensor_parallel_engine_takes_the_broadcast_with_one_receiver_per_tp_r
         link = SglangLink(FakeEngine(tp_size=2), sender, secret=secret)  # ranks 1 and 2
         assert link.broadcast and link.next_version == 0
     with BroadcastWeightSender(("127.0.0.1", free_port()), secret=secret, receivers=3, timeout_s=5.0) as sender:
-        assert SglangLink(FakeEngine(), sender, secret=secret, first_rank=3).first_rank == 3  # ranks 1-2: other receivers
+        assert (
+            SglangLink(FakeEngine(), sender, secret=secret, first_rank=3).first_rank == 3
+        )  # ranks 1-2: other receivers
 
 
 def _hook_on_a_tp_group(rank: int, world_size: int) -> tuple[bool, str]:
@@ -239,5 +305,8 @@ def test_the_hook_answers_for_every_tp_rank_through_rank_0():
     assert len({message for _, message in outcomes}) == 1  # every rank merged the same answer
     success, message = outcomes[0]
     assert success is False
-    with pytest.raises(InvalidInput, match=r"TP rank 0 in SGLang's receive raised InvalidInput: refitkit request op 'nope'.*; SGLang's TP rank 1: InvalidInput: refitkit request is not JSON.*; SGLang's TP rank 2: InvalidInput: .*unknown fields \['code'\]"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"TP rank 0 in SGLang's receive raised InvalidInput: refitkit request op 'nope'.*; SGLang's TP rank 1: InvalidInput: refitkit request is not JSON.*; SGLang's TP rank 2: InvalidInput: .*unknown fields \['code'\]",
+    ):
         decode_reply(success, message, what="receive")

@@ -25,8 +25,14 @@ def test_a_whole_sync_makes_the_weights_clean_at_its_version():
     assert state.version == WeightVersion(5, None) and state.version.clean
     assert state.next_version() == 6
     assert state.as_dict() == {
-        "version": 5, "incomplete": None, "clean": True, "received": 21, "expected": 21, "missing": [], "failed": None,
-    }  # fmt: skip
+        "version": 5,
+        "incomplete": None,
+        "clean": True,
+        "received": 21,
+        "expected": 21,
+        "missing": [],
+        "failed": None,
+    }
 
 
 def test_a_partial_sync_is_incomplete_and_names_what_it_missed():
@@ -78,8 +84,8 @@ def test_the_old_import_path_is_gone():
         ({"model.safetensors.index.json": b"[1, 2]"}, "no weight_map object"),
         ({"model.safetensors": b"\x05\x00"}, "shorter than a safetensors header"),
         ({"model.safetensors": b"\x02\x00\x00\x00\x00\x00\x00\x00[]"}, "its header is not a JSON object"),
-        ({"model.safetensors": b"\x04\x00\x00\x00\x00\x00\x00\x00{\"a\""}, "Expecting"),
-        ({"model.safetensors": b"\x0f\x00\x00\x00\x00\x00\x00\x00{\"a\": {\"x\": 1}}"}, "tensor 'a' has no shape list"),
+        ({"model.safetensors": b'\x04\x00\x00\x00\x00\x00\x00\x00{"a"'}, "Expecting"),
+        ({"model.safetensors": b'\x0f\x00\x00\x00\x00\x00\x00\x00{"a": {"x": 1}}'}, "tensor 'a' has no shape list"),
     ],
 )
 def test_a_malformed_checkpoint_index_or_header_is_a_value_error_naming_the_file(tmp_path, files, message):
@@ -109,8 +115,13 @@ def test_a_checkpoints_shapes_come_from_the_headers_of_the_files_its_index_lists
     _safetensors(tmp_path / "model-1.safetensors", {"embed.weight": [16, 4], "lm_head.weight": [16, 4]})
     _safetensors(tmp_path / "model-2.safetensors", {"norm.weight": [4]})
     _safetensors(tmp_path / "stray.safetensors", {"not.listed": [1]})  # not in the index: not the checkpoint's
-    index = {"weight_map": {"embed.weight": "model-1.safetensors", "lm_head.weight": "model-1.safetensors",
-                            "norm.weight": "model-2.safetensors"}}  # fmt: skip
+    index = {
+        "weight_map": {
+            "embed.weight": "model-1.safetensors",
+            "lm_head.weight": "model-1.safetensors",
+            "norm.weight": "model-2.safetensors",
+        }
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
 
     shapes = checkpoint_weight_shapes(str(tmp_path), revision=None, tied_embeddings=False)

@@ -61,7 +61,9 @@ def receiver_server_main(commands: Any, answers: Any) -> None:
         except Exception as exc:
             error = type(exc).__name__, str(exc)
         version = receivers[key].weights_version if key in receivers else None
-        answers.put((*error, time.monotonic() - start, got, None if version is None else (version.version, version.incomplete)))
+        answers.put(
+            (*error, time.monotonic() - start, got, None if version is None else (version.version, version.incomplete))
+        )
 
 
 class ReceiverProcess:
@@ -77,9 +79,15 @@ class ReceiverProcess:
             raise RuntimeError(f"receiver server said {ready!r} instead of ready")
 
     def start(
-        self, rendezvous: str, secret: str, rank: int, mode: str = "ok", timeout_s: float = 3.0, device: str = "cpu",
+        self,
+        rendezvous: str,
+        secret: str,
+        rank: int,
+        mode: str = "ok",
+        timeout_s: float = 3.0,
+        device: str = "cpu",
         backend: str = "gloo",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.commands.put((rendezvous, secret, rank, mode, timeout_s, device, backend))
 
     def result(self, timeout_s: float = 60.0) -> tuple:

@@ -30,9 +30,23 @@ class ToyEngine(torch.nn.Module):
         self.w_t = torch.nn.Parameter(torch.zeros(HIDDEN, FFN))
 
 
-ROWS = {"q": (0, HEADS_Q), "k": (HEADS_Q, HEADS_KV), "v": (HEADS_Q + HEADS_KV, HEADS_KV), "gate": (0, FFN), "up": (FFN, FFN)}
-SHAPES = {"q": (HEADS_Q, HIDDEN), "k": (HEADS_KV, HIDDEN), "v": (HEADS_KV, HIDDEN), "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN),
-          "out": (HIDDEN, HEADS_Q), "norm": (HIDDEN,), "w": (FFN, HIDDEN)}  # fmt: skip
+ROWS = {
+    "q": (0, HEADS_Q),
+    "k": (HEADS_Q, HEADS_KV),
+    "v": (HEADS_Q + HEADS_KV, HEADS_KV),
+    "gate": (0, FFN),
+    "up": (FFN, FFN),
+}
+SHAPES = {
+    "q": (HEADS_Q, HIDDEN),
+    "k": (HEADS_KV, HIDDEN),
+    "v": (HEADS_KV, HIDDEN),
+    "gate": (FFN, HIDDEN),
+    "up": (FFN, HIDDEN),
+    "out": (HIDDEN, HEADS_Q),
+    "norm": (HIDDEN,),
+    "w": (FFN, HIDDEN),
+}
 
 
 def toy_load_weights(engine: ToyEngine, weights: Any) -> None:
@@ -51,7 +65,10 @@ def toy_load_weights(engine: ToyEngine, weights: Any) -> None:
 
 def toy_weights(seed: int, *, dtypes: dict[str, torch.dtype] | None = None) -> list[tuple[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(shape, generator=generator).to((dtypes or {}).get(name, torch.float32))) for name, shape in SHAPES.items()]
+    return [
+        (name, torch.randn(shape, generator=generator).to((dtypes or {}).get(name, torch.float32)))
+        for name, shape in SHAPES.items()
+    ]
 
 
 def engine_digests(engine: ToyEngine) -> dict[str, Any]:
@@ -63,7 +80,9 @@ def receiver_server_main(commands: Any, answers: Any, device: str) -> None:
     from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 
     engine = ToyEngine().to(device)
-    plan = record_load_plan(engine, lambda weights: toy_load_weights(engine, weights), [(n, s) for n, s in SHAPES.items()])
+    plan = record_load_plan(
+        engine, lambda weights: toy_load_weights(engine, weights), [(n, s) for n, s in SHAPES.items()]
+    )
     bound = plan.bind(engine)
     receivers: dict[tuple, BroadcastWeightReceiver] = {}
     answers.put("ready")
@@ -83,18 +102,26 @@ def receiver_server_main(commands: Any, answers: Any, device: str) -> None:
                 receiver = receivers[key] = BroadcastWeightReceiver(
                     rendezvous, secret=secret, rank=rank, device=device, timeout_s=timeout_s
                 )
-            receiver.receive(lambda weights, last: toy_load_weights(engine, weights), direct=bound if use_plan else None)
+            receiver.receive(
+                lambda weights, last: toy_load_weights(engine, weights), direct=bound if use_plan else None
+            )
             error = None, ""
         except Exception as exc:
             error = type(exc).__name__, str(exc)
         receiver = receivers.get(key)
         version = None if receiver is None else receiver.weights_version
         direct = None if receiver is None or receiver.last_direct is None else receiver.last_direct
-        answers.put((
-            *error, time.monotonic() - start, engine_digests(engine),
-            None if version is None else (version.version, version.incomplete),
-            None if direct is None else (direct.direct_bytes, direct.direct_tensors, direct.bucket_bytes, direct.fallbacks),
-        ))  # fmt: skip
+        answers.put(
+            (
+                *error,
+                time.monotonic() - start,
+                engine_digests(engine),
+                None if version is None else (version.version, version.incomplete),
+                None
+                if direct is None
+                else (direct.direct_bytes, direct.direct_tensors, direct.bucket_bytes, direct.fallbacks),
+            )
+        )
 
 
 class DirectReceiverProcess:

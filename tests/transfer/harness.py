@@ -58,8 +58,7 @@ def assert_device_memory_back(baseline_free: int, after: str, *, settle_s: float
         time.sleep(0.05)  # polling the driver's teardown of a dead process, not waiting on our own code
         missing = baseline_free - device_free_bytes()
     assert missing < PAGE_BYTES, (
-        f"{after}: {missing / MIB:.1f} MiB of device memory not given back (baseline of this test); "
-        f"{device_holders()}"
+        f"{after}: {missing / MIB:.1f} MiB of device memory not given back (baseline of this test); {device_holders()}"
     )
 
 
@@ -74,7 +73,10 @@ def device_holders() -> str:
     pynvml.nvmlInit()
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        users = ", ".join(f"pid {p.pid} {(p.usedGpuMemory or 0) / MIB:.1f} MiB" for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        users = ", ".join(
+            f"pid {p.pid} {(p.usedGpuMemory or 0) / MIB:.1f} MiB"
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        )
     finally:
         pynvml.nvmlShutdown()
     return f"{held}; the driver's list: {users or 'none'}"
@@ -127,10 +129,11 @@ def roundtrip(
     assert result["digests"] == expected
     assert result["segments_after"] == []  # receiver unmapped before it returned
     assert stats.tensors == len(expected)
-    assert stats.bytes == sum(torch.Size(shape).numel() * torch.empty(0, dtype=getattr(torch, dtype[6:])).element_size()
-                              for dtype, shape, _ in expected.values())  # fmt: skip
+    assert stats.bytes == sum(
+        torch.Size(shape).numel() * torch.empty(0, dtype=getattr(torch, dtype[6:])).element_size()
+        for dtype, shape, _ in expected.values()
+    )
     return stats, result
-
 
 
 @contextmanager

@@ -33,8 +33,11 @@ def digest(tensor: torch.Tensor) -> Digest:
 def mapped_segments(pid: int | str = "self") -> list[str]:
     """refitkit shared-memory segments mapped into a process (from /proc/<pid>/maps)."""
     with open(f"/proc/{pid}/maps") as maps:
-        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
-                for line in maps if "/dev/shm/refitkit-" in line or "/memfd:refitkit-" in line]  # fmt: skip
+        return [
+            line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+            for line in maps
+            if "/dev/shm/refitkit-" in line or "/memfd:refitkit-" in line
+        ]
 
 
 def cuda_allocator_expandable() -> bool | None:
@@ -91,7 +94,7 @@ class _HeldRelease:
         self.pending: list[Callable[[], Any]] = []
         self._restore: list[Callable[[], None]] = []
 
-    def __enter__(self) -> "_HeldRelease":
+    def __enter__(self) -> _HeldRelease:
         from refitkit.transfer._ipc import shm
 
         release = shm.ShmMapping.release
@@ -150,12 +153,17 @@ class _EventLog(logging.Handler):
             self.events.append((event, time.monotonic()))
 
 
-def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: Any, notes: dict[str, Any]) -> dict[str, Any]:
+def _run_session(
+    endpoint: str, device: str, timeout_s: float, mode: str, arg: Any, notes: dict[str, Any]
+) -> dict[str, Any]:
     """One receiving session; ``notes`` gets what the test wants even when the session fails:
     ``device_free_in_on_bucket`` (a CUDA receiver: the device's free bytes in the first on_bucket call)."""
     from refitkit.transfer import BucketedWeightReceiver
 
-    if mode in ("slow_release", "release_after_ack"):  # arg: {"delay_s": float, "probe": path of an IpcCloseProbe or None}
+    if mode in (
+        "slow_release",
+        "release_after_ack",
+    ):  # arg: {"delay_s": float, "probe": path of an IpcCloseProbe or None}
         probe = IpcCloseProbe(arg["probe"]) if arg.get("probe") else None
         with _HeldRelease(delay_s=arg["delay_s"], ack_first=mode == "release_after_ack", probe=probe) as held:
             try:
@@ -197,7 +205,7 @@ def _run_session(endpoint: str, device: str, timeout_s: float, mode: str, arg: A
             if mode == "keep_view":
                 kept.append(tensor)  # breaks the contract: cleanup must then fail and say so
         if mode == "copy":  # what a loader does: copy into its own parameters
-            for name, tensor in weights:
+            for _name, tensor in weights:
                 torch.empty_like(tensor).copy_(tensor)
 
     if mode == "iter":

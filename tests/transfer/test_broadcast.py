@@ -19,14 +19,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refitkit.errors import InvalidInput, PeerGone, ProtocolError, RefitError, RemoteError, TransferError, TransferTimeout
-from refitkit.transfer._broadcast import group as grp
+from refitkit.errors import (
+    InvalidInput,
+    PeerGone,
+    ProtocolError,
+    RefitError,
+    RemoteError,
+    TransferError,
+    TransferTimeout,
+)
 from refitkit.transfer import BroadcastWeightReceiver, WeightVersion
+from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from refitkit.transfer.protocol import SUPPORTED_DTYPES, encode
+from tests.helpers.ports import free_port
 from tests.transfer.broadcast_peers import ReceiverProcess, killed_sender_main
 from tests.transfer.peers import digest
-from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,7 +51,9 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
     count = 1
     for size in shape:
         count *= size
-    raw = torch.randint(0, 2 if dtype is torch.bool else 256, (count * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        0, 2 if dtype is torch.bool else 256, (count * dtype.itemsize,), dtype=torch.uint8, generator=generator
+    )
     return raw.view(dtype).view(shape)
 
 
@@ -55,7 +65,9 @@ class World:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
-        self.sender = BroadcastWeightSender(self.url, secret=SECRET, receivers=2, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
+        self.sender = BroadcastWeightSender(
+            self.url, secret=SECRET, receivers=2, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S
+        )
         self.receivers = {1: ReceiverProcess(), 2: ReceiverProcess()}
         self.version = 0
         self.landed: int | None = None  # the last version that reached both receivers whole
@@ -105,7 +117,10 @@ def world():
 
 
 def test_every_dtype_bit_exact_on_both_receivers(world):
-    weights = [(f"{name}.w", random_tensor(dtype, (7, 13), seed)) for seed, (name, dtype) in enumerate(SUPPORTED_DTYPES.items())]
+    weights = [
+        (f"{name}.w", random_tensor(dtype, (7, 13), seed))
+        for seed, (name, dtype) in enumerate(SUPPORTED_DTYPES.items())
+    ]
     weights += [
         ("wide", random_tensor(torch.float32, (48, 256), 90)),  # 48 KiB: more than a half, whole in a wide bucket
         ("split.bf16", random_tensor(torch.bfloat16, (300, 257), 91)),  # 150 KiB: split across buckets
@@ -179,7 +194,9 @@ def test_sender_killed_mid_broadcast_is_peer_gone_naming_rank_0():
         victim.join(30)
     assert victim.exitcode == -9 and seconds < TIMEOUT_S
     message = str(raised.value)
-    assert message.startswith("streaming: ") and "the sender (rank 0)" in message and f"timeout_s={TIMEOUT_S:g}" in message
+    assert (
+        message.startswith("streaming: ") and "the sender (rank 0)" in message and f"timeout_s={TIMEOUT_S:g}" in message
+    )
     cause = raised.value.__cause__
     assert isinstance(cause, RuntimeError) and not isinstance(cause, RefitError), repr(cause)  # torch's own, chained
     assert receiver.weights_version.incomplete == (1 if landed else None)
@@ -198,8 +215,11 @@ def test_sender_generator_raising_mid_stream(world):
         assert told[0] == "TransferError" and "ValueError: the trainer's generator broke (test)" in told[1]
         assert told[2] < TIMEOUT_S - 1.0 and told[4] == (world.landed, world.version)  # 4 buckets applied: incomplete
     world.fresh_session_lands()
-    assert not [key for key in world.sender._store.list_keys() if key.startswith(grp.PREFIX) and "/pg/" in key
-                and not key.startswith(f"{grp.PREFIX}{world.sender._stale[0]}/")]  # fmt: skip
+    assert not [
+        key
+        for key in world.sender._store.list_keys()
+        if key.startswith(grp.PREFIX) and "/pg/" in key and not key.startswith(f"{grp.PREFIX}{world.sender._stale[0]}/")
+    ]
 
 
 def test_receiver_that_never_joins(world):
@@ -265,9 +285,15 @@ def test_garbage_offer_in_the_store(world):
 
 
 HUGE_SPLIT = encode(
-    "bucket", session="garbage0session", seq=0, half=0, wide=False, last=False, nbytes=256,
+    "bucket",
+    session="garbage0session",
+    seq=0,
+    half=0,
+    wide=False,
+    last=False,
+    nbytes=256,
     entries=[["huge", "uint8", [1 << 60], 0, 0, 256]],  # the first piece of a 1 EiB tensor
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize(
@@ -279,7 +305,7 @@ HUGE_SPLIT = encode(
         ([len(HUGE_SPLIT), 256], ("refusing to allocate",)),
     ],
     ids=["undecodable", "huge-meta", "huge-data", "huge-split"],
-)  # fmt: skip
+)
 def test_garbage_on_the_metadata_channel(world, header, expected):
     """A group member (here a hand-made rank 0 holding the secret) broadcasts garbage metadata."""
     port = free_port()
@@ -287,14 +313,30 @@ def test_garbage_on_the_metadata_channel(world, header, expected):
     secret = grp.checked_secret(SECRET)
     store = grp.connect_store("127.0.0.1", port, is_master=True, timeout_s=TIMEOUT_S)
     session, nonce = "garbage0session", b"n" * 16
-    grp.put(store, "offer", grp.sign(secret, "offer", {
-        "session": session, "version": 7, "world": 3, "half_bytes": 4096, "backend": "gloo", "nonce": nonce,
-    }))  # fmt: skip
+    grp.put(
+        store,
+        "offer",
+        grp.sign(
+            secret,
+            "offer",
+            {
+                "session": session,
+                "version": 7,
+                "world": 3,
+                "half_bytes": 4096,
+                "backend": "gloo",
+                "nonce": nonce,
+            },
+        ),
+    )
     start = time.monotonic()
     for rank, process in world.receivers.items():
         process.start(url, SECRET, rank, "ok", TIMEOUT_S)
-    grp.wait_until(lambda: all(grp.has(store, f"{session}/join/{r}") for r in (1, 2)), deadline=time.monotonic() + BOUND_S,
-                   on_timeout=lambda: AssertionError("receivers did not join"))  # fmt: skip
+    grp.wait_until(
+        lambda: all(grp.has(store, f"{session}/join/{r}") for r in (1, 2)),
+        deadline=time.monotonic() + BOUND_S,
+        on_timeout=lambda: AssertionError("receivers did not join"),
+    )
     grp.put(store, f"{session}/go", grp.tag(secret, "go", session))
     group = grp.form_group(store, session, 0, 3, "gloo", TIMEOUT_S)
     works = [grp.broadcast(group, torch.tensor(header, dtype=torch.int64))]
@@ -353,8 +395,14 @@ def test_gloo_with_cuda_tensors_on_both_sides():
     sender = BroadcastWeightSender(url, secret=SECRET, receivers=1, bucket_bytes=BUCKET, device="cuda", timeout_s=30.0)
     process = ReceiverProcess()
     try:
-        weights = [(f"{name}.w", random_tensor(dtype, (7, 13), seed).cuda()) for seed, (name, dtype) in enumerate(SUPPORTED_DTYPES.items())]
-        weights += [("wide", random_tensor(torch.float32, (48, 256), 90).cuda()), ("split", random_tensor(torch.bfloat16, (300, 257), 91).cuda())]
+        weights = [
+            (f"{name}.w", random_tensor(dtype, (7, 13), seed).cuda())
+            for seed, (name, dtype) in enumerate(SUPPORTED_DTYPES.items())
+        ]
+        weights += [
+            ("wide", random_tensor(torch.float32, (48, 256), 90).cuda()),
+            ("split", random_tensor(torch.bfloat16, (300, 257), 91).cuda()),
+        ]
         want = {name: digest(tensor) for name, tensor in weights}
         for version, as_given in enumerate((weights, iter(weights)), 1):
             process.start(url, SECRET, 1, "ok", 30.0, "cuda")

@@ -38,13 +38,40 @@ def test_the_digest_sees_a_changed_or_moved_word():
 
 def test_the_cpu_broadcast_benchmark_lands_every_sync_and_survives_a_killed_receiver(tmp_path):
     out = tmp_path / "broadcast_sync.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        OMP_NUM_THREADS="1",
+    )
     done = subprocess.run(
-        [sys.executable, "benchmarks/broadcast_sync.py", "--backend", "gloo", "--device", "cpu", "--model", "tiny",
-         "--rounds", "1", "--receivers", "2", "--bucket-mib", "1", "--timeout-s", str(TIMEOUT_S),
-         "--kill-receiver-at-bucket", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=140, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/broadcast_sync.py",
+            "--backend",
+            "gloo",
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--rounds",
+            "1",
+            "--receivers",
+            "2",
+            "--bucket-mib",
+            "1",
+            "--timeout-s",
+            str(TIMEOUT_S),
+            "--kill-receiver-at-bucket",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert result["model"] == "tiny" and result["bytes"] > 4 * result["half_bytes"]  # several buckets per sync

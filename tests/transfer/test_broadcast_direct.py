@@ -9,17 +9,25 @@ and a weight whose dtype does not match its plan falls back to the bucket path w
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from refitkit.errors import InvalidInput
 from refitkit.rollout.load_plan import Destination, record_load_plan
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
-from tests.transfer.direct_peers import (
-    FFN, HEADS_KV, HEADS_Q, HIDDEN, SHAPES, DirectReceiverProcess, ToyEngine, engine_digests, toy_load_weights, toy_weights,
-)  # fmt: skip
 from tests.helpers.ports import free_port
+from tests.transfer.direct_peers import (
+    FFN,
+    HEADS_KV,
+    HEADS_Q,
+    HIDDEN,
+    SHAPES,
+    DirectReceiverProcess,
+    ToyEngine,
+    engine_digests,
+    toy_load_weights,
+    toy_weights,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,7 +101,10 @@ def test_plan_skips_sharded_spread_and_dropped_weights_and_restores_on_failure()
     originals = {name: param.data_ptr() for name, param in engine.named_parameters()}
     with pytest.raises(RuntimeError, match="loader broke"):
         record_load_plan(engine, failing, [("q", (HEADS_Q, HIDDEN))])
-    assert all(param.data_ptr() == originals[name] and param.dtype == torch.float32 for name, param in engine.named_parameters())
+    assert all(
+        param.data_ptr() == originals[name] and param.dtype == torch.float32
+        for name, param in engine.named_parameters()
+    )
 
 
 def test_bind_refuses_a_model_that_changed_since_the_plan():
@@ -120,7 +131,9 @@ def receivers():
 def sync(receivers, weights, *, per_tensor: bool, version: int) -> dict[int, tuple]:
     """One session: rank 1 receives with its plan, rank 2 through the bucket path; their answers by rank."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    sender = BroadcastWeightSender(url, secret=SECRET, receivers=2, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S, per_tensor=per_tensor)
+    sender = BroadcastWeightSender(
+        url, secret=SECRET, receivers=2, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S, per_tensor=per_tensor
+    )
     try:
         for rank, process in receivers.items():
             process.start(url, SECRET, rank, use_plan=rank == 1, timeout_s=TIMEOUT_S)
@@ -135,7 +148,7 @@ def test_direct_receive_is_bit_exact_with_the_bucket_path(receivers):
     want = expected_digests(weights)
     for as_given in (weights, iter(weights)):  # batched list, and a generator item by item
         answers = sync(receivers, as_given, per_tensor=True, version=7)
-        for rank, (error, message, _, got, version, direct) in answers.items():
+        for rank, (error, message, _, got, version, _direct) in answers.items():
             assert error is None, message
             assert got == want, f"rank {rank}"
             assert version == (7, None)
@@ -149,7 +162,7 @@ def test_mismatched_dtype_falls_back_to_the_bucket_path_with_a_note(receivers):
     weights = toy_weights(seed=2, dtypes={"k": torch.bfloat16, "gate": torch.float16})
     want = expected_digests(weights)
     answers = sync(receivers, weights, per_tensor=True, version=8)
-    for rank, (error, message, _, got, version, _) in answers.items():
+    for rank, (error, message, _, got, _version, _) in answers.items():
         assert error is None, message
         assert got == want, f"rank {rank}"
     direct_bytes, direct_tensors, bucket_bytes, fallbacks = answers[1][5]
@@ -164,7 +177,7 @@ def test_mismatched_dtype_falls_back_to_the_bucket_path_with_a_note(receivers):
 def test_a_sender_of_whole_buckets_means_the_bucket_path(receivers):
     weights = toy_weights(seed=3)
     answers = sync(receivers, weights, per_tensor=False, version=9)
-    for rank, (error, message, _, got, version, direct) in answers.items():
+    for rank, (error, message, _, got, _version, direct) in answers.items():
         assert error is None, message
         assert got == expected_digests(weights), f"rank {rank}"
         assert direct[:2] == (0, 0) and direct[2] == sum(tensor.nbytes for _, tensor in weights)
@@ -179,7 +192,9 @@ def test_a_stream_that_breaks_after_direct_landings_leaves_the_weights_incomplet
         raise RuntimeError("trainer lost a rank (test)")
 
     url = f"tcp://127.0.0.1:{free_port()}"
-    with BroadcastWeightSender(url, secret=SECRET, receivers=2, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S, per_tensor=True) as sender:
+    with BroadcastWeightSender(
+        url, secret=SECRET, receivers=2, bucket_bytes=BUCKET, timeout_s=TIMEOUT_S, per_tensor=True
+    ) as sender:
         for rank, process in receivers.items():
             process.start(url, SECRET, rank, use_plan=rank == 1, timeout_s=TIMEOUT_S)
         with pytest.raises(RuntimeError, match="trainer lost a rank"):
@@ -191,7 +206,7 @@ def test_a_stream_that_breaks_after_direct_landings_leaves_the_weights_incomplet
         assert version[1] == 10  # incomplete: version 10 was partly applied
         assert (direct[0] >= HEADS_Q * HIDDEN * 4) if rank == 1 else direct[0] == 0  # q at least landed in place
     answers = sync(receivers, weights, per_tensor=True, version=11)
-    for rank, (error, message, _, got, version, _) in answers.items():
+    for _rank, (error, message, _, got, version, _) in answers.items():
         assert error is None, message
         assert got == expected_digests(weights) and version == (11, None)
 
@@ -209,7 +224,9 @@ def test_direct_receive_into_cuda_parameters_over_gloo():
     try:
         weights = [(name, tensor.cuda()) for name, tensor in toy_weights(seed=4)]
         want = expected_digests(weights)
-        with BroadcastWeightSender(url, secret=SECRET, receivers=1, bucket_bytes=BUCKET, device="cuda", per_tensor=True, timeout_s=30.0) as sender:
+        with BroadcastWeightSender(
+            url, secret=SECRET, receivers=1, bucket_bytes=BUCKET, device="cuda", per_tensor=True, timeout_s=30.0
+        ) as sender:
             process.start(url, SECRET, 1, use_plan=True, timeout_s=30.0)
             sender.send(weights, version=1)
         error, message, _, got, version, direct = process.result()

@@ -37,7 +37,10 @@ SENDER, RECEIVER = "cuda:0", "cuda:1"
 
 
 def every_dtype() -> list[tuple[str, torch.Tensor]]:
-    weights = [(f"{name}.w", random_tensor(dtype, (7, 13), seed)) for seed, (name, dtype) in enumerate(SUPPORTED_DTYPES.items())]
+    weights = [
+        (f"{name}.w", random_tensor(dtype, (7, 13), seed))
+        for seed, (name, dtype) in enumerate(SUPPORTED_DTYPES.items())
+    ]
     return weights + [
         ("wide", random_tensor(torch.float32, (48, 256), 90)),  # 48 KiB: more than a half
         ("split.bf16", random_tensor(torch.bfloat16, (300, 257), 91)),  # 150 KiB: larger than the whole bucket
@@ -58,7 +61,9 @@ def sender_server_main(url: str, commands: Any, answers: Any) -> None:
     from tests.transfer.peers import digest
 
     torch.cuda.set_device(SENDER)
-    sender = BroadcastWeightSender(url, secret=SECRET, receivers=1, bucket_bytes=BUCKET, device=SENDER, backend="nccl", timeout_s=TIMEOUT_S)
+    sender = BroadcastWeightSender(
+        url, secret=SECRET, receivers=1, bucket_bytes=BUCKET, device=SENDER, backend="nccl", timeout_s=TIMEOUT_S
+    )
     answers.put("ready")
     while (command := commands.get()) is not None:
         recipe, as_list, version = command

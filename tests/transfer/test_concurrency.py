@@ -18,9 +18,9 @@ from refitkit.errors import TransferError
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
 from refitkit.transfer._ipc.endpoint import socket_identity
+from tests.helpers.world import child_env
 from tests.transfer.harness import Case, own_segment_files, roundtrip
 from tests.transfer.peers import ReceiverServer, digest, mapped_segments
-from tests.helpers.world import child_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -245,7 +245,7 @@ def test_a_cancelled_asend_reports_nothing_but_the_cancellation(receiver_server,
         outcomes = []
         try:  # (no pytest.raises: a kept exception would keep the worker's future alive past the check)
             await asyncio.wait_for(sender.asend(stalled()), 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             outcomes.append("timed out")
         task = asyncio.ensure_future(sender.asend(tensors(3)))  # no receiver this time: it waits for a hello
         await asyncio.sleep(0.3)  # lets the worker reach the hello wait; nothing is synchronised by it
@@ -385,7 +385,9 @@ def test_cancelled_asend_over_cuda_ipc_frees_the_gpu_bucket(receiver_server, end
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(sender.asend(stalled()), 3.0)
 
-    with BucketedWeightSender(endpoint, bucket_bytes=64 << 20, transport="cuda_ipc", timeout_s=20, direct=False) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=64 << 20, transport="cuda_ipc", timeout_s=20, direct=False
+    ) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20)
         asyncio.run(main(sender))
         torch.cuda.synchronize()
@@ -393,5 +395,10 @@ def test_cancelled_asend_over_cuda_ipc_frees_the_gpu_bucket(receiver_server, end
         assert free_before - free_after < 4 << 20, f"{(free_before - free_after) >> 20} MiB still held"
         result = receiver_server.result()
         assert not result["ok"] and "cancelled" in result["message"]
-    roundtrip(receiver_server, endpoint, [(name, tensor) for name, tensor in weights], bucket_bytes=64 << 20,
-              case=Case("cuda_ipc", "cuda", "cuda"))  # fmt: skip
+    roundtrip(
+        receiver_server,
+        endpoint,
+        [(name, tensor) for name, tensor in weights],
+        bucket_bytes=64 << 20,
+        case=Case("cuda_ipc", "cuda", "cuda"),
+    )

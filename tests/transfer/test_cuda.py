@@ -31,7 +31,9 @@ CUDA_IPC = Case("cuda_ipc", "cuda", "cuda")
 
 
 def weights_3gib() -> list[tuple[str, torch.Tensor]]:
-    return [(f"layers.{i}.w", torch.full((128 << 20,), float(i), dtype=torch.bfloat16, device="cuda")) for i in range(12)]
+    return [
+        (f"layers.{i}.w", torch.full((128 << 20,), float(i), dtype=torch.bfloat16, device="cuda")) for i in range(12)
+    ]
 
 
 def sampling_free_memory(weights: list[tuple[str, torch.Tensor]], at_index: int, samples: list[int]) -> Iterator[Any]:
@@ -47,14 +49,27 @@ def test_two_gib_bucket_is_given_back_to_the_device(receiver_server, endpoint):
     weights = weights_3gib()
     expected = {name: digest(tensor) for name, tensor in weights}
     # The same stream once, so the baseline below already counts what a first session sets up for good.
-    roundtrip(receiver_server, endpoint, weights, bucket_bytes=2 * GIB, case=CUDA_IPC, timeout_s=60, expected=expected,
-              generator=True)  # fmt: skip
+    roundtrip(
+        receiver_server,
+        endpoint,
+        weights,
+        bucket_bytes=2 * GIB,
+        case=CUDA_IPC,
+        timeout_s=60,
+        expected=expected,
+        generator=True,
+    )
     reserved_before, free_before = torch.cuda.memory_reserved(), device_free_bytes()
     during: list[int] = []
     stats, _ = roundtrip(
-        receiver_server, endpoint, sampling_free_memory(weights, 6, during), bucket_bytes=2 * GIB, case=CUDA_IPC,
-        timeout_s=60, expected=expected,
-    )  # fmt: skip
+        receiver_server,
+        endpoint,
+        sampling_free_memory(weights, 6, during),
+        bucket_bytes=2 * GIB,
+        case=CUDA_IPC,
+        timeout_s=60,
+        expected=expected,
+    )
     assert free_before - during[0] >= 2 * GIB  # the gauge sees the bucket while it is in use
     assert torch.cuda.memory_reserved() == reserved_before  # torch never held it (no limbo, no cache)
     assert_device_memory_back(free_before, "right after send() returned")
@@ -66,7 +81,9 @@ def test_sigkilled_receiver_does_not_strand_the_bucket(receiver_server, endpoint
     roundtrip(receiver_server, endpoint, weights[:2], bucket_bytes=2 * GIB, case=CUDA_IPC, timeout_s=60)
     reserved_before, free_before = torch.cuda.memory_reserved(), device_free_bytes()  # before the victim exists
     with receiver_killed_at(endpoint, 2, device="cuda", timeout_s=5.0):
-        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=5.0, direct=False) as sender:
+        with BucketedWeightSender(
+            endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=5.0, direct=False
+        ) as sender:
             began = time.monotonic()
             with pytest.raises(TransferTimeout):
                 sender.send(weights)
@@ -84,7 +101,9 @@ def test_the_bucket_is_made_while_the_hello_travels_and_freed_when_no_receiver_c
     weights = weights_3gib()[:2]
 
     def lonely_send(timeout_s: float, during: list[int]) -> None:
-        with BucketedWeightSender(endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=timeout_s, direct=False) as sender:
+        with BucketedWeightSender(
+            endpoint, bucket_bytes=2 * GIB, transport="cuda_ipc", timeout_s=timeout_s, direct=False
+        ) as sender:
             sampler = threading.Timer(timeout_s / 2, lambda: during.append(device_free_bytes()))
             sampler.start()
             try:

@@ -22,10 +22,15 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s of a spinning kernel on the H200: far longe
 
 def _sources(count: int) -> list[tuple[str, torch.Tensor]]:
     generator = torch.Generator(device="cuda").manual_seed(0)
-    return [(f"layers.{i}.w", torch.randn(256, 1024, generator=generator, device="cuda").to(torch.bfloat16)) for i in range(count)]
+    return [
+        (f"layers.{i}.w", torch.randn(256, 1024, generator=generator, device="cuda").to(torch.bfloat16))
+        for i in range(count)
+    ]
 
 
-def _made(sources: list[tuple[str, torch.Tensor]], side: torch.cuda.Stream, plan: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _made(
+    sources: list[tuple[str, torch.Tensor]], side: torch.cuda.Stream, plan: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Item i is made as ``plan[i]`` says: ``S`` on ``side`` behind a long kernel, yielded from inside that stream's
     context; ``s`` the same without the kernel; ``d`` on the default stream behind a long kernel; ``D`` on the
     default stream at once. Each is a fresh tensor: only the timing can go wrong."""
@@ -48,8 +53,11 @@ def _made(sources: list[tuple[str, torch.Tensor]], side: torch.cuda.Stream, plan
 @pytest.mark.parametrize(
     ("plan", "bucket_bytes"),
     [("SSSS", 16 << 20), ("SDD" * 4, 2 << 20), ("dds" * 4, 2 << 20)],
-    ids=["all-on-a-side-stream-one-bucket", "side-stream-items-shipped-from-the-default-stream",
-         "default-stream-items-shipped-from-a-side-stream"],
+    ids=[
+        "all-on-a-side-stream-one-bucket",
+        "side-stream-items-shipped-from-the-default-stream",
+        "default-stream-items-shipped-from-a-side-stream",
+    ],
 )
 def test_copies_queued_on_the_generators_stream_are_waited_for_before_the_bucket_is_announced(
     receiver_server, endpoint, plan, bucket_bytes
@@ -57,5 +65,12 @@ def test_copies_queued_on_the_generators_stream_are_waited_for_before_the_bucket
     sources = _sources(len(plan))
     expected = {name: digest(tensor) for name, tensor in sources}
     side = torch.cuda.Stream()
-    roundtrip(receiver_server, endpoint, _made(sources, side, plan), bucket_bytes=bucket_bytes,
-              case=CUDA_IPC, timeout_s=60, expected=expected)  # fmt: skip
+    roundtrip(
+        receiver_server,
+        endpoint,
+        _made(sources, side, plan),
+        bucket_bytes=bucket_bytes,
+        case=CUDA_IPC,
+        timeout_s=60,
+        expected=expected,
+    )

@@ -56,22 +56,62 @@ def _entries(*items: list) -> list:
     [
         pytest.param([1], _entries(["w", "float32", [4], 0]), [], r"is not a map", id="not-a-map"),
         pytest.param({"exports": [], "allocs": []}, [], [MIB], r"\(0 entries, 1 to 512\)", id="no-entries"),
-        pytest.param({"exports": [], "allocs": []}, _entries(["w", "float32", [4], 0]), [MIB], r"one allocation per entry",
-                     id="allocs-missing"),
-        pytest.param({"exports": [], "allocs": [1]}, _entries(["w", "float32", [4], 0]), [MIB], r"'w' lies in allocation 1; 1 are",
-                     id="index-out-of-range"),
-        pytest.param({"exports": [], "allocs": [True]}, _entries(["w", "float32", [4], 0]), [MIB], r"allocation True",
-                     id="index-not-int"),
-        pytest.param({"exports": [], "allocs": [0]}, _entries(["w", "float32", [128], MIB - 256]), [MIB],
-                     r"'w' \(bytes 1048320\.\.1048832\) is not a whole tensor inside allocation 0 of 1048576 bytes", id="beyond"),
-        pytest.param({"exports": [], "allocs": [0]}, _entries(["w", "float32", [4], 0, 0, 8]), [MIB], r"not a whole tensor",
-                     id="split-piece"),
-        pytest.param({"exports": [{"nbytes": 0}], "allocs": [0]}, _entries(["w", "float32", [4], 0]), [], r"announces no size",
-                     id="export-without-size"),
-        pytest.param({"exports": [{"nbytes": 4096}] * 2, "allocs": [0]}, _entries(["w", "float32", [4], 0]),
-                     [MIB] * (MAX_EXPORTS - 1), r"1025 exported allocations in one session, at most 1024", id="too-many-exports"),
-        pytest.param({"exports": [], "allocs": [0], "kept": 1}, _entries(["w", "float32", [4], 0]), [MIB], r"kept=1 is not a bool",
-                     id="kept-not-bool"),
+        pytest.param(
+            {"exports": [], "allocs": []},
+            _entries(["w", "float32", [4], 0]),
+            [MIB],
+            r"one allocation per entry",
+            id="allocs-missing",
+        ),
+        pytest.param(
+            {"exports": [], "allocs": [1]},
+            _entries(["w", "float32", [4], 0]),
+            [MIB],
+            r"'w' lies in allocation 1; 1 are",
+            id="index-out-of-range",
+        ),
+        pytest.param(
+            {"exports": [], "allocs": [True]},
+            _entries(["w", "float32", [4], 0]),
+            [MIB],
+            r"allocation True",
+            id="index-not-int",
+        ),
+        pytest.param(
+            {"exports": [], "allocs": [0]},
+            _entries(["w", "float32", [128], MIB - 256]),
+            [MIB],
+            r"'w' \(bytes 1048320\.\.1048832\) is not a whole tensor inside allocation 0 of 1048576 bytes",
+            id="beyond",
+        ),
+        pytest.param(
+            {"exports": [], "allocs": [0]},
+            _entries(["w", "float32", [4], 0, 0, 8]),
+            [MIB],
+            r"not a whole tensor",
+            id="split-piece",
+        ),
+        pytest.param(
+            {"exports": [{"nbytes": 0}], "allocs": [0]},
+            _entries(["w", "float32", [4], 0]),
+            [],
+            r"announces no size",
+            id="export-without-size",
+        ),
+        pytest.param(
+            {"exports": [{"nbytes": 4096}] * 2, "allocs": [0]},
+            _entries(["w", "float32", [4], 0]),
+            [MIB] * (MAX_EXPORTS - 1),
+            r"1025 exported allocations in one session, at most 1024",
+            id="too-many-exports",
+        ),
+        pytest.param(
+            {"exports": [], "allocs": [0], "kept": 1},
+            _entries(["w", "float32", [4], 0]),
+            [MIB],
+            r"kept=1 is not a bool",
+            id="kept-not-bool",
+        ),
     ],
 )
 def test_a_hostile_direct_bucket_is_refused_before_anything_is_mapped(direct, entries, sizes, message):
@@ -82,15 +122,26 @@ def test_a_hostile_direct_bucket_is_refused_before_anything_is_mapped(direct, en
 @pytest.mark.parametrize(
     "exports, transport, message",
     [
-        pytest.param([{"nbytes": 4096}], "shm", r"setup: exports=.* is not a list of a cuda_ipc session's allocations", id="over-shm"),
+        pytest.param(
+            [{"nbytes": 4096}],
+            "shm",
+            r"setup: exports=.* is not a list of a cuda_ipc session's allocations",
+            id="over-shm",
+        ),
         pytest.param({"nbytes": 4096}, "cuda_ipc", r"setup: exports=.* is not a list", id="not-a-list"),
         pytest.param([{"nbytes": -1}], "cuda_ipc", r"setup: export .* announces no size", id="no-size"),
-        pytest.param([{"nbytes": 4096}] * (MAX_EXPORTS + 1), "cuda_ipc", r"setup: 1025 exported allocations in one session",
-                     id="too-many"),
+        pytest.param(
+            [{"nbytes": 4096}] * (MAX_EXPORTS + 1),
+            "cuda_ipc",
+            r"setup: 1025 exported allocations in one session",
+            id="too-many",
+        ),
     ],
 )
 def test_a_hostile_setup_export_is_refused_before_anything_is_mapped(exports, transport, message):
-    assert setup_exports({}, "shm") == [] and setup_exports({"exports": [{"nbytes": 4096}]}, "cuda_ipc") == [{"nbytes": 4096}]
+    assert setup_exports({}, "shm") == [] and setup_exports({"exports": [{"nbytes": 4096}]}, "cuda_ipc") == [
+        {"nbytes": 4096}
+    ]
     with pytest.raises(ProtocolError, match=message):
         setup_exports({"exports": exports}, transport)
 
@@ -99,7 +150,12 @@ def _layers(allocation_bytes: int, *, layers: int, moved: int | None = None) -> 
     """(name, wire dtype, shape, allocation, byte offset) of weights laid out as a reload leaves them: each layer's
     tensors one after the other (aligned), every layer alike, gate and up of one shape; then a tensor of its own,
     and one in a second allocation. ``moved``: that layer's up projection lies elsewhere (after everything else)."""
-    shapes = [("q", "bfloat16", (16, 32)), ("gate", "bfloat16", (24, 32)), ("up", "bfloat16", (24, 32)), ("norm", "float32", (32,))]
+    shapes = [
+        ("q", "bfloat16", (16, 32)),
+        ("gate", "bfloat16", (24, 32)),
+        ("up", "bfloat16", (24, 32)),
+        ("norm", "float32", (32,)),
+    ]
     placed, at = [], 0
     for layer in range(layers):
         for role, dtype, shape in shapes:
@@ -132,7 +188,10 @@ def test_a_direct_buckets_plan_makes_every_view_where_its_bytes_lie_and_fits_onl
     # The receiver lays a direct bucket out once: evenly spaced runs of one shape (gate and up interleaved) become
     # one strided view each, split by unbind; here over CPU bytes standing for two mapped allocations.
     torch.manual_seed(0)
-    allocations = [torch.randint(0, 256, (1 << 16,), dtype=torch.uint8), torch.randint(0, 256, (4096,), dtype=torch.uint8)]
+    allocations = [
+        torch.randint(0, 256, (1 << 16,), dtype=torch.uint8),
+        torch.randint(0, 256, (4096,), dtype=torch.uint8),
+    ]
     announced = [len(allocation) for allocation in allocations]
     for moved in (None, 1):
         placed = _layers(announced[0], layers=3, moved=moved)
@@ -141,7 +200,9 @@ def test_a_direct_buckets_plan_makes_every_view_where_its_bytes_lie_and_fits_onl
         assert [name for name, _ in views] == [name for name, *_ in placed]  # the bucket's order
         for (name, tensor), (_, dtype, shape, index, offset) in zip(views, placed):
             source = allocations[index][offset : offset + tensor.nbytes]
-            assert tensor.dtype == getattr(torch, dtype) and tuple(tensor.shape) == shape and tensor.is_contiguous(), name
+            assert tensor.dtype == getattr(torch, dtype) and tuple(tensor.shape) == shape and tensor.is_contiguous(), (
+                name
+            )
             assert tensor.data_ptr() == source.data_ptr(), name  # a view of the mapped bytes, not a copy
             assert torch.equal(tensor.reshape(-1).view(torch.uint8), source), name
         # evenly laid out: q, gate, up (interleaved with gate), norm one run each; head and other their own views
@@ -172,7 +233,9 @@ def test_a_direct_bucket_in_an_shm_session_fails_the_receiver_cleanly(endpoint):
     raised, message, seconds, replies = run_rogue_sender(
         endpoint, {}, [bucket_frame([["w", "float32", [4], 0]], direct=direct)]
     )
-    assert raised is ProtocolError and "a direct bucket in a session whose transport is not cuda_ipc" in message, message
+    assert raised is ProtocolError and "a direct bucket in a session whose transport is not cuda_ipc" in message, (
+        message
+    )
     assert seconds < 2.0
     assert any(reply["kind"] == "error" and "direct bucket" in reply["message"] for reply in replies), replies
 
@@ -199,7 +262,9 @@ def _allocations(tensors: list[torch.Tensor]) -> int:
 def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_kept(receiver_server, endpoint):
     exportable_memory()
     weights = weights_on("cuda") + [(f"big{i}", torch.randn(1024, 1024 + i, device="cuda")) for i in range(3)]
-    roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="copy")  # the receiver's CUDA context
+    roundtrip(
+        receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="copy"
+    )  # the receiver's CUDA context
     reserved, free = torch.cuda.memory_reserved(), device_free_bytes()
     _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, mode="copy")
     split = result["split"]
@@ -207,7 +272,9 @@ def test_a_list_goes_direct_bit_exact_each_allocation_exported_once_and_nothing_
     assert split.direct_bytes == sum(tensor.nbytes for _, tensor in weights)
     assert split.allocations == _allocations([tensor for _, tensor in weights])
     assert not {"early_bucket", "late_bucket"} & set(result["timings"])  # nothing needed the bucket: none was allocated
-    assert torch.cuda.memory_reserved() == reserved  # the trainer's memory stayed the trainer's: nothing new, nothing lost
+    assert (
+        torch.cuda.memory_reserved() == reserved
+    )  # the trainer's memory stayed the trainer's: nothing new, nothing lost
     assert_device_memory_back(free, "a direct sync")  # the receiver closed every mapping; the bucket was freed
 
 
@@ -240,10 +307,13 @@ def test_a_modules_parameters_go_direct_and_a_plain_generator_through_the_bucket
     exportable_memory()
     module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
     expected = {name: digest(param) for name, param in module.named_parameters()}
-    _, result = roundtrip(receiver_server, endpoint, module.named_parameters(), case=CUDA_IPC, direct=True, expected=expected)
+    _, result = roundtrip(
+        receiver_server, endpoint, module.named_parameters(), case=CUDA_IPC, direct=True, expected=expected
+    )
     assert result["split"].direct_tensors == 4 and result["split"].bucket_tensors == 0
-    _, result = roundtrip(receiver_server, endpoint, list(module.named_parameters()), case=CUDA_IPC, direct=True,
-                          generator=True)  # fmt: skip
+    _, result = roundtrip(
+        receiver_server, endpoint, list(module.named_parameters()), case=CUDA_IPC, direct=True, generator=True
+    )
     split = result["split"]
     assert split.direct_tensors == 0 and split.bucket_tensors == 4
     assert list(split.bucket_reasons) == [
@@ -292,12 +362,16 @@ def test_gathered_tensors_go_direct_each_kept_only_until_the_receiver_read_it(re
     assert (split.direct_tensors, split.bucket_tensors, split.bucket_reasons) == (48, 0, {})
     assert "late_bucket" not in timings  # no tensor needed the bucket: none was allocated
     # direct buckets of 64 MiB (a quarter of bucket_bytes), two in flight and one filling: never all 1.5 GiB at once
-    assert max(alive) - baseline <= 256 * MIB, f"{(max(alive) - baseline) / MIB:.0f} MiB of gathered tensors alive at once"
+    assert max(alive) - baseline <= 256 * MIB, (
+        f"{(max(alive) - baseline) / MIB:.0f} MiB of gathered tensors alive at once"
+    )
     assert torch.cuda.memory_allocated() == baseline  # every gathered tensor let go
 
 
 @pytest.mark.cuda
-def test_an_allocation_returned_during_the_sync_and_made_again_at_its_address_is_exported_anew(receiver_server, endpoint):
+def test_an_allocation_returned_during_the_sync_and_made_again_at_its_address_is_exported_anew(
+    receiver_server, endpoint
+):
     exportable_memory()
     # 32 MiB each: one segment per gathered tensor; the allocator returns a read one's segment before the next clone,
     # and the driver tends to hand its address out again: the receiver must not read the new one through the old mapping
@@ -313,7 +387,7 @@ def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(re
     monkeypatch.setattr(sender_module, "DIRECT_MAX_ALLOCATIONS", 2)
     flat = torch.randn(3 * MIB, device="cuda")  # one allocation: its aligned views go direct, the odd one does not
     others = [torch.randn(3 * MIB + 1024 * i, device="cuda") for i in range(3)]  # three more (12 MiB: one segment each)
-    weights = [("a", flat[: MIB]), ("b", flat[MIB : 2 * MIB]), ("odd", flat[2 * MIB + 1 : 2 * MIB + 65])]
+    weights = [("a", flat[:MIB]), ("b", flat[MIB : 2 * MIB]), ("odd", flat[2 * MIB + 1 : 2 * MIB + 65])]
     weights += [(f"o{i}", tensor) for i, tensor in enumerate(others)]
     _, result = roundtrip(receiver_server, endpoint, weights, case=CUDA_IPC, direct=True, bucket_bytes=64 * MIB)
     split = result["split"]
@@ -328,7 +402,7 @@ def test_unaligned_views_and_allocations_past_the_limit_go_through_the_bucket(re
 @pytest.mark.cuda
 def test_a_late_bucket_that_cannot_be_allocated_aborts_the_session_and_the_receiver_hears_why(
     receiver_server, endpoint, monkeypatch
-):  # fmt: skip
+):
     exportable_memory()
     weights = weights_on("cuda")
     flat = torch.randn(MIB, device="cuda")
@@ -340,7 +414,9 @@ def test_a_late_bucket_that_cannot_be_allocated_aborts_the_session_and_the_recei
     monkeypatch.setattr(sender_module.cuda_ipc.CudaIpcBucket, "__init__", device_full)
     monkeypatch.setattr(sender_module, "DIRECT_SHIP_TENSORS", 2)  # the six direct ones ship before the odd one
     reserved = torch.cuda.memory_reserved()
-    with BucketedWeightSender(endpoint, bucket_bytes=4 * MIB, transport="cuda_ipc", timeout_s=10.0, direct=True) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=4 * MIB, transport="cuda_ipc", timeout_s=10.0, direct=True
+    ) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=10.0)
         with pytest.raises(TransferError, match=r"cuMemAlloc\(\d+ bytes\) failed"):
             sender.send(weights)
@@ -375,7 +451,9 @@ def test_a_receiver_killed_mid_direct_sync_times_the_sender_out_and_the_weights_
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
     with receiver_killed_at(endpoint, 2, device="cuda", timeout_s=5.0):
-        with BucketedWeightSender(endpoint, bucket_bytes=64 * MIB, transport="cuda_ipc", timeout_s=5.0, direct=True) as sender:
+        with BucketedWeightSender(
+            endpoint, bucket_bytes=64 * MIB, transport="cuda_ipc", timeout_s=5.0, direct=True
+        ) as sender:
             began = time.monotonic()
             with pytest.raises(TransferTimeout):
                 sender.send(weights)
@@ -386,7 +464,10 @@ def test_a_receiver_killed_mid_direct_sync_times_the_sender_out_and_the_weights_
 
 def _segments() -> list[torch.Tensor]:
     """Two allocations a model's weights lie in (``_layers``), as a reload leaves them."""
-    return [torch.empty(1 * MIB, dtype=torch.uint8, device="cuda"), torch.empty(4 * KIB, dtype=torch.uint8, device="cuda")]
+    return [
+        torch.empty(1 * MIB, dtype=torch.uint8, device="cuda"),
+        torch.empty(4 * KIB, dtype=torch.uint8, device="cuda"),
+    ]
 
 
 def _laid_out(segments: list[torch.Tensor], moved: int | None = None) -> list[tuple[str, torch.Tensor]]:
@@ -400,7 +481,9 @@ def _laid_out(segments: list[torch.Tensor], moved: int | None = None) -> list[tu
 
 
 @pytest.mark.cuda
-def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they_changed(receiver_server, endpoint, monkeypatch):
+def test_a_receiver_lays_out_a_held_models_buckets_once_and_anew_only_where_they_changed(
+    receiver_server, endpoint, monkeypatch
+):
     exportable_memory()
     monkeypatch.setattr(sender_module, "DIRECT_SHIP_TENSORS", 16)  # 50 weights: four direct buckets
     segments = _segments()
@@ -431,7 +514,9 @@ def _digests(weights) -> dict:
 
 
 @pytest.mark.cuda
-def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_differs(receiver_server, endpoint, monkeypatch):
+def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_differs(
+    receiver_server, endpoint, monkeypatch
+):
     exportable_memory()
     monkeypatch.setattr(sender_module, "DIRECT_SHIP_TENSORS", 16)  # 50 weights: four direct buckets
     segments = _segments()

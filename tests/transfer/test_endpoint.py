@@ -88,7 +88,9 @@ def test_another_uids_stale_socket_file_is_refused_and_kept(endpoint):
     stale_socket(path)
     os.chown(path, 12345, 12345)
     try:
-        with pytest.raises(TransferError, match=rf"endpoint file {path} belongs to uid 12345, not to this uid 0; .*another endpoint"):
+        with pytest.raises(
+            TransferError, match=rf"endpoint file {path} belongs to uid 12345, not to this uid 0; .*another endpoint"
+        ):
             BucketedWeightSender(endpoint, timeout_s=1)
         assert os.lstat(path).st_uid == 12345  # not replaced
     finally:
@@ -118,9 +120,12 @@ def test_a_users_sender_meets_another_users_stale_socket_in_a_shared_dir():
     os.chmod(path, 0o600)
     try:
         run = subprocess.run(
-            [sys.executable, "-c", _AS_NOBODY.format(uid=NOBODY), path], capture_output=True, text=True, timeout=60,
+            [sys.executable, "-c", _AS_NOBODY.format(uid=NOBODY), path],
+            capture_output=True,
+            text=True,
+            timeout=60,
             env=child_env(REFITKIT_SOCKET_DIR=shared),
-        )  # fmt: skip
+        )
         assert run.returncode == 0, run.stderr
         assert f"TransferError: endpoint file {path} belongs to uid 0, not to this uid {NOBODY}" in run.stdout
         assert stat.S_ISSOCK(os.lstat(path).st_mode)
@@ -133,7 +138,9 @@ def test_a_socket_dir_that_cannot_be_made_is_a_transfer_error_naming_the_knob(mo
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("REFITKIT_SOCKET_DIR", str(blocker / "sockets"))
-    with pytest.raises(TransferError, match=r"socket dir .*a-file/sockets cannot be made or read .*REFITKIT_SOCKET_DIR"):
+    with pytest.raises(
+        TransferError, match=r"socket dir .*a-file/sockets cannot be made or read .*REFITKIT_SOCKET_DIR"
+    ):
         socket_path("anything")
 
 
@@ -143,7 +150,9 @@ def test_a_relative_socket_dir_is_refused_naming_the_variable(side, monkeypatch,
     # folders waited on two different sockets until their timeouts
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("REFITKIT_SOCKET_DIR", "sockets")
-    message = re.escape("REFITKIT_SOCKET_DIR='sockets' is a relative path, which every process (sender, receivers) resolves")
+    message = re.escape(
+        "REFITKIT_SOCKET_DIR='sockets' is a relative path, which every process (sender, receivers) resolves"
+    )
     with pytest.raises(InvalidInput, match=message + r".*set it to an absolute path"):
         if side == "sender":
             BucketedWeightSender("relative-dir", timeout_s=1)
@@ -167,7 +176,9 @@ def test_a_directory_that_takes_no_socket_is_a_transfer_error_naming_the_path_an
         BucketedWeightSender("ipc:///proc/refitkit-test-socket")
     message, cause = str(raised.value), raised.value.__cause__
     assert isinstance(cause, OSError)  # ENOENT as root, EACCES otherwise
-    assert message.startswith(f"cannot bind the sender's socket at /proc/refitkit-test-socket ({type(cause).__name__}: ")
+    assert message.startswith(
+        f"cannot bind the sender's socket at /proc/refitkit-test-socket ({type(cause).__name__}: "
+    )
     assert message.endswith("(a name under REFITKIT_SOCKET_DIR, or ipc:///path)")
 
 

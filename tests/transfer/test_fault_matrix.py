@@ -28,8 +28,13 @@ from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
 from tests.transfer.harness import (
-    PAGE_BYTES, assert_device_memory_back, device_free_bytes, own_segment_files, receiver_killed_at, roundtrip,
-)  # fmt: skip
+    PAGE_BYTES,
+    assert_device_memory_back,
+    device_free_bytes,
+    own_segment_files,
+    receiver_killed_at,
+    roundtrip,
+)
 from tests.transfer.peers import killed_sender_main, mapped_segments
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,7 +73,9 @@ def device_memory_given_back(result: dict, baseline_free: int | None, case) -> N
 def send_expecting(endpoint, error, match, *, weights=None, transport="shm", within_s=TIMEOUT_S + 1.0):
     """Run send() through the bucket (``direct=False``: these faults are the bucket path's; test_direct.py has the
     direct path's) and check it fails with ``error`` within ``within_s`` (timeout + 1 s), holding no bucket memory."""
-    with BucketedWeightSender(endpoint, bucket_bytes=BUCKET, transport=transport, timeout_s=TIMEOUT_S, direct=False) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=BUCKET, transport=transport, timeout_s=TIMEOUT_S, direct=False
+    ) as sender:
         began = time.monotonic()
         with pytest.raises(error, match=match) as raised:
             sender.send(weights if weights is not None else stream())
@@ -80,7 +87,9 @@ def send_expecting(endpoint, error, match, *, weights=None, transport="shm", wit
 def test_receiver_raises_in_on_bucket(receiver_server, endpoint, case):
     weights, baseline_free = prepared(receiver_server, endpoint, case)
     receiver_server.start_session(endpoint, device=case.receiver_device, timeout_s=TIMEOUT_S, mode="raise", arg=2)
-    error = send_expecting(endpoint, TransferError, "loader exploded at bucket 2", transport=case.transport, weights=weights)
+    error = send_expecting(
+        endpoint, TransferError, "loader exploded at bucket 2", transport=case.transport, weights=weights
+    )
     assert type(error) is TransferError and "loader exploded at bucket 2" in error.remote_message
     result = receiver_server.result()
     assert not result["ok"] and result["type"] == "TransferError" and result["segments_after"] == []
@@ -130,8 +139,14 @@ def test_receiver_sigkilled_mid_stream(receiver_server, endpoint, case):
     with receiver_killed_at(endpoint, 2, device=case.receiver_device, timeout_s=TIMEOUT_S):  # its hello is queued first
         # Its connection's end ends the sender's wait (or, frames being sent ahead of the copies, a send to the
         # vanished peer is refused at once): within a second, not timeout_s.
-        send_expecting(endpoint, PeerGone, r"the receiver on .* is gone .*bucket \d+", transport=case.transport,
-                       weights=weights, within_s=1.5)  # fmt: skip
+        send_expecting(
+            endpoint,
+            PeerGone,
+            r"the receiver on .* is gone .*bucket \d+",
+            transport=case.transport,
+            weights=weights,
+            within_s=1.5,
+        )
     if baseline_free is not None:  # our bucket is freed; the victim's memory once the driver tore its context down
         assert_device_memory_back(baseline_free, f"{case}: after the receiver was SIGKILLed mid-stream", settle_s=10.0)
     fresh_session_works(receiver_server, endpoint, case)
@@ -300,4 +315,3 @@ def test_iter_weights_closed_early(receiver_server, endpoint):
     assert error.remote_message.startswith("iter_weights() was closed")
     assert receiver_server.result()["segments_after"] == []
     fresh_session_works(receiver_server, endpoint)
-

@@ -131,7 +131,10 @@ def run_stream(device: str) -> list[tuple[str, torch.Tensor]]:
     weights = []
     for block, dtype in enumerate(sorted(SUPPORTED_DTYPES.values(), key=str)):  # every dtype a run can hold
         per_row = 256 // dtype.itemsize
-        weights += [(f"b{block}.w{i}", random_tensor((i % 3 + 1, per_row), dtype, device, seed=10 * block + i)) for i in range(7)]
+        weights += [
+            (f"b{block}.w{i}", random_tensor((i % 3 + 1, per_row), dtype, device, seed=10 * block + i))
+            for i in range(7)
+        ]
     weights.insert(3, ("zero", random_tensor((0, 5), torch.bfloat16, device)))  # zero bytes: the run goes on
     weights.insert(5, ("odd", random_tensor((3, 3), torch.bfloat16, device, seed=90)))  # 18 bytes: ends its run
     weights.insert(9, ("strided", random_tensor((16, 8), torch.float32, device, seed=91).t()))  # copied alone
@@ -174,7 +177,7 @@ def test_runs_of_small_tensors_round_trip(receiver_server, endpoint, monkeypatch
 
 def test_a_modules_own_tensors_are_copied_in_runs_and_other_generators_one_by_one(
     receiver_server, endpoint, monkeypatch, case
-):  # fmt: skip
+):
     # torch's named_parameters() and a state_dict's items() yield tensors that stay as they are while send()
     # pulls the rest: their small copies are batched like a list's (one cat per run). A generator over the
     # very same tensors is one refitkit cannot vouch for (it might refill a buffer): one copy per tensor.
@@ -287,8 +290,14 @@ def refilled_staging_buffer(device: str):
 
 def test_generator_reusing_one_buffer_arrives_intact(receiver_server, endpoint, case):
     expected = {f"w{i}": digest(torch.full((64,), float(i))) for i in range(200)}
-    roundtrip(receiver_server, endpoint, refilled_staging_buffer(case.tensor_device), bucket_bytes=16 << 10,
-              case=case, expected=expected)  # fmt: skip
+    roundtrip(
+        receiver_server,
+        endpoint,
+        refilled_staging_buffer(case.tensor_device),
+        bucket_bytes=16 << 10,
+        case=case,
+        expected=expected,
+    )
 
 
 @pytest.mark.parametrize("generator", [False, True], ids=["list", "generator"])
@@ -299,13 +308,17 @@ def test_conj_and_neg_views_arrive_resolved(receiver_server, endpoint, case, gen
     small = torch.randn(3, dtype=torch.complex64, generator=gen).to(case.tensor_device)
     big = torch.randn(3000, dtype=torch.complex64, generator=gen).to(case.tensor_device)  # 24000 B > 16 KiB
     weights = [
-        ("conj", small.conj()), ("neg", torch._neg_view(small)),
-        ("big_conj", big.conj()), ("big_neg", torch._neg_view(big)),
+        ("conj", small.conj()),
+        ("neg", torch._neg_view(small)),
+        ("big_conj", big.conj()),
+        ("big_neg", torch._neg_view(big)),
         ("plain", torch.arange(8.0).to(case.tensor_device)),
-    ]  # fmt: skip
+    ]
     assert [tensor.is_conj() or tensor.is_neg() for _, tensor in weights] == [True] * 4 + [False]
     expected = {name: digest(tensor.resolve_conj().resolve_neg()) for name, tensor in weights}
-    roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case, expected=expected, generator=generator)
+    roundtrip(
+        receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case, expected=expected, generator=generator
+    )
 
 
 def test_no_semaphore_segment_falls_back_to_frames(receiver_server, endpoint, monkeypatch):
@@ -356,7 +369,9 @@ def test_the_receivers_phases_say_where_its_session_went(endpoint):
 
     thread = threading.Thread(target=receive)
     thread.start()
-    with BucketedWeightSender(endpoint, bucket_bytes=4 * 4096 * 4, transport="shm", timeout_s=10, direct=False) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=4 * 4096 * 4, transport="shm", timeout_s=10, direct=False
+    ) as sender:
         sender.send(slow_source())
     thread.join(10)
     stats, phases = result["stats"], receiver.last_timings_s

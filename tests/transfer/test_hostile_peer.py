@@ -86,7 +86,9 @@ def scribble(handle: dict[str, Any], which: int, how: str) -> None:
 def attacked_sender_main(endpoint: str, conn) -> None:
     torch.set_num_threads(1)
     weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(8)]  # one 4000-byte tensor a half
-    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="shm", timeout_s=TIMEOUT_S, direct=False) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=2 * HALF, transport="shm", timeout_s=TIMEOUT_S, direct=False
+    ) as sender:
         conn.send("bound")
         began = time.monotonic()
         try:
@@ -110,8 +112,9 @@ def test_scribbled_consumed_counter_fails_the_sender_cleanly(endpoint, how, kind
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.connect(f"ipc://{socket_path(endpoint)}")
         pidns = shm.pid_namespace() if kind == "memfd" else None  # the hello's pidns picks a sealed memfd
-        rogue.send(frame("hello", pid=os.getpid(), device="cpu", shm=doorbell.shm_identity(), timeout_s=TIMEOUT_S,
-                         pidns=pidns))  # fmt: skip
+        rogue.send(
+            frame("hello", pid=os.getpid(), device="cpu", shm=doorbell.shm_identity(), timeout_s=TIMEOUT_S, pidns=pidns)
+        )
         assert rogue.poll(20_000)
         setup = msgpack.unpackb(rogue.recv())
         assert setup["kind"] == "setup" and setup["control"], setup
@@ -159,8 +162,12 @@ def test_scribbled_packed_counter_fails_the_receiver_cleanly(endpoint):
         scribble(bell.handle(), doorbell.PACKED, "value")  # before setup: the receiver unlinks the name once mapped
         setup = dict(session="s", transport="shm", half_bytes=HALF, handle=bucket.handle(), control=bell.handle())
         router.send_multipart([peer, frame("setup", **setup)])
-        router.send_multipart([peer, frame("bucket", session="s", seq=0, half=0, wide=False, last=True,
-                                           entries=[["w", "float32", [4], 0]])])  # fmt: skip
+        router.send_multipart(
+            [
+                peer,
+                frame("bucket", session="s", seq=0, half=0, wide=False, last=True, entries=[["w", "float32", [4], 0]]),
+            ]
+        )
         result = outcome(process, conn, TIMEOUT_S + 15)
         replies = [msgpack.unpackb(router.recv_multipart()[1]) for _ in range(3) if router.poll(2000)]
     finally:
@@ -240,35 +247,68 @@ BAD_FRAMES = {
     "handle-not-a-map": ({"handle": [1, 2]}, [], "setup: .*not a str, str, int and map"),
     "bucket-later-over-shm": ({"bucket_later": True}, [], "setup: bucket_later=True is only for a cuda_ipc session"),
     "bucket-later-not-bool": ({"bucket_later": 1}, [], "setup: bucket_later=1"),
-    "exports-over-shm": ({"exports": [{"ipc_handle": b"x" * 64, "nbytes": 4096}]}, [],
-                         "setup: exports=.* is not a list of a cuda_ipc session's allocations"),
+    "exports-over-shm": (
+        {"exports": [{"ipc_handle": b"x" * 64, "nbytes": 4096}]},
+        [],
+        "setup: exports=.* is not a list of a cuda_ipc session's allocations",
+    ),
     "exports-not-a-list": ({"exports": {"nbytes": 4096}}, [], "setup: exports=.* is not a list"),
-    "direct-bucket-with-a-handle": ({}, [bucket_frame([["w", "float32", [4], 0]], direct={"exports": [], "allocs": [0]},
-                                                      handle={"ipc_handle": b"x" * 64})],
-                                    "direct bucket 0 also announces a bucket handle"),
-    "second-bucket-handle": ({}, [bucket_frame([["w", "float32", [4], 0]], handle={"ipc_handle": b"x" * 64})],
-                             "announces a bucket handle .* is mapped already"),
+    "direct-bucket-with-a-handle": (
+        {},
+        [
+            bucket_frame(
+                [["w", "float32", [4], 0]], direct={"exports": [], "allocs": [0]}, handle={"ipc_handle": b"x" * 64}
+            )
+        ],
+        "direct bucket 0 also announces a bucket handle",
+    ),
+    "second-bucket-handle": (
+        {},
+        [bucket_frame([["w", "float32", [4], 0]], handle={"ipc_handle": b"x" * 64})],
+        "announces a bucket handle .* is mapped already",
+    ),
     "negative-offset": ({}, [bucket_frame([["w", "float32", [4], -256]])], "bad name, shape or byte range"),
     "offset-beyond-half": ({}, [bucket_frame([["w", "float32", [4], HALF]])], "bad name, shape or byte range"),
     "negative-length": ({}, [bucket_frame([["w", "uint8", [1 << 20], 0, 0, -5]])], "bad name, shape or byte range"),
     "shape-overflows-int64": ({}, [bucket_frame([["w", "float64", [1 << 40, 1 << 40], 0, 0, 256]])], "overflows int64"),
-    "empty-shape-whose-strides-overflow": ({}, [bucket_frame([["w", "float32", [0, 1 << 40, 1 << 40], 0]])], "overflows int64"),
-    "4TiB-split-entry": ({}, [bucket_frame([["w", "uint8", [TiB4], 0, 0, HALF]], last=False), packed(0)],
-                         "larger than the .* bytes of memory of cpu; refusing"),
-    "split-changes-shape": ({}, [
-        bucket_frame([["w", "uint8", [3 * HALF], 0, 0, HALF]], last=False), packed(0),
-        bucket_frame([["w", "uint8", [4 * HALF], 0, HALF, HALF]], seq=1, half=1, last=True), packed(1),
-    ], "does not match its first piece"),
-    "two-splits-at-once": ({}, [
-        bucket_frame([["a", "uint8", [3 * HALF], 0, 0, HALF]], last=False), packed(0),
-        bucket_frame([["b", "uint8", [3 * HALF], 0, 0, HALF]], seq=1, half=1, last=True), packed(1),
-    ], "starts while 'a' is incomplete"),
-    "last-bucket-with-split-incomplete": ({}, [bucket_frame([["w", "uint8", [3 * HALF], 0, 0, HALF]])],
-                                          "incomplete"),
+    "empty-shape-whose-strides-overflow": (
+        {},
+        [bucket_frame([["w", "float32", [0, 1 << 40, 1 << 40], 0]])],
+        "overflows int64",
+    ),
+    "4TiB-split-entry": (
+        {},
+        [bucket_frame([["w", "uint8", [TiB4], 0, 0, HALF]], last=False), packed(0)],
+        "larger than the .* bytes of memory of cpu; refusing",
+    ),
+    "split-changes-shape": (
+        {},
+        [
+            bucket_frame([["w", "uint8", [3 * HALF], 0, 0, HALF]], last=False),
+            packed(0),
+            bucket_frame([["w", "uint8", [4 * HALF], 0, HALF, HALF]], seq=1, half=1, last=True),
+            packed(1),
+        ],
+        "does not match its first piece",
+    ),
+    "two-splits-at-once": (
+        {},
+        [
+            bucket_frame([["a", "uint8", [3 * HALF], 0, 0, HALF]], last=False),
+            packed(0),
+            bucket_frame([["b", "uint8", [3 * HALF], 0, 0, HALF]], seq=1, half=1, last=True),
+            packed(1),
+        ],
+        "starts while 'a' is incomplete",
+    ),
+    "last-bucket-with-split-incomplete": ({}, [bucket_frame([["w", "uint8", [3 * HALF], 0, 0, HALF]])], "incomplete"),
     "seq-as-bool": ({}, [bucket_frame([], seq=False)], "bucket frame seq=False"),
     "half-as-bool": ({}, [bucket_frame([], half=True)], "bucket frame .*half=True"),
-    "packed-far-ahead": ({}, [*(packed(seq) for seq in range(MAX_IN_FLIGHT + 1)), bucket_frame([["w", "float32", [4], 0]])],
-                         f"packed frame for bucket {MAX_IN_FLIGHT}"),
+    "packed-far-ahead": (
+        {},
+        [*(packed(seq) for seq in range(MAX_IN_FLIGHT + 1)), bucket_frame([["w", "float32", [4], 0]])],
+        f"packed frame for bucket {MAX_IN_FLIGHT}",
+    ),
     "deep-nesting": ({}, [bucket_frame([NESTED])], "malformed bucket entry"),
     "wrong-version": ({}, [msgpack.packb({"v": WIRE_VERSION + 1, "kind": "bucket"})], "wire version"),
 }
@@ -462,7 +502,9 @@ def side_stream_loader_main(endpoint: str, conn) -> None:
 def test_loader_copying_on_a_side_stream_reads_its_own_bucket(endpoint):
     weights = [(f"w{i}", torch.full((1000,), float(i), device="cuda")) for i in range(12)]  # one a half
     expected = {name: digest(tensor) for name, tensor in weights}
-    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="cuda_ipc", timeout_s=30, direct=False) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=2 * HALF, transport="cuda_ipc", timeout_s=30, direct=False
+    ) as sender:
         process, conn = spawn(side_stream_loader_main, endpoint)
         assert conn.poll(120) and conn.recv() == "ready"
         sender.send((name, tensor) for name, tensor in weights)  # a generator: one tensor a bucket, halves reused

@@ -28,8 +28,13 @@ from refitkit.transfer._ipc import doorbell
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
 from tests.transfer.harness import (
-    Case, assert_device_memory_back, device_free_bytes, own_segment_files, receiver_killed_at, roundtrip,
-)  # fmt: skip
+    Case,
+    assert_device_memory_back,
+    device_free_bytes,
+    own_segment_files,
+    receiver_killed_at,
+    roundtrip,
+)
 from tests.transfer.peers import digest, garbage_main, killed_sender_main, looping_receiver_main, mapped_segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,7 +112,7 @@ def test_a_sender_killed_mid_stream_ends_the_receive_within_a_second(receiver_se
     conn, child = ctx.Pipe()
     victim = ctx.Process(
         target=killed_sender_main, args=(endpoint, BUCKET, 3, child, case.transport, case.tensor_device), daemon=True
-    )  # fmt: skip
+    )
     victim.start()
     assert conn.poll(60)
     victim_pid = conn.recv()  # bound: its socket is there

@@ -77,9 +77,13 @@ def several_buckets(device: str) -> list[tuple[str, torch.Tensor]]:
     return weights
 
 
-def sync_with_watched_ack(server, endpoint: str, case: Case, handler: _AtFinalAck, mode: str, arg: dict) -> dict[str, Any]:
+def sync_with_watched_ack(
+    server, endpoint: str, case: Case, handler: _AtFinalAck, mode: str, arg: dict
+) -> dict[str, Any]:
     with watching_the_final_ack(handler):
-        with BucketedWeightSender(endpoint, bucket_bytes=32 << 10, transport=case.transport, timeout_s=10, direct=False) as sender:
+        with BucketedWeightSender(
+            endpoint, bucket_bytes=32 << 10, transport=case.transport, timeout_s=10, direct=False
+        ) as sender:
             server.start_session(endpoint, device=case.receiver_device, timeout_s=10, mode=mode, arg=arg)
             stats = sender.send(several_buckets(case.tensor_device))
     result = server.result()

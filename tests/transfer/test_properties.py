@@ -28,7 +28,9 @@ tensor_specs = st.lists(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(specs=tensor_specs, bucket_kib=st.sampled_from([1, 2, 4, 16]), seed=st.integers(0, 2**16), use_iter=st.booleans())
+@given(
+    specs=tensor_specs, bucket_kib=st.sampled_from([1, 2, 4, 16]), seed=st.integers(0, 2**16), use_iter=st.booleans()
+)
 def test_any_stream_round_trips(receiver_server, specs, bucket_kib, seed, use_iter):
     weights = []
     for index, (dtype, shape, transpose) in enumerate(specs):
@@ -37,7 +39,10 @@ def test_any_stream_round_trips(receiver_server, specs, bucket_kib, seed, use_it
             tensor = tensor.t()
         weights.append((f"p{index}.w", tensor))
     stats, result = roundtrip(
-        receiver_server, f"h{uuid.uuid4().hex[:10]}", weights, bucket_bytes=bucket_kib << 10,
+        receiver_server,
+        f"h{uuid.uuid4().hex[:10]}",
+        weights,
+        bucket_bytes=bucket_kib << 10,
         mode="iter" if use_iter else "collect",
-    )  # fmt: skip
+    )
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in weights)

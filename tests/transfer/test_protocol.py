@@ -17,8 +17,15 @@ from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import shm
 from refitkit.transfer._ipc.endpoint import socket_dir, socket_path
 from refitkit.transfer.protocol import (
-    SUPPORTED_DTYPES, WIRE_VERSION, Entry, decode, dtype_name, encode, entries_from_wire, entry_to_wire,
-)  # fmt: skip
+    SUPPORTED_DTYPES,
+    WIRE_VERSION,
+    Entry,
+    decode,
+    dtype_name,
+    encode,
+    entries_from_wire,
+    entry_to_wire,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -161,26 +168,42 @@ from refitkit.transfer.protocol import MAX_TENSOR_BYTES, bucket_fields, setup_fi
 
 _FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _atoms = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.floats(), st.text(max_size=12),
-    st.binary(max_size=12), st.sampled_from(sorted(SUPPORTED_DTYPES)),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(),
+    st.text(max_size=12),
+    st.binary(max_size=12),
+    st.sampled_from(sorted(SUPPORTED_DTYPES)),
 )
-_values = st.recursive(_atoms, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=30)
+_values = st.recursive(
+    _atoms,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=30,
+)
 _dims = st.lists(st.integers(min_value=-4, max_value=2**40), max_size=5)
 _entry = st.builds(
     lambda name, dtype, shape, offset, piece: [name, dtype, shape, offset, *piece],
-    st.text(max_size=6), st.sampled_from(sorted(SUPPORTED_DTYPES)), _dims,
-    st.integers(min_value=-512, max_value=1 << 16), st.one_of(st.just(()), st.tuples(st.integers(-8, 1 << 16), st.integers(-8, 1 << 16))),
-)  # fmt: skip
+    st.text(max_size=6),
+    st.sampled_from(sorted(SUPPORTED_DTYPES)),
+    _dims,
+    st.integers(min_value=-512, max_value=1 << 16),
+    st.one_of(st.just(()), st.tuples(st.integers(-8, 1 << 16), st.integers(-8, 1 << 16))),
+)
 
 
 @_FUZZ
 @given(
     st.binary(max_size=256)
     | _values.map(lambda value: msgpack.packb(value, use_bin_type=True))
-    | st.dictionaries(st.sampled_from(["v", "kind", "session", "seq", "half", "wide", "last", "half_bytes", "handle",
-                                       "transport", "entries"]), _values, max_size=11)
-    .map(lambda fields: msgpack.packb({"v": WIRE_VERSION, "kind": "bucket", **fields}, use_bin_type=True))
-)  # fmt: skip
+    | st.dictionaries(
+        st.sampled_from(
+            ["v", "kind", "session", "seq", "half", "wide", "last", "half_bytes", "handle", "transport", "entries"]
+        ),
+        _values,
+        max_size=11,
+    ).map(lambda fields: msgpack.packb({"v": WIRE_VERSION, "kind": "bucket", **fields}, use_bin_type=True))
+)
 def test_decode_returns_a_frame_or_raises_protocol_error(raw):
     try:
         frame = decode(raw)

@@ -43,7 +43,9 @@ def test_transfer_stats_repr_shows_every_documented_figure_gbps_included(receive
 
 
 def test_many_tensors(receiver_server, endpoint, case):
-    weights = [(f"layers.{i}.w", random_tensor((i % 7 + 1, 13), torch.bfloat16, case.tensor_device, i)) for i in range(300)]
+    weights = [
+        (f"layers.{i}.w", random_tensor((i % 7 + 1, 13), torch.bfloat16, case.tensor_device, i)) for i in range(300)
+    ]
     stats, result = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
     assert stats.buckets == len(result["calls"]) > 2
     assert sum(count for count, _ in result["calls"]) == 300
@@ -93,7 +95,9 @@ def test_tensor_between_a_half_and_the_bucket_goes_whole_into_a_wide_bucket(rece
         ("wide_strided", make((40, 30), 8).t()),
     ]
     for mode in ("collect", "iter"):
-        stats, result = roundtrip(receiver_server, endpoint + mode, weights, bucket_bytes=2 * HALF, case=case, mode=mode)
+        stats, result = roundtrip(
+            receiver_server, endpoint + mode, weights, bucket_bytes=2 * HALF, case=case, mode=mode
+        )
         if mode == "collect":
             assert result["calls"] == [(2, False), (2, False), (2, False)] + [(0, False)] * 4 + [(1, False), (1, True)]
         assert stats.buckets == 9
@@ -107,8 +111,12 @@ def test_empty_iterable(receiver_server, endpoint, case):
 
 @pytest.mark.parametrize("dtype", sorted(SUPPORTED_DTYPES.values(), key=str), ids=str)
 def test_every_dtype(receiver_server, endpoint, dtype):
-    weights = [("scalar", random_tensor((), dtype, seed=1)), ("matrix", random_tensor((9, 11), dtype, seed=2)),
-               ("empty", random_tensor((0, 4), dtype)), ("split", random_tensor((HALF + 3,), dtype, seed=3))]  # fmt: skip
+    weights = [
+        ("scalar", random_tensor((), dtype, seed=1)),
+        ("matrix", random_tensor((9, 11), dtype, seed=2)),
+        ("empty", random_tensor((0, 4), dtype)),
+        ("split", random_tensor((HALF + 3,), dtype, seed=3)),
+    ]
     roundtrip(receiver_server, endpoint, weights, bucket_bytes=2 * HALF)
 
 

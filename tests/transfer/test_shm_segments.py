@@ -28,9 +28,12 @@ def run_script(
 ) -> subprocess.CompletedProcess:
     """Run ``script`` in a fresh interpreter (behind ``prefix``, e.g. ``unshare``) from the worktree root."""
     return subprocess.run(
-        [*prefix, sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-        timeout=timeout_s, env=child_env(**(env or {})),
-    )  # fmt: skip
+        [*prefix, sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=child_env(**(env or {})),
+    )
 
 
 def own_names() -> list[str]:
@@ -159,10 +162,22 @@ def test_sweep_keeps_a_live_segment_of_another_pid_namespace():
         pytest.skip("needs unshare(1) for a PID namespace")
     script = textwrap.dedent(_HOLD_A_SEGMENT)
     owner = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
-         'echo 3000000 > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; true', sys.executable, script],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
-    )  # fmt: skip
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "sh",
+            "-c",
+            'echo 3000000 > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; true',
+            sys.executable,
+            script,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     try:
         path = owner.stdout.readline().strip()
         if not path:

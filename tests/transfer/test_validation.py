@@ -38,7 +38,10 @@ def hello_is_queued(sender: BucketedWeightSender) -> None:
         (("", torch.ones(2)), "non-empty str"),
         ((7, torch.ones(2)), "non-empty str, got 7"),
         (("not_a_tensor", [1.0, 2.0]), "'not_a_tensor' is a list, not a torch.Tensor"),
-        (("quantized", torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)), "'quantized' has dtype torch.qint8"),
+        (
+            ("quantized", torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)),
+            "'quantized' has dtype torch.qint8",
+        ),
         (("sparse", torch.eye(3).to_sparse()), "'sparse' has layout"),
         (("meta", torch.empty(3, device="meta")), "'meta' is on device meta"),
         (torch.ones(2), "item #1 is a Tensor, not a \\(name, tensor\\) pair"),
@@ -117,7 +120,9 @@ def test_interrupt_from_the_iterator_aborts_the_receiver_at_once(receiver_server
 @pytest.mark.parametrize("container", [list, tuple])
 def test_a_bad_list_is_refused_whole_before_any_receiver_sees_a_byte(receiver_server, endpoint, container):
     """200 items whose last repeats a name: nothing is delivered, a waiting receiver is refused at once."""
-    items = container([(f"w{index}", torch.full((1000,), float(index))) for index in range(199)] + [("w3", torch.ones(1))])
+    items = container(
+        [(f"w{index}", torch.full((1000,), float(index))) for index in range(199)] + [("w3", torch.ones(1))]
+    )
     with BucketedWeightSender(endpoint, bucket_bytes=8192, timeout_s=20) as sender:
         receiver_server.start_session(endpoint, timeout_s=20)
         hello_is_queued(sender)
@@ -192,8 +197,11 @@ def test_bad_timeout_is_refused_by_both_ends(endpoint, timeout_s, match):
         ({"transport": None}, "transport=None"),
         ({"bucket_bytes": None}, "bucket_bytes=None"),
         # more than any transport maps as one bucket: send() used to raise a raw OSError from mmap
-        ({"bucket_bytes": 2**62}, r"bucket_bytes=4611686018427387904; need an int of at least 1024 and at most "
-                                  r"1099511627776 \(1 TiB, the most a transport maps or allocates as one bucket"),
+        (
+            {"bucket_bytes": 2**62},
+            r"bucket_bytes=4611686018427387904; need an int of at least 1024 and at most "
+            r"1099511627776 \(1 TiB, the most a transport maps or allocates as one bucket",
+        ),
         ({"bucket_bytes": (1 << 40) + 1}, r"bucket_bytes=1099511627777; .* at most 1099511627776"),
     ],
 )
@@ -230,7 +238,9 @@ def test_cuda_ipc_needs_cuda(endpoint):
         BucketedWeightSender(endpoint, transport="cuda_ipc")
 
 
-def test_on_hello_runs_once_after_the_receivers_hello_and_the_setup_before_the_second_item_is_pulled(receiver_server, endpoint):
+def test_on_hello_runs_once_after_the_receivers_hello_and_the_setup_before_the_second_item_is_pulled(
+    receiver_server, endpoint
+):
     events = []
 
     def stream():

@@ -22,7 +22,11 @@ class TraceSampler:
 
 
 def trainer_trace(
-    *, seed: int, leak_mib_per_cycle: float = 0.0, leak_phase: str = "offload", step_at_cycle: int | None = 80,
+    *,
+    seed: int,
+    leak_mib_per_cycle: float = 0.0,
+    leak_phase: str = "offload",
+    step_at_cycle: int | None = 80,
     transient_mib: float = 512.0,
 ) -> Iterator[float]:
     """RSS in MiB at each sample of a 3-phase cycle (mark train, offload, reload, then end_cycle).

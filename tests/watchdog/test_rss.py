@@ -109,9 +109,14 @@ def test_warmup_cycles_report_warmup_and_never_judge():
 
 @pytest.mark.parametrize(
     ("kwargs", "knob"),
-    [({"window": 2}, "window"), ({"warmup": -1}, "warmup"), ({"threshold_mib_per_cycle": 0}, "threshold"),
-     ({"on_leak": "shout"}, "on_leak"), ({"alpha": 1.5}, "alpha")],
-)  # fmt: skip
+    [
+        ({"window": 2}, "window"),
+        ({"warmup": -1}, "warmup"),
+        ({"threshold_mib_per_cycle": 0}, "threshold"),
+        ({"on_leak": "shout"}, "on_leak"),
+        ({"alpha": 1.5}, "alpha"),
+    ],
+)
 def test_bad_knobs_are_invalid_input(kwargs, knob):
     with pytest.raises(InvalidInput, match=knob):
         RSSWatchdog(**kwargs)
@@ -179,7 +184,7 @@ def fixed_mmap_threshold(monkeypatch):
 
 @pytest.mark.usefixtures("fixed_mmap_threshold")
 def test_real_process_cycle_leak_is_flagged_within_10_cycles_in_its_phase():
-    (verdicts, fired), = run_world(_real_cycles, 1, "cycle", 12)
+    ((verdicts, fired),) = run_world(_real_cycles, 1, "cycle", 12)
     leaks = [v for v in verdicts if v[1]]
     assert leaks, f"not flagged: {verdicts}"
     cycle, _, phase, slope, _ = leaks[0]
@@ -189,14 +194,14 @@ def test_real_process_cycle_leak_is_flagged_within_10_cycles_in_its_phase():
 
 @pytest.mark.usefixtures("fixed_mmap_threshold")
 def test_real_process_plain_bytes_leak_is_flagged_in_its_phase():
-    (verdicts, fired), = run_world(_real_cycles, 1, "bytes", 12)
+    ((verdicts, fired),) = run_world(_real_cycles, 1, "bytes", 12)
     leaks = [v for v in verdicts if v[1]]
     assert leaks, f"not flagged: {verdicts}"
     assert leaks[0][0] <= 10 and leaks[0][2] == "reload" and 0.9 < leaks[0][3] < 1.5
 
 
 def test_real_process_clean_cycles_are_never_flagged():
-    (verdicts, fired), = run_world(_real_cycles, 1, "none", 80)
+    ((verdicts, fired),) = run_world(_real_cycles, 1, "none", 80)
     assert not [v for v in verdicts if v[1]], verdicts
     assert fired == 0
     rss = [v[4] for v in verdicts[10:]]
@@ -221,7 +226,9 @@ def test_sample_overhead_is_under_50_us(capsys):
         uss.end_cycle()
     end_cycle_us = (time.perf_counter_ns() - start) / 20 / 1e3
     with capsys.disabled():
-        print(f"\nRSSWatchdog.mark: median {median_us:.1f} us, p99 {p99_us:.1f} us; "
-              f"end_cycle with USS: {end_cycle_us:.0f} us")  # fmt: skip
+        print(
+            f"\nRSSWatchdog.mark: median {median_us:.1f} us, p99 {p99_us:.1f} us; "
+            f"end_cycle with USS: {end_cycle_us:.0f} us"
+        )
     assert median_us < 50.0
     assert uss.end_cycle().uss_bytes is None or uss.end_cycle().uss_bytes > 0

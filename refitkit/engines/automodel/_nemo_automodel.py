@@ -6,8 +6,8 @@ Everything else in the Automodel adapter sees plain ``nn.Module``s, FSDP2 DTenso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn

@@ -46,15 +46,21 @@ class AutomodelAdapter(FSDPAdapter):
         optimizer_list = automodel.resolve_optimizers(optimizers)
         _check_optimizers_own_parts(parts, optimizer_list)
         super().__init__(
-            parts, optimizer_list, arena=arena, keep_grads=keep_grads, zero_grads=zero_grads, pp_group=pp_group,
+            parts,
+            optimizer_list,
+            arena=arena,
+            keep_grads=keep_grads,
+            zero_grads=zero_grads,
+            pp_group=pp_group,
             pp_timeout_s=pp_timeout_s,
         )
         self._to_hf = automodel.hf_converter(parts) if hf_names else None
         if hf_names and self._to_hf is None:
             logger.info(
                 "AutomodelAdapter: %s has no state_dict_adapter; named_weights() yields its own FQNs "
-                "(Hugging Face's for transformers classes)", type(parts[0]).__name__,
-            )  # fmt: skip
+                "(Hugging Face's for transformers classes)",
+                type(parts[0]).__name__,
+            )
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights as (Hugging Face name, tensor), one native tensor's worth at a time.

@@ -145,9 +145,11 @@ class PipelineStages:
 
             try:  # only the pipeline group's ranks take part; gloo's own timeout bounds its rendezvous too
                 self._headers = dist.new_group(
-                    self.ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s),
+                    self.ranks,
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=self.timeout_s),
                     use_local_synchronization=True,
-                )  # fmt: skip
+                )
             except RuntimeError as exc:
                 self._broken = "its making failed"
                 raise TransferTimeout(

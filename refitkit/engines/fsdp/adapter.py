@@ -157,9 +157,7 @@ class FSDPAdapter(EngineAdapter):
 
     def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._states["model"] is DeviceState.OFFLOADED:
-            raise RefitError(
-                f"{type(self).__name__}.named_weights(): the model is offloaded; reload(model=True) first"
-            )
+            raise RefitError(f"{type(self).__name__}.named_weights(): the model is offloaded; reload(model=True) first")
         self._prepare_offload()
         if self._stages is None:
             yield from self._local_weights()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from refitkit.errors import InvalidInput
 from refitkit.offload import HostArena
 
-_ARENAS: "weakref.WeakKeyDictionary[object, HostArena]" = weakref.WeakKeyDictionary()
+_ARENAS: weakref.WeakKeyDictionary[object, HostArena] = weakref.WeakKeyDictionary()
 
 
 def arena_of(obj: object) -> HostArena | None:

@@ -142,7 +142,9 @@ def inner_optimizer(leaf: Any) -> torch.optim.Optimizer | None:
             "keeps its state on the host; turn off optimizer_cpu_offload to offload with refitkit"
         )
     if not isinstance(inner, torch.optim.Optimizer):
-        raise InvalidInput(f"the inner optimizer of {type(leaf).__name__} is a {type(inner).__name__}, not a torch optimizer")
+        raise InvalidInput(
+            f"the inner optimizer of {type(leaf).__name__} is a {type(inner).__name__}, not a torch optimizer"
+        )
     return inner
 
 

@@ -8,10 +8,14 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from refitkit.engines.base import DeviceState, EngineAdapter, FreshWeights, NamedTensors
-from refitkit.engines.megatron import _internals
-from refitkit.engines.megatron.main_params import main_pairs, main_params_match, rebuild_model_params, rebuildable_tensors
-from refitkit.engines.megatron import hf_layouts
+from refitkit.engines.megatron import _internals, hf_layouts
 from refitkit.engines.megatron._arenas import shared_arena
+from refitkit.engines.megatron.main_params import (
+    main_pairs,
+    main_params_match,
+    rebuild_model_params,
+    rebuildable_tensors,
+)
 from refitkit.engines.megatron.model import (
     as_chunks,
     drop_grads,
@@ -64,7 +68,9 @@ class MegatronAdapter(EngineAdapter):
     ) -> None:
         self.chunks = as_chunks(model_chunks)
         if not isinstance(rebuild_params_from_main, bool):
-            raise InvalidInput(f"MegatronAdapter: rebuild_params_from_main= must be a bool, got {rebuild_params_from_main!r}")
+            raise InvalidInput(
+                f"MegatronAdapter: rebuild_params_from_main= must be a bool, got {rebuild_params_from_main!r}"
+            )
         if rebuild_params_from_main and any(_internals.overlaps_param_gather(chunk) for chunk in self.chunks):
             raise InvalidInput(
                 "MegatronAdapter(rebuild_params_from_main=True) needs overlap_param_gather=False in the DDP config: "
@@ -97,7 +103,10 @@ class MegatronAdapter(EngineAdapter):
         # offload waits for them first, then drops the params
         if not self.rebuild_params_from_main or self._states["optimizer"] is DeviceState.OFFLOADED:
             return self._model_tensors()
-        rebuilt = {t.untyped_storage()._cdata for _, t in rebuildable_tensors(self.chunks, self._leaves, main_pairs(self._leaves))}
+        rebuilt = {
+            t.untyped_storage()._cdata
+            for _, t in rebuildable_tensors(self.chunks, self._leaves, main_pairs(self._leaves))
+        }
         return [(n, t) for n, t in self._model_tensors() if t.untyped_storage()._cdata not in rebuilt]
 
     def _optimizer_tensors(self) -> NamedTensors:

@@ -61,7 +61,11 @@ LLAMA_LIKE: tuple[Row, ...] = (
     Row(_LAYER + r"self_attention\.linear_proj\.weight", RENAME, (_HF_LAYER + "self_attn.o_proj.weight",)),
     Row(_LAYER + r"self_attention\.q_layernorm\.weight", RENAME, (_HF_LAYER + "self_attn.q_norm.weight",)),
     Row(_LAYER + r"self_attention\.k_layernorm\.weight", RENAME, (_HF_LAYER + "self_attn.k_norm.weight",)),
-    Row(_LAYER + r"mlp\.linear_fc1\.weight", GATE_UP, (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight")),
+    Row(
+        _LAYER + r"mlp\.linear_fc1\.weight",
+        GATE_UP,
+        (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
+    ),
     Row(_LAYER + r"mlp\.linear_fc2\.weight", RENAME, (_HF_LAYER + "mlp.down_proj.weight",)),
     Row(_LAYER + r"mlp\.router\.weight", RENAME, (_HF_LAYER + "mlp.gate.weight",)),
     Row(
@@ -75,7 +79,9 @@ LLAMA_LIKE: tuple[Row, ...] = (
         GATE_UP,
         (_HF_LAYER + "mlp.shared_expert.gate_proj.weight", _HF_LAYER + "mlp.shared_expert.up_proj.weight"),
     ),
-    Row(_LAYER + r"mlp\.shared_experts\.linear_fc2\.weight", RENAME, (_HF_LAYER + "mlp.shared_expert.down_proj.weight",)),
+    Row(
+        _LAYER + r"mlp\.shared_experts\.linear_fc2\.weight", RENAME, (_HF_LAYER + "mlp.shared_expert.down_proj.weight",)
+    ),
     Row(_LAYER + r"mlp\.shared_experts\.gate_weight", RENAME, (_HF_LAYER + "mlp.shared_expert_gate.weight",)),
 )
 
@@ -128,9 +134,7 @@ def split_qkv(full: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, 
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def to_hf(
-    name: str, full: torch.Tensor, family: str, shape: AttentionShape
-) -> Iterator[tuple[str, torch.Tensor]]:
+def to_hf(name: str, full: torch.Tensor, family: str, shape: AttentionShape) -> Iterator[tuple[str, torch.Tensor]]:
     """The Hugging Face (name, tensor) pairs of one full Megatron tensor (TP=1 layout, global numbers)."""
     for pattern, row in table(family):
         match = pattern.match(name)

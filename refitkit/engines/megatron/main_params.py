@@ -31,7 +31,9 @@ def main_pairs(leaves: Sequence[object]) -> list[MainPairs]:
     return [_internals.main_param_pairs(leaf) for leaf in leaves]
 
 
-def rebuildable_tensors(chunks: Sequence[torch.nn.Module], leaves: Sequence[object], pairs: list[MainPairs]) -> NamedTensors:
+def rebuildable_tensors(
+    chunks: Sequence[torch.nn.Module], leaves: Sequence[object], pairs: list[MainPairs]
+) -> NamedTensors:
     """The model tensors whose every byte the main params rebuild: 16-bit DDP param buffers and loose params.
 
     A 16-bit ``param_data`` buffer qualifies when a distributed optimizer steps on it (each of its
@@ -75,7 +77,12 @@ def main_params_match(leaves: Sequence[object], pairs: list[MainPairs]) -> bool:
             cast = main.detach().reshape(part.shape).to(part.dtype)
             # compare bits, not values: NaN payloads and -0.0 must survive the rebuild too
             differs |= (_as_bits(cast) != _as_bits(part)).any().to(torch.int32)
-    groups = {id(g): g for leaf in leaves if _internals.is_distributed_optimizer(leaf) for g in [_internals.data_parallel_group(leaf)]}
+    groups = {
+        id(g): g
+        for leaf in leaves
+        if _internals.is_distributed_optimizer(leaf)
+        for g in [_internals.data_parallel_group(leaf)]
+    }
     for group in groups.values():
         torch.distributed.all_reduce(differs, op=torch.distributed.ReduceOp.MAX, group=group)
     return not bool(differs.item())
@@ -93,4 +100,3 @@ def rebuild_model_params(chunks: Sequence[torch.nn.Module], leaves: Sequence[obj
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.int16 if tensor.element_size() == 2 else torch.uint8)
-

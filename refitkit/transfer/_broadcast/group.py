@@ -60,7 +60,13 @@ def parse_rendezvous(rendezvous: object) -> tuple[str, int]:
             host, port = None, None
     else:
         host, port = None, None
-    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+    if (
+        not isinstance(host, str)
+        or not host
+        or isinstance(port, bool)
+        or not isinstance(port, int)
+        or not 0 < port < 65536
+    ):
         raise InvalidInput(
             f"rendezvous={rendezvous!r}; need 'tcp://host:port' (an init_method URL) or a (host, port) tuple "
             "of the TCPStore the sender hosts"
@@ -117,9 +123,13 @@ def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) ->
 
     try:
         return dist.TCPStore(
-            host, port, is_master=is_master, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
+            host,
+            port,
+            is_master=is_master,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
             use_libuv=True,
-        )  # fmt: skip
+        )
     except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
         role = "host" if is_master else "reach"
         raise TransferTimeout(
@@ -153,7 +163,7 @@ def drop_session(store: Any, session: str, known: list[str]) -> None:
     """Delete a finished session's keys (the group's own rendezvous keys included, found by listing), best effort."""
     try:
         prefix = f"{PREFIX}{session}/"
-        keys = [key[len(PREFIX):] for key in store.list_keys() if key.startswith(prefix)]
+        keys = [key[len(PREFIX) :] for key in store.list_keys() if key.startswith(prefix)]
     except (RuntimeError, OSError, AttributeError):  # a store without list_keys: the keys we know of
         keys = known
     drop(store, *keys)
@@ -204,9 +214,16 @@ def broadcast(group: Any, tensor: torch.Tensor) -> Any:
 
 
 def await_work(
-    work: Any, abort_group: Callable[[], None], *, deadline: float, timeout_s: float, where: str, peer: str,
-    store: Any, gave_up: Callable[[Any], None],
-) -> None:  # fmt: skip
+    work: Any,
+    abort_group: Callable[[], None],
+    *,
+    deadline: float,
+    timeout_s: float,
+    where: str,
+    peer: str,
+    store: Any,
+    gave_up: Callable[[Any], None],
+) -> None:
     """Wait for one collective until ``deadline``, asking ``gave_up(store)`` (which raises) every ``STORE_POLL_S``.
 
     Why a poll: a collective has no wait that another condition can interrupt, and NCCL's has no

@@ -38,9 +38,17 @@ from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer._broadcast.sender import checked_backend
 from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion, checked_device, checked_knobs
 from refitkit.transfer.protocol import (
-    MAX_FRAME_BYTES, SplitProgress, brief, bucket_fields, check_split_fits, check_split_pieces, decode, entries_from_wire,
-    expect, failure_fields,
-)  # fmt: skip
+    MAX_FRAME_BYTES,
+    SplitProgress,
+    brief,
+    bucket_fields,
+    check_split_fits,
+    check_split_pieces,
+    decode,
+    entries_from_wire,
+    expect,
+    failure_fields,
+)
 
 log = logging.getLogger("refitkit.transfer.broadcast")
 
@@ -74,9 +82,15 @@ class BroadcastWeightReceiver:
     """One engine worker of a broadcast sync; one session per ``receive()``."""
 
     def __init__(
-        self, rendezvous: str | tuple[str, int], *, secret: bytes | str, rank: int,
-        device: str | torch.device = "cpu", backend: str = "gloo", timeout_s: float = 120.0,
-    ) -> None:  # fmt: skip
+        self,
+        rendezvous: str | tuple[str, int],
+        *,
+        secret: bytes | str,
+        rank: int,
+        device: str | torch.device = "cpu",
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> None:
         self.timeout_s, _, _ = checked_knobs(timeout_s=timeout_s)
         self._secret = grp.checked_secret(secret)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -99,9 +113,17 @@ class BroadcastWeightReceiver:
         receiver's device is received straight into it and not handed to ``on_bucket``; any other weight takes
         the bucket path (a destination that does not fit is logged and listed in ``last_direct.fallbacks``)."""
         run = _BroadcastReceive(
-            on_bucket, direct, secret=self._secret, timeout_s=self.timeout_s, rank=self.rank, host=self.host,
-            port=self.port, backend=self.backend, device=self.device, last_session=self._last_session,
-        )  # fmt: skip
+            on_bucket,
+            direct,
+            secret=self._secret,
+            timeout_s=self.timeout_s,
+            rank=self.rank,
+            host=self.host,
+            port=self.port,
+            backend=self.backend,
+            device=self.device,
+            last_session=self._last_session,
+        )
         try:
             stats = run.run()
         except BaseException:
@@ -121,9 +143,19 @@ class _BroadcastReceive:
     """One session of a receiver: the store connection, the offer, the group and the bucket buffer."""
 
     def __init__(
-        self, on_bucket: OnBucket, direct: Direct | None, *, secret: bytes, timeout_s: float, rank: int, host: str,
-        port: int, backend: str, device: torch.device, last_session: str | None,
-    ) -> None:  # fmt: skip
+        self,
+        on_bucket: OnBucket,
+        direct: Direct | None,
+        *,
+        secret: bytes,
+        timeout_s: float,
+        rank: int,
+        host: str,
+        port: int,
+        backend: str,
+        device: torch.device,
+        last_session: str | None,
+    ) -> None:
         self.on_bucket, self.direct = on_bucket, direct
         self.host, self.port, self.backend, self.device = host, port, backend, device
         self.last_session = last_session  # the receiver's previous session (served or failed): not taken twice
@@ -149,16 +181,30 @@ class _BroadcastReceive:
                 offer = self._take_offer()
             with self._sender_link("joining"):
                 self._join(offer)
-            self.group = grp.form_group(self.store, offer["session"], self.rank, offer["world"], self.backend, self.timeout_s)
+            self.group = grp.form_group(
+                self.store, offer["session"], self.rank, offer["world"], self.backend, self.timeout_s
+            )
             self.phase = SessionPhase.STREAMING
             total, count = self._stream(offer["half_bytes"])
             self.phase = SessionPhase.RELEASED
             with self._sender_link("posting its success"):
-                grp.put(self.store, f"{self.session}/status/{self.rank}", grp.sign(self.secret, "status", {
-                    "session": self.session, "ok": True, "message": None,
-                }))  # fmt: skip
+                grp.put(
+                    self.store,
+                    f"{self.session}/status/{self.rank}",
+                    grp.sign(
+                        self.secret,
+                        "status",
+                        {
+                            "session": self.session,
+                            "ok": True,
+                            "message": None,
+                        },
+                    ),
+                )
             failed = False
-            return TransferStats(bytes=total, tensors=count, buckets=self.seq, seconds=time.perf_counter() - start, ack_wait_s=0.0)
+            return TransferStats(
+                bytes=total, tensors=count, buckets=self.seq, seconds=time.perf_counter() - start, ack_wait_s=0.0
+            )
         except BaseException as exc:  # reported before the group goes, so the sender learns why, not only that
             self.report_failure(exc)
             raise
@@ -180,27 +226,40 @@ class _BroadcastReceive:
             offer = grp.open_signed(self.secret, "offer", raw, "handshake: the sender's offer")
             return None if offer.get("session") == self.last_session else offer
 
-        offer = grp.wait_until(fresh, deadline=time.monotonic() + self.timeout_s, on_timeout=lambda: TransferTimeout(
-            f"handshake: no new session offered at tcp://{self.host}:{self.port} within "
-            f"timeout_s={self.timeout_s:g} (receiver rank {self.rank}); is the sender calling send()?"
-        ))  # fmt: skip
+        offer = grp.wait_until(
+            fresh,
+            deadline=time.monotonic() + self.timeout_s,
+            on_timeout=lambda: TransferTimeout(
+                f"handshake: no new session offered at tcp://{self.host}:{self.port} within "
+                f"timeout_s={self.timeout_s:g} (receiver rank {self.rank}); is the sender calling send()?"
+            ),
+        )
         session, version, world, half = (offer.get(key) for key in ("session", "version", "world", "half_bytes"))
         if not (
-            type(session) is str and session and type(version) is int and type(world) is int and type(half) is int
-            and 0 < half <= grp.MAX_HALF_BYTES and offer.get("backend") == self.backend
+            type(session) is str
+            and session
+            and type(version) is int
+            and type(world) is int
+            and type(half) is int
+            and 0 < half <= grp.MAX_HALF_BYTES
+            and offer.get("backend") == self.backend
             and type(offer.get("nonce")) is bytes
-        ):  # fmt: skip
+        ):
             raise ProtocolError(f"handshake: malformed offer {brief(offer)} (or backend other than {self.backend!r})")
         if not 1 <= self.rank < world:
-            raise InvalidInput(f"receiver rank {self.rank} is not in the sender's group of {world} (ranks 1..{world - 1})")
+            raise InvalidInput(
+                f"receiver rank {self.rank} is not in the sender's group of {world} (ranks 1..{world - 1})"
+            )
         if type(offer.get("per_tensor", False)) is not bool:
             raise ProtocolError(f"handshake: malformed offer {brief(offer)}: per_tensor is not a bool")
         self.per_tensor = offer.get("per_tensor", False)
         if self.direct is not None and not self.per_tensor:
             log.warning(
                 "receiver rank %d: direct= given but session %s's sender sends whole buckets; every weight takes the "
-                "bucket path (BroadcastWeightSender(per_tensor=True) lets planned weights land in place)", self.rank, session,
-            )  # fmt: skip
+                "bucket path (BroadcastWeightSender(per_tensor=True) lets planned weights land in place)",
+                self.rank,
+                session,
+            )
         self.session, self.version = session, version  # from here on the receiver will not take this offer again
         return offer
 
@@ -220,7 +279,7 @@ class _BroadcastReceive:
                 f"handshake: the sender did not start session {self.session} within timeout_s={self.timeout_s:g} (+{GO_GRACE_S:g} s) "
                 f"after receiver rank {self.rank} joined (another receiver missing?)"
             ),
-        )  # fmt: skip
+        )
         self._sender_gave_up(self.store)
         if not grp.hmac.compare_digest(grp.get(self.store, go), grp.tag(self.secret, "go", self.session)):
             raise ProtocolError(f"handshake: session {self.session}'s go failed the secret check")
@@ -247,12 +306,15 @@ class _BroadcastReceive:
 
     def _read_abort(self, store: Any) -> None:
         if grp.has(store, f"{self.session}/abort"):
-            fields = grp.open_signed(self.secret, "abort", grp.get(store, f"{self.session}/abort"), "the sender's abort")
+            fields = grp.open_signed(
+                self.secret, "abort", grp.get(store, f"{self.session}/abort"), "the sender's abort"
+            )
             reason = str(fields.get("reason"))
             raise TransferError(
                 f"{self.phase.value}: the sender called session {self.session} (version {self.version}) off at bucket "
-                f"{self.seq}: {reason}", remote_message=reason,
-            )  # fmt: skip
+                f"{self.seq}: {reason}",
+                remote_message=reason,
+            )
 
     # -- streaming --------------------------------------------------------------------------------
 
@@ -260,10 +322,15 @@ class _BroadcastReceive:
         """Wait for ``work`` (bounded by ``deadline``, default ``timeout_s`` from now); abort the group on a timeout."""
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         grp.await_work(
-            work, lambda: grp.abort(self.group), deadline=deadline, timeout_s=self.timeout_s,
+            work,
+            lambda: grp.abort(self.group),
+            deadline=deadline,
+            timeout_s=self.timeout_s,
             where=f"{self.phase.value}: {what} of bucket {self.seq} of session {self.session}",
-            peer="the sender (rank 0)", store=self.store, gave_up=self._sender_gave_up,
-        )  # fmt: skip
+            peer="the sender (rank 0)",
+            store=self.store,
+            gave_up=self._sender_gave_up,
+        )
 
     def _stream(self, half_bytes: int) -> tuple[int, int]:
         device = self.device
@@ -293,7 +360,9 @@ class _BroadcastReceive:
             frame = expect(decode(meta.cpu().numpy().tobytes()), "bucket", session=self.session)
             _, _, last = bucket_fields(frame, self.seq)
             if frame.get("nbytes") != data_bytes:
-                raise ProtocolError(f"streaming: bucket {self.seq} says {brief(frame.get('nbytes'))} bytes, its header {data_bytes}")
+                raise ProtocolError(
+                    f"streaming: bucket {self.seq} says {brief(frame.get('nbytes'))} bytes, its header {data_bytes}"
+                )
             entries = entries_from_wire(frame.get("entries"), capacity=data_bytes)
             progress = check_split_pieces(entries, progress, last=last)
             landings = self._landings(entries) if self.per_tensor else [None] * len(entries)
@@ -359,11 +428,13 @@ class _BroadcastReceive:
             return self._fall_back(entry.name, f"direct() gave a {type(target).__name__}, not a tensor")
         if target.dtype != entry.dtype or tuple(target.shape) != entry.shape:
             return self._fall_back(
-                entry.name, f"the plan says {target.dtype} {tuple(target.shape)}, the sender sent {entry.dtype} {entry.shape}"
+                entry.name,
+                f"the plan says {target.dtype} {tuple(target.shape)}, the sender sent {entry.dtype} {entry.shape}",
             )
         if resolved_device(target.device) != resolved_device(self.device) or not target.is_contiguous():
             return self._fall_back(
-                entry.name, f"the destination is on {target.device} (contiguous={target.is_contiguous()}), the receiver on {self.device}"
+                entry.name,
+                f"the destination is on {target.device} (contiguous={target.is_contiguous()}), the receiver on {self.device}",
             )
         return target.view(-1).view(torch.uint8)
 
@@ -397,9 +468,22 @@ class _BroadcastReceive:
             return
         try:
             message = f"{type(exc).__name__}: {exc}"[:4000]
-            grp.put(self.store, f"{self.session}/status/{self.rank}", grp.sign(self.secret, "status", {
-                "session": self.session, "ok": False, "message": message, **failure_fields(exc),
-            }))  # fmt: skip
+            grp.put(
+                self.store,
+                f"{self.session}/status/{self.rank}",
+                grp.sign(
+                    self.secret,
+                    "status",
+                    {
+                        "session": self.session,
+                        "ok": False,
+                        "message": message,
+                        **failure_fields(exc),
+                    },
+                ),
+            )
             self.store.add(f"{grp.PREFIX}{self.session}/failures", 1)
         except (RuntimeError, OSError) as late:
-            log.warning("receiver rank %d could not report its failure of session %s: %s", self.rank, self.session, late)
+            log.warning(
+                "receiver rank %d could not report its failure of session %s: %s", self.rank, self.session, late
+            )

@@ -46,8 +46,8 @@ import torch
 
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer._broadcast import group as grp
-from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_version
+from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
 from refitkit.transfer.protocol import ALIGN_BYTES, SUPPORTED_DTYPES, brief, encode, remote_failure
 
 log = logging.getLogger("refitkit.transfer.broadcast")
@@ -66,20 +66,32 @@ class BroadcastWeightSender:
     """The trainer's sending rank of a broadcast sync (rank 0 of each session's group); see the module docstring."""
 
     def __init__(
-        self, rendezvous: str | tuple[str, int], *, secret: bytes | str, receivers: int,
-        bucket_bytes: int = 512 << 20, device: str | torch.device = "cpu", backend: str = "gloo",
-        timeout_s: float = 120.0, per_tensor: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        rendezvous: str | tuple[str, int],
+        *,
+        secret: bytes | str,
+        receivers: int,
+        bucket_bytes: int = 512 << 20,
+        device: str | torch.device = "cpu",
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+        per_tensor: bool = False,
+    ) -> None:
         self.timeout_s, size, _ = checked_knobs(
-            timeout_s=timeout_s, bucket_bytes=bucket_bytes, min_bucket_bytes=4 * ALIGN_BYTES,
+            timeout_s=timeout_s,
+            bucket_bytes=bucket_bytes,
+            min_bucket_bytes=4 * ALIGN_BYTES,
             max_bucket_bytes=(
-                2 * grp.MAX_HALF_BYTES, "128 GiB: receivers allocate the whole bucket and refuse a larger one"
+                2 * grp.MAX_HALF_BYTES,
+                "128 GiB: receivers allocate the whole bucket and refuse a larger one",
             ),
-        )  # fmt: skip
+        )
         self.half_bytes = (size or 0) // 2 // ALIGN_BYTES * ALIGN_BYTES
         self._secret = grp.checked_secret(secret)
         if isinstance(receivers, bool) or not isinstance(receivers, int) or receivers < 1:
-            raise InvalidInput(f"receivers={receivers!r}; need an int >= 1 (the engine workers that join every session)")
+            raise InvalidInput(
+                f"receivers={receivers!r}; need an int >= 1 (the engine workers that join every session)"
+            )
         self.receivers = receivers
         self.device = checked_device(device)
         self.backend = checked_backend(backend, self.device)
@@ -134,10 +146,18 @@ class BroadcastWeightSender:
             if self._stale is not None:  # kept until now: a receiver may still be reading the abort
                 grp.drop_session(self._store, *self._stale)
             run = _BroadcastSend(
-                pull, listed, number, store=self._store, secret=self._secret, timeout_s=self.timeout_s,
-                receivers=self.receivers, half_bytes=self.half_bytes, backend=self.backend, device=self.device,
+                pull,
+                listed,
+                number,
+                store=self._store,
+                secret=self._secret,
+                timeout_s=self.timeout_s,
+                receivers=self.receivers,
+                half_bytes=self.half_bytes,
+                backend=self.backend,
+                device=self.device,
                 per_tensor=self.per_tensor,
-            )  # fmt: skip
+            )
             self.last_timings_s = run.timings
             try:
                 return run.run()
@@ -151,9 +171,20 @@ class _BroadcastSend:
     """One session of the sender: admission, the group, the packer and what is still on the wire."""
 
     def __init__(
-        self, pull: Callable[[], CheckedItem | None], listed: list | None, version: int, *, store: Any, secret: bytes,
-        timeout_s: float, receivers: int, half_bytes: int, backend: str, device: torch.device, per_tensor: bool,
-    ) -> None:  # fmt: skip
+        self,
+        pull: Callable[[], CheckedItem | None],
+        listed: list | None,
+        version: int,
+        *,
+        store: Any,
+        secret: bytes,
+        timeout_s: float,
+        receivers: int,
+        half_bytes: int,
+        backend: str,
+        device: torch.device,
+        per_tensor: bool,
+    ) -> None:
         self.pull, self.version = pull, version
         self.store, self.secret, self.timeout_s = store, secret, timeout_s
         self.backend, self.device, self.per_tensor = backend, device, per_tensor
@@ -176,11 +207,23 @@ class _BroadcastSend:
         start = time.perf_counter()
         failed = True
         try:
-            grp.put(self.store, "offer", grp.sign(self.secret, "offer", {
-                "session": self.session, "version": self.version, "world": self.world,
-                "half_bytes": self.half_bytes, "backend": self.backend, "nonce": self.nonce,
-                "per_tensor": self.per_tensor,
-            }))  # fmt: skip
+            grp.put(
+                self.store,
+                "offer",
+                grp.sign(
+                    self.secret,
+                    "offer",
+                    {
+                        "session": self.session,
+                        "version": self.version,
+                        "world": self.world,
+                        "half_bytes": self.half_bytes,
+                        "backend": self.backend,
+                        "nonce": self.nonce,
+                        "per_tensor": self.per_tensor,
+                    },
+                ),
+            )
             self._admit()
             began = time.perf_counter()
             self.group = grp.form_group(self.store, self.session, 0, self.world, self.backend, self.timeout_s)
@@ -222,8 +265,9 @@ class _BroadcastSend:
 
         grp.wait_until(
             lambda: all(grp.has(self.store, key) for key in joins),
-            deadline=time.monotonic() + self.timeout_s, on_timeout=lambda: TransferTimeout(missing()),
-        )  # fmt: skip
+            deadline=time.monotonic() + self.timeout_s,
+            on_timeout=lambda: TransferTimeout(missing()),
+        )
         for rank, key in enumerate(joins, 1):
             expected = grp.tag(self.secret, "join", self.session, self.nonce, rank)
             if not grp.hmac.compare_digest(grp.get(self.store, key), expected):
@@ -239,7 +283,11 @@ class _BroadcastSend:
             grp.abort(self.group)  # pending broadcasts fail now instead of at their timeout
         try:
             reason = f"{type(exc).__name__}: {exc}"[:4000]
-            grp.put(self.store, f"{self.session}/abort", grp.sign(self.secret, "abort", {"session": self.session, "reason": reason}))
+            grp.put(
+                self.store,
+                f"{self.session}/abort",
+                grp.sign(self.secret, "abort", {"session": self.session, "reason": reason}),
+            )
         except (RuntimeError, OSError) as late:
             log.warning("broadcast session %s: could not post its abort: %s", self.session, late)
 
@@ -253,7 +301,9 @@ class _BroadcastSend:
                 f"streaming: cannot allocate session {self.session}'s bucket of {2 * self.half_bytes} bytes on "
                 f"{self.device} ({type(exc).__name__}: {brief(str(exc))}); pass a smaller bucket_bytes"
             ) from exc
-        self.packer = BucketPacker(buffer, self.half_bytes, send_bucket=self._ship, wait_free=self._wait_free, batch=self.batch)
+        self.packer = BucketPacker(
+            buffer, self.half_bytes, send_bucket=self._ship, wait_free=self._wait_free, batch=self.batch
+        )
         del buffer  # the packer holds it; detach() frees it at the end
         total = count = 0
         item = self.pull()
@@ -272,7 +322,9 @@ class _BroadcastSend:
         if packer is None:
             raise TransferError("broadcast sender: a bucket shipped without a packer (a bug in refitkit)")
         used, start = packer.used, packer.bucket_start
-        frame = encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, nbytes=used)
+        frame = encode(
+            "bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, nbytes=used
+        )
         wire = torch.device("cpu") if self.backend == "gloo" else self.device
         header = torch.tensor([len(frame), used], dtype=torch.int64).to(wire)
         meta = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(wire)
@@ -301,10 +353,15 @@ class _BroadcastSend:
                 for work in pending[1:]:
                     if not isinstance(work, torch.Tensor):
                         grp.await_work(
-                            work, lambda: grp.abort(self.group), deadline=time.monotonic() + self.timeout_s, timeout_s=self.timeout_s,
-                            where=f"{self.phase.value}: bucket {seq} of session {self.session}", peer=self.peers,
-                            store=self.store, gave_up=self._receiver_failed,
-                        )  # fmt: skip
+                            work,
+                            lambda: grp.abort(self.group),
+                            deadline=time.monotonic() + self.timeout_s,
+                            timeout_s=self.timeout_s,
+                            where=f"{self.phase.value}: bucket {seq} of session {self.session}",
+                            peer=self.peers,
+                            store=self.store,
+                            gave_up=self._receiver_failed,
+                        )
 
     # -- outcome ----------------------------------------------------------------------------------
 
@@ -319,8 +376,9 @@ class _BroadcastSend:
                 if status.get("ok") is not True:
                     _raise_reported(
                         f"{self.phase.value}: receiver rank {rank} failed in session {self.session} (version "
-                        f"{self.version})", status,
-                    )  # fmt: skip
+                        f"{self.version})",
+                        status,
+                    )
 
     def _await_statuses(self) -> None:
         keys = [f"{self.session}/status/{rank}" for rank in range(1, self.world)]
@@ -350,9 +408,11 @@ def _raise_reported(what: str, status: dict[str, Any]) -> None:
     message = str(status.get("message"))
     remote = remote_failure(status)
     error = TransferError(
-        f"{what}: {message}", remote_message=message, remote_type=remote.remote_type if remote else None,
+        f"{what}: {message}",
+        remote_message=message,
+        remote_type=remote.remote_type if remote else None,
         remote_traceback=remote.remote_traceback if remote else None,
-    )  # fmt: skip
+    )
     if remote is None:
         raise error
     raise error from remote

@@ -67,7 +67,11 @@ def _driver() -> ctypes.CDLL:
     lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
     lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
     lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
-    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    lib.cuMemGetAddressRange_v2.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
     lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
     lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
@@ -120,7 +124,11 @@ def _bind_context(device: torch.device) -> None:
     torch.cuda.set_device(device)
     lib = _driver()
     context, ordinal = ctypes.c_void_p(), ctypes.c_int(-1)
-    if lib.cuCtxGetCurrent(ctypes.byref(context)) == 0 and context.value and lib.cuCtxGetDevice(ctypes.byref(ordinal)) == 0:
+    if (
+        lib.cuCtxGetCurrent(ctypes.byref(context)) == 0
+        and context.value
+        and lib.cuCtxGetDevice(ctypes.byref(ordinal)) == 0
+    ):
         if ordinal.value == device.index:
             return  # already current: no stream sync (it would stall the copies queued behind earlier buckets)
     # A thread the runtime has not used yet has no current context: a runtime call that needs one makes it current.
@@ -132,8 +140,12 @@ class _DevicePointer:
 
     def __init__(self, pointer: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3, "strides": None,
-        }  # fmt: skip
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def _wrap(pointer: int, nbytes: int, device: torch.device, on_last_view: Any) -> tuple[torch.Tensor, weakref.finalize]:
@@ -224,20 +236,28 @@ class CudaIpcMapping:
         _bind_context(self.device)
         try:
             pointer = ctypes.c_uint64()
-            result = _ipc_open_fn(lib)(ctypes.byref(pointer), _IpcHandle.from_buffer_copy(raw), _LAZY_ENABLE_PEER_ACCESS)
+            result = _ipc_open_fn(lib)(
+                ctypes.byref(pointer), _IpcHandle.from_buffer_copy(raw), _LAZY_ENABLE_PEER_ACCESS
+            )
             _check(lib, result, "cuIpcOpenMemHandle")
             # The size is the driver's, not the wire's: a view beyond the allocation would read another one.
             # (At least as large: the driver may round the allocation up; the sender already rounds to pages.)
             try:
                 base, size = ctypes.c_uint64(), ctypes.c_size_t()
-                _check(lib, lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer.value), "cuMemGetAddressRange")
+                _check(
+                    lib,
+                    lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer.value),
+                    "cuMemGetAddressRange",
+                )
                 if base.value != pointer.value or size.value < nbytes:
                     raise ProtocolError(
                         f"cuda_ipc handle announces {nbytes} bytes; the mapped allocation has {size.value} "
                         f"(at offset {pointer.value - base.value})"
                     )
                 self.tensor: torch.Tensor | None
-                self.tensor, self._closed = _wrap(pointer.value, nbytes, self.device, functools.partial(_close, self.device, pointer.value))
+                self.tensor, self._closed = _wrap(
+                    pointer.value, nbytes, self.device, functools.partial(_close, self.device, pointer.value)
+                )
             except BaseException:
                 lib.cuIpcCloseMemHandle(pointer.value)  # opened but never handed out: close it here, or it stays mapped
                 raise
@@ -319,7 +339,9 @@ class AllocationExports:
         with torch.cuda.device(self.device):
             result = _driver().cuIpcGetMemHandle(ctypes.byref(handle), base)
         if result != 0:
-            self._refused[base] = f"cuIpcGetMemHandle refused its allocation (CUDA error {result}; expandable segments?)"
+            self._refused[base] = (
+                f"cuIpcGetMemHandle refused its allocation (CUDA error {result}; expandable segments?)"
+            )
             return self._refused[base]
         index = len(self.handles)
         self.handles.append({"ipc_handle": bytes(handle.reserved), "nbytes": size, "device_uuid": self.uuid})

@@ -111,9 +111,14 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
 
 
 def wait_until(
-    ready: Callable[[], bool], look: Callable[[float], None], *, timeout_s: float, phase: SessionPhase,
-    waiting_for: str, peer: str,
-) -> None:  # fmt: skip
+    ready: Callable[[], bool],
+    look: Callable[[float], None],
+    *,
+    timeout_s: float,
+    phase: SessionPhase,
+    waiting_for: str,
+    peer: str,
+) -> None:
     """Until ``ready()``: spin (yielding the core) for ``SPIN_S``, calling ``look(0.0)`` every 32 tries,
     then ``look(slice_s)`` between tries, where ``look`` may sleep up to ``slice_s`` on a semaphore or
     the socket (slices grow from ``WAIT_SLICE_S`` to ``MAX_WAIT_SLICE_S``); TransferTimeout (naming
@@ -327,9 +332,10 @@ class Doorbell:
         deadline = (time.monotonic() if clockwait is not None else time.time()) + timeout_s
         spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
         while (
-            clockwait(sem, time.CLOCK_MONOTONIC, ctypes.byref(spec)) if clockwait is not None
+            clockwait(sem, time.CLOCK_MONOTONIC, ctypes.byref(spec))
+            if clockwait is not None
             else self._libc.sem_timedwait(sem, ctypes.byref(spec))
-        ) != 0:  # fmt: skip
+        ) != 0:
             err = ctypes.get_errno()
             if err == errno.ETIMEDOUT:
                 return False

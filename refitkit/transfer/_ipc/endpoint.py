@@ -91,8 +91,6 @@ def socket_path(endpoint: str) -> str:
     return path
 
 
-
-
 def _accepting(path: str) -> bool:
     """Whether a live process accepts connections on the unix socket at ``path``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -128,7 +126,9 @@ def _clear_leftover(path: str) -> None:
     except FileNotFoundError:
         pass  # its owner removed it meanwhile
     except OSError as exc:
-        raise TransferError(f"endpoint file {path} is a leftover this process cannot replace ({exc}); use another endpoint name") from exc
+        raise TransferError(
+            f"endpoint file {path} is a leftover this process cannot replace ({exc}); use another endpoint name"
+        ) from exc
 
 
 def bind_sender(context: zmq.Context, path: str) -> tuple[zmq.Socket, PeerWatch]:
@@ -174,7 +174,9 @@ def _bind_private_then_link(sock: zmq.Socket, path: str) -> None:
         try:
             os.link(staged, path)
         except FileExistsError as exc:
-            raise TransferError(f"endpoint {path} appeared while this sender bound it; use another endpoint name") from exc
+            raise TransferError(
+                f"endpoint {path} appeared while this sender bound it; use another endpoint name"
+            ) from exc
     finally:
         try:
             os.unlink(staged)  # the listener keeps its inode, now named ``path``

@@ -157,9 +157,15 @@ class PeerWatch:
 
 
 def recv_frame(
-    watch: PeerWatch, *, timeout_s: float, phase: SessionPhase, waiting_for: str, peer: str, spin_s: float = 0.0,
+    watch: PeerWatch,
+    *,
+    timeout_s: float,
+    phase: SessionPhase,
+    waiting_for: str,
+    peer: str,
+    spin_s: float = 0.0,
     copy: bool = True,
-) -> list[bytes] | list[zmq.Frame]:  # fmt: skip
+) -> list[bytes] | list[zmq.Frame]:
     """Receive one multipart message on ``watch``'s socket within ``timeout_s``, else TransferTimeout naming phase and
     knob; PeerGone at once when the followed peer is gone. ``spin_s``: look without sleeping for that long first
     (yielding the core), for a frame due at once: a thread asleep in ``poll`` wakes some time after its frame came."""

@@ -50,11 +50,27 @@ from refitkit.transfer._ipc.endpoint import close_watched, park_receiver_socket,
 from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_frame
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_seconds
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, MAX_IN_FLIGHT, MAX_TENSOR_BYTES, Entry, SplitProgress, align_up, brief, bucket_fields, check_split_fits,
-    check_split_pieces, contiguous_strides, decode, direct_allocs, direct_header, encode, entries_from_wire, expect,
-    failure_fields, setup_exports, setup_fields,
-)  # fmt: skip
-
+    ALIGN_BYTES,
+    MAX_IN_FLIGHT,
+    MAX_TENSOR_BYTES,
+    Entry,
+    SplitProgress,
+    align_up,
+    brief,
+    bucket_fields,
+    check_split_fits,
+    check_split_pieces,
+    contiguous_strides,
+    decode,
+    direct_allocs,
+    direct_header,
+    encode,
+    entries_from_wire,
+    expect,
+    failure_fields,
+    setup_exports,
+    setup_fields,
+)
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
 T = TypeVar("T")
@@ -65,9 +81,17 @@ MAX_SYNC_S = 3600.0  # the default bound of one whole sync: far beyond any real 
 # bytes, mapping its memory, the caller's on_bucket, the release (of it: the stream's reads, closing the mappings,
 # torch's caches) and closing the socket.
 RECEIVE_PHASES = (
-    "handshake", "frames", "packed", "map", "on_bucket", "release", "release_sync", "release_close", "release_flush",
+    "handshake",
+    "frames",
+    "packed",
+    "map",
+    "on_bucket",
+    "release",
+    "release_sync",
+    "release_close",
+    "release_flush",
     "close",
-)  # fmt: skip
+)
 
 
 class BucketedWeightReceiver:
@@ -79,7 +103,7 @@ class BucketedWeightReceiver:
 
     def __init__(
         self, endpoint: str, device: str | torch.device, timeout_s: float = 120.0, *, max_sync_s: float = MAX_SYNC_S
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.timeout_s, _, _ = checked_knobs(timeout_s=timeout_s)
         self.max_sync_s = checked_seconds(max_sync_s, "max_sync_s")
         self.device = checked_device(device)
@@ -100,14 +124,20 @@ class BucketedWeightReceiver:
             raise InvalidInput("wait_on() is for the streams of a running session: call it from on_bucket or the loop")
         for stream in streams:
             if not isinstance(stream, torch.cuda.Stream) or self.device.type != "cuda":
-                raise InvalidInput(f"wait_on({brief(stream)}): need torch.cuda.Stream objects on a CUDA receiver ({self.device})")
+                raise InvalidInput(
+                    f"wait_on({brief(stream)}): need torch.cuda.Stream objects on a CUDA receiver ({self.device})"
+                )
             session.streams.setdefault(stream.cuda_stream, stream)
 
     def _new_session(self) -> _ReceiveSession:
         session = _ReceiveSession(
-            endpoint=self.endpoint, path=self.path, device=self.device, timeout_s=self.timeout_s,
-            max_sync_s=self.max_sync_s, plans=self._plans,
-        )  # fmt: skip
+            endpoint=self.endpoint,
+            path=self.path,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            max_sync_s=self.max_sync_s,
+            plans=self._plans,
+        )
         self.last_timings_s = session.timings
         return session
 
@@ -209,9 +239,15 @@ class _ReceiveSession:
     """State of one receiving session: socket, mapping, sequence numbers, partly assembled tensors."""
 
     def __init__(
-        self, *, endpoint: str, path: str, device: torch.device, timeout_s: float, max_sync_s: float,
+        self,
+        *,
+        endpoint: str,
+        path: str,
+        device: torch.device,
+        timeout_s: float,
+        max_sync_s: float,
         plans: dict[int, _DirectPlan],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.endpoint, self.path, self.timeout_s, self.max_sync_s = endpoint, path, timeout_s, max_sync_s
         self.plans = plans  # the receiver's direct buckets as laid out last time, by sequence number
         self.device = device
@@ -220,11 +256,15 @@ class _ReceiveSession:
         self.watch: PeerWatch | None = None  # the socket's connection: whether the sender is still there
         self.session: str | None = None
         self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
-        self.exported: list[cuda_ipc.CudaIpcMapping] = []  # the sender's own allocations (direct buckets), in index order
+        self.exported: list[
+            cuda_ipc.CudaIpcMapping
+        ] = []  # the sender's own allocations (direct buckets), in index order
         self.bell: doorbell.Doorbell | None = None
         self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
         self.packed = 0  # buckets the sender announced as complete
-        self.unconsumed: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.unconsumed: deque[tuple[int, Any]] = (
+            deque()
+        )  # without a doorbell: (seq, CUDA event or None) not yet announced
         self.half_bytes = 0
         self.transport = "none"
         self.bucket_later = False  # a direct session whose bucket is announced with the first bucket that uses it
@@ -262,10 +302,12 @@ class _ReceiveSession:
         self.sock, self.watch = take_receiver_socket(self.path)
         self.watch.follow(None, f"the sender on {self.endpoint!r}")
         hello: dict[str, Any] = {
-            "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
+            "pid": os.getpid(),
+            "device": self.device.type,
+            "shm": doorbell.shm_identity(),
             "timeout_s": self.timeout_s,  # how long a sender may keep this hello queued
             "pidns": shm.pid_namespace(),  # the same as the sender's: sealed memfds instead of named segments
-        }  # fmt: skip
+        }
         if self.device.type == "cuda":
             hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
         self.sock.send(encode("hello", **hello))
@@ -341,11 +383,15 @@ class _ReceiveSession:
         half, wide, last = bucket_fields(frame, self.seq)
         if "direct" in frame:
             if "handle" in frame:
-                raise ProtocolError(f"direct bucket {self.seq} also announces a bucket handle (only a packed bucket may)")
+                raise ProtocolError(
+                    f"direct bucket {self.seq} also announces a bucket handle (only a packed bucket may)"
+                )
             return self._direct_bucket(frame, last), last
         if "handle" in frame:
             self._map_late_bucket(frame["handle"])
-        entries = entries_from_wire(frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes)
+        entries = entries_from_wire(
+            frame.get("entries") or [], capacity=2 * self.half_bytes if wide else self.half_bytes
+        )
         if not entries:
             check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)
             return [], last
@@ -360,15 +406,21 @@ class _ReceiveSession:
         the receiver's previous session (same entries, allocations and sizes: a held model's next sync) reuses
         that plan, checked against the same numbers, so only its views are made anew."""
         if self.device.type != "cuda" or self.transport != "cuda_ipc":
-            raise ProtocolError(f"a direct bucket in a session whose transport is not cuda_ipc (receiver on {self.device})")
+            raise ProtocolError(
+                f"a direct bucket in a session whose transport is not cuda_ipc (receiver on {self.device})"
+            )
         raw = frame.get("entries") or []
         sizes = [mapping.tensor.numel() for mapping in self.exported]  # type: ignore[union-attr]
-        exports, raw_allocs, announced = direct_header(frame["direct"], count=len(raw) if type(raw) is list else -1, sizes=sizes)
+        exports, raw_allocs, announced = direct_header(
+            frame["direct"], count=len(raw) if type(raw) is list else -1, sizes=sizes
+        )
         plan = self.plans.get(self.seq)
         if plan is None or not plan.fits(raw, raw_allocs, announced):
             entries = entries_from_wire(raw, capacity=MAX_TENSOR_BYTES)
             allocs = direct_allocs(entries, raw_allocs, announced)
-            check_split_pieces(entries, self.partial[0] if self.partial else None, last=last)  # whole entries: no progress
+            check_split_pieces(
+                entries, self.partial[0] if self.partial else None, last=last
+            )  # whole entries: no progress
             plan = self.plans[self.seq] = _DirectPlan(raw, raw_allocs, announced, entries, allocs)
         elif self.partial is not None:  # (whole entries and nothing in flight pass as they did before)
             check_split_pieces(plan.entries, self.partial[0], last=last)
@@ -412,9 +464,13 @@ class _ReceiveSession:
                         self._take(self._recv_now())
 
             doorbell.wait_until(
-                ready, look, timeout_s=timeout_s, phase=self.phase, waiting_for=waiting_for,
+                ready,
+                look,
+                timeout_s=timeout_s,
+                phase=self.phase,
+                waiting_for=waiting_for,
                 peer=f"the sender on {self.endpoint!r}",
-            )  # fmt: skip
+            )
 
         try:
             self._bounded(wait)
@@ -453,9 +509,13 @@ class _ReceiveSession:
 
         def wait(timeout_s: float) -> None:
             doorbell.wait_until(
-                ready, look, timeout_s=timeout_s, phase=self.phase, waiting_for=waiting_for,
+                ready,
+                look,
+                timeout_s=timeout_s,
+                phase=self.phase,
+                waiting_for=waiting_for,
                 peer=f"the sender on {self.endpoint!r}",
-            )  # fmt: skip
+            )
 
         began = time.perf_counter()
         try:
@@ -497,7 +557,9 @@ class _ReceiveSession:
             expect(frame, "packed", session=self.session)
             seq = frame.get("seq")
             if self.bell is not None or type(seq) is not int or seq != self.packed or seq >= self.seq + MAX_IN_FLIGHT:
-                raise ProtocolError(f"packed frame for bucket {brief(seq)}, expected bucket {self.packed} (reading {self.seq})")
+                raise ProtocolError(
+                    f"packed frame for bucket {brief(seq)}, expected bucket {self.packed} (reading {self.seq})"
+                )
             self.packed += 1
             return
         self.inbox.append(frame)
@@ -536,7 +598,9 @@ class _ReceiveSession:
     def _announce_consumed(self) -> None:
         """Without a doorbell: a ``done`` frame for every bucket whose reads have finished, in order."""
         if self.unconsumed:
-            doorbell.announce_finished(self.unconsumed, lambda seq: self._send(encode("done", session=self.session, seq=seq)))
+            doorbell.announce_finished(
+                self.unconsumed, lambda seq: self._send(encode("done", session=self.session, seq=seq))
+            )
 
     def _check_entries(self, entries: list[Entry], last: bool) -> None:
         """The split tensor's pieces in order and consistent, and its size one this device can hold."""
@@ -586,7 +650,9 @@ class _ReceiveSession:
             try:
                 tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
             except RuntimeError as exc:  # out of memory, typically: name what could not be held
-                raise TransferError(f"{entry.name!r}: cannot allocate {entry.total} bytes on {self.device} to reassemble it: {exc}") from exc
+                raise TransferError(
+                    f"{entry.name!r}: cannot allocate {entry.total} bytes on {self.device} to reassemble it: {exc}"
+                ) from exc
         else:
             tensor = self.partial[1]  # type: ignore[index]
         tensor.view(-1).view(torch.uint8)[entry.start : entry.start + entry.nbytes].copy_(piece)
@@ -657,9 +723,13 @@ class _ReceiveSession:
                 if isinstance(mapping, shm.ShmMapping):
                     mapping.release()  # finishes this stream's reads (and so the loader's streams') first
                 else:  # the CUDA IPC bucket (if any) and the sender's own allocations (direct buckets)
-                    named = {"the CUDA IPC bucket": [] if mapping is None else [mapping], "the sender's exported allocations": exported}
+                    named = {
+                        "the CUDA IPC bucket": [] if mapping is None else [mapping],
+                        "the sender's exported allocations": exported,
+                    }
                     cuda_ipc.release_mappings(
-                        [m for ms in named.values() for m in ms], what=" or ".join(what for what, ms in named.items() if ms),
+                        [m for ms in named.values() for m in ms],
+                        what=" or ".join(what for what, ms in named.items() if ms),
                         timings=self.timings,
                     )
             elif self.device.type == "cuda":
@@ -694,9 +764,12 @@ class _ReceiveSession:
 
     def stats(self) -> TransferStats:
         return TransferStats(
-            bytes=self.bytes, tensors=self.tensors, buckets=self.seq + 1,
-            seconds=time.perf_counter() - self.started, ack_wait_s=self.wait_s,
-        )  # fmt: skip
+            bytes=self.bytes,
+            tensors=self.tensors,
+            buckets=self.seq + 1,
+            seconds=time.perf_counter() - self.started,
+            ack_wait_s=self.wait_s,
+        )
 
     def close(self) -> None:
         """Release whatever is still held and close the socket; never raises for the release."""
@@ -735,9 +808,13 @@ class _ReceiveSession:
         began = time.perf_counter()
         try:
             parts = recv_frame(
-                self.watch, timeout_s=self.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
-                waiting_for=waiting_for, peer=f"the sender on {self.endpoint!r}", spin_s=spin_s,
-            )  # fmt: skip
+                self.watch,
+                timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+                phase=self.phase,
+                waiting_for=waiting_for,
+                peer=f"the sender on {self.endpoint!r}",
+                spin_s=spin_s,
+            )
         finally:
             self.wait_s += time.perf_counter() - began
         if len(parts) != 1:
@@ -772,14 +849,16 @@ class _DirectPlan:
 
     def __init__(
         self, raw: list[Any], raw_allocs: list[Any], announced: list[int], entries: list[Entry], allocs: list[int]
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.raw, self.raw_allocs, self.announced = raw, raw_allocs, announced  # what it was made from, as it came
         self.entries = entries
         self.names = [entry.name for entry in entries]
         self.nbytes = sum(entry.nbytes for entry in entries)
         members: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[int, int]]] = {}  # -> (position, element)
         for position, (entry, index) in enumerate(zip(entries, allocs)):
-            members.setdefault((index, entry.dtype, entry.shape), []).append((position, entry.offset // entry.dtype.itemsize))
+            members.setdefault((index, entry.dtype, entry.shape), []).append(
+                (position, entry.offset // entry.dtype.itemsize)
+            )
         # (allocation, dtype, size, stride, first element, positions): a run's view, whose unbind gives its tensors
         # (a tensor of its own: its view)
         self.runs: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int, list[int]]] = []
@@ -790,7 +869,9 @@ class _DirectPlan:
                     self.runs.append((index, dtype, shape, strides, run[0][1], [run[0][0]]))
                 else:
                     step = run[1][1] - run[0][1]
-                    self.runs.append((index, dtype, (len(run), *shape), (step, *strides), run[0][1], [p for p, _ in run]))
+                    self.runs.append(
+                        (index, dtype, (len(run), *shape), (step, *strides), run[0][1], [p for p, _ in run])
+                    )
 
     def fits(self, raw: Any, raw_allocs: list[Any], announced: list[int]) -> bool:
         """Whether a bucket with these entries, allocations and allocation sizes (as they came) is this one."""
@@ -801,7 +882,9 @@ class _DirectPlan:
         mappings, by index)."""
         names = self.names
         weights: list[Any] = [None] * len(names)
-        typed: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}  # (allocation, dtype) -> view, first element
+        typed: dict[
+            tuple[int, torch.dtype], tuple[torch.Tensor, int]
+        ] = {}  # (allocation, dtype) -> view, first element
         try:
             for index, dtype, size, stride, element, positions in self.runs:
                 key = (index, dtype)

@@ -61,17 +61,38 @@ from torch.profiler import record_function
 
 from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
-from refitkit.transfer._ipc.endpoint import WaitingReceivers, bind_sender, remove_socket_file, socket_identity, socket_path
+from refitkit.transfer._ipc.endpoint import (
+    WaitingReceivers,
+    bind_sender,
+    remove_socket_file,
+    socket_identity,
+    socket_path,
+)
 from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_frame
-from refitkit.transfer.packing import (
-    BOTH_HALVES, PLAIN_TENSOR_TYPES, BucketPacker, CheckedItem, check_item, check_items, fresh_each, half_bytes_for,
-    held_unchanged,
-)  # fmt: skip
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
+from refitkit.transfer.packing import (
+    BOTH_HALVES,
+    PLAIN_TENSOR_TYPES,
+    BucketPacker,
+    CheckedItem,
+    check_item,
+    check_items,
+    fresh_each,
+    half_bytes_for,
+    held_unchanged,
+)
 from refitkit.transfer.protocol import (
-    ALIGN_BYTES, DIRECT_IN_FLIGHT, DIRECT_MAX_TENSORS, brief, decode, encode, entry_to_wire, expect, remote_failure,
+    ALIGN_BYTES,
+    DIRECT_IN_FLIGHT,
+    DIRECT_MAX_TENSORS,
+    brief,
+    decode,
+    encode,
+    entry_to_wire,
+    expect,
+    remote_failure,
     timeout_error,
-)  # fmt: skip
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +185,14 @@ class BucketedWeightSender:
     """
 
     def __init__(
-        self, endpoint: str, bucket_bytes: int = 2 << 30, transport: str = "auto", timeout_s: float = 120.0, *,
+        self,
+        endpoint: str,
+        bucket_bytes: int = 2 << 30,
+        transport: str = "auto",
+        timeout_s: float = 120.0,
+        *,
         direct: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         timeout_s, bucket_bytes, transport = checked_knobs(  # type: ignore[assignment]
             timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport, min_bucket_bytes=4 * ALIGN_BYTES
         )
@@ -242,7 +268,7 @@ class BucketedWeightSender:
             self._context = None
             remove_socket_file(self.path, self._bound)  # libzmq leaves the file; a closed sender should not look stale
 
-    def __enter__(self) -> "BucketedWeightSender":
+    def __enter__(self) -> BucketedWeightSender:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -263,7 +289,9 @@ class BucketedWeightSender:
                 asyncio.get_running_loop()
             except RuntimeError:
                 return asyncio.run(self.asend(weights, on_hello=on_hello))
-            raise InvalidInput("send() got an async iterable inside a running event loop; use `await sender.asend(...)`")
+            raise InvalidInput(
+                "send() got an async iterable inside a running event loop; use `await sender.asend(...)`"
+            )
         return self._exclusive(lambda: self._prepare(weights), None, on_hello)
 
     async def asend(self, weights: Any, *, on_hello: Callable[[], Any] | None = None) -> TransferStats:
@@ -311,7 +339,7 @@ class BucketedWeightSender:
 
     def _exclusive(
         self, prepare: Callable[[], _Prepared], cancel: StopRequest | None, on_hello: Callable[[], Any] | None = None
-    ) -> TransferStats:  # fmt: skip
+    ) -> TransferStats:
         """Run one session holding the sender's lock (waiting for a running one at most ``timeout_s``)."""
         if self._owner == threading.get_ident():
             raise TransferError(
@@ -372,19 +400,37 @@ class BucketedWeightSender:
     # -- one session ------------------------------------------------------------------------------
 
     def _session(
-        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool, fresh: bool,
-        cancel: StopRequest, on_hello: Callable[[], Any] | None = None,
-    ) -> TransferStats:  # fmt: skip
+        self,
+        pull: Callable[[], Any],
+        listed: list[CheckedItem] | None,
+        all_cuda: bool,
+        held: bool,
+        fresh: bool,
+        cancel: StopRequest,
+        on_hello: Callable[[], Any] | None = None,
+    ) -> TransferStats:
         """One session; ``listed``: the checked items, when the caller gave a list or tuple (its size is known up
         front); ``held``: the items' tensors stay as they are during the session, so small copies may be deferred;
         ``fresh``: each tensor is made for the sender (direct mode may keep it until the receiver read it)."""
         if self._socket is None or self._watch is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
         run = _SendSession(
-            self._watch, self._waiting, endpoint=self.endpoint, transport=self.transport, timeout_s=self.timeout_s,
-            pull=pull, listed=listed, all_cuda=all_cuda, held=held, fresh=fresh, cancel=cancel,
-            half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct, walk=self._walk, on_hello=on_hello,
-        )  # fmt: skip
+            self._watch,
+            self._waiting,
+            endpoint=self.endpoint,
+            transport=self.transport,
+            timeout_s=self.timeout_s,
+            pull=pull,
+            listed=listed,
+            all_cuda=all_cuda,
+            held=held,
+            fresh=fresh,
+            cancel=cancel,
+            half_bytes=half_bytes_for(listed, self.half_bytes),
+            direct=self.direct,
+            walk=self._walk,
+            on_hello=on_hello,
+        )
         self.last_timings_s = run.timings
         self.last_split = None
         self._walk = None
@@ -415,9 +461,11 @@ class BucketedWeightSender:
 # -- One ``send()`` session of a ``BucketedWeightSender``: handshake, streaming, draining, release ---
 
 
-
 END = object()  # what ``pull()`` returns when the caller's iterable is exhausted
-CANCEL_SLICE_S = 0.05  # how often a wait with nothing to spin on (the lock, a hello, an async item) looks for cancellation
+CANCEL_SLICE_S = (
+    0.05  # how often a wait with nothing to spin on (the lock, a hello, an async item) looks for cancellation
+)
+
 
 class _Cancelled(TransferError):
     """The session was stopped from another thread: its ``asend()`` was cancelled, or ``close()`` was called."""
@@ -484,11 +532,24 @@ class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
     def __init__(
-        self, watch: PeerWatch, waiting: WaitingReceivers, *, endpoint: str, transport: str, timeout_s: float,
-        pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool,
-        cancel: StopRequest | None, half_bytes: int, direct: bool = False, fresh: bool = False,
-        walk: _DirectWalk | None = None, on_hello: Callable[[], Any] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        watch: PeerWatch,
+        waiting: WaitingReceivers,
+        *,
+        endpoint: str,
+        transport: str,
+        timeout_s: float,
+        pull: Callable[[], Any],
+        listed: list[CheckedItem] | None,
+        all_cuda: bool,
+        held: bool,
+        cancel: StopRequest | None,
+        half_bytes: int,
+        direct: bool = False,
+        fresh: bool = False,
+        walk: _DirectWalk | None = None,
+        on_hello: Callable[[], Any] | None = None,
+    ) -> None:
         self.watch = watch  # the socket's connections: it follows this session's receiver's
         self.sock = watch.sock
         self.on_hello = on_hello  # the caller's, called once the first hello came
@@ -513,7 +574,9 @@ class _SendSession:
         self.seq = 0
         self.span: record_function | None = None  # the profiler range of the bucket being packed
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
-        self.unpacked: deque[tuple[int, Any]] = deque()  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.unpacked: deque[tuple[int, Any]] = (
+            deque()
+        )  # without a doorbell: (seq, CUDA event or None) not yet announced
         self.consumed = 0  # buckets the receiver is done with
         self.ack_wait_s = 0.0
         self.items = 0
@@ -531,7 +594,9 @@ class _SendSession:
         self.direct_held: list[torch.Tensor] = []
         self.direct_shipped: deque[tuple[int, list[torch.Tensor]]] = deque()  # fresh: (seq, tensors) not consumed yet
         # fresh tensors live until their bucket is consumed: smaller direct buckets keep about bucket_bytes alive at most
-        self.direct_ship_bytes = min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
+        self.direct_ship_bytes = (
+            min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
+        )
         self.direct_ship_tensors = DIRECT_MAX_TENSORS  # (set when the session's direct taker is made)
         self.walk = walk  # the last session's, followed while the stream yields what it yielded then
         self.adopted = False  # the walk's allocations were exported while the hello was awaited (_export_early)
@@ -593,9 +658,12 @@ class _SendSession:
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
         return TransferStats(
-            bytes=total_bytes, tensors=self.items, buckets=self.seq,
-            seconds=time.perf_counter() - start, ack_wait_s=self.ack_wait_s,
-        )  # fmt: skip
+            bytes=total_bytes,
+            tensors=self.items,
+            buckets=self.seq,
+            seconds=time.perf_counter() - start,
+            ack_wait_s=self.ack_wait_s,
+        )
 
     def _stream(self, item: CheckedItem | None, take_direct: Callable[[str, torch.Tensor, str], bool] | None) -> int:
         """Check, place and ship every item from ``item`` on, then the last bucket; the bytes streamed."""
@@ -634,7 +702,7 @@ class _SendSession:
             if self.exports is None:  # (else the walk's, exported while the hello was awaited and sent with the setup)
                 self.exports = cuda_ipc.AllocationExports(
                     self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
-                )  # fmt: skip
+                )
             if self.batch:  # tensors that stay where they lie: the next session may follow this one's walk
                 self.record = _DirectWalk(self.session_device)
         self.direct_ship_tensors = min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS)
@@ -685,7 +753,11 @@ class _SendSession:
         self._mark("late_bucket", began)
         self.announce_bucket = True
         self.packer = BucketPacker(
-            self.bucket.tensor, self.half_bytes, send_bucket=self._send_bucket, wait_free=self._wait_free, batch=self.batch
+            self.bucket.tensor,
+            self.half_bytes,
+            send_bucket=self._send_bucket,
+            wait_free=self._wait_free,
+            batch=self.batch,
         )
         return self.packer
 
@@ -735,7 +807,13 @@ class _SendSession:
         if not (self.adopted or exports.adopt(walk.allocations)):
             return first, 0
         items, buckets, count = walk.items, walk.buckets, len(walk.items)
-        pull, cancel, unpacked, held, device_index = self.pull, self.cancel, self.unpacked, self.direct_held, exports.index
+        pull, cancel, unpacked, held, device_index = (
+            self.pull,
+            self.cancel,
+            self.unpacked,
+            self.direct_held,
+            exports.index,
+        )
         plain, strided, listed = PLAIN_TENSOR_TYPES, torch.strided, self.checked
         at = bucket = 0
         end = buckets[0][0]  # the item after the bucket's last: it ships the bucket, as in _take_direct
@@ -748,11 +826,19 @@ class _SendSession:
                 break
             named, tensor = item[0], item[1]
             if (
-                named is not name and (type(named) is not str or named != name)
-                or type(tensor) not in plain or tensor.layout is not strided or tensor.is_nested
-                or tensor.data_ptr() != pointer or tensor.dtype is not dtype or tensor.shape != shape
-                or tensor.get_device() != device_index or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg()
-            ):  # fmt: skip
+                named is not name
+                and (type(named) is not str or named != name)
+                or type(tensor) not in plain
+                or tensor.layout is not strided
+                or tensor.is_nested
+                or tensor.data_ptr() != pointer
+                or tensor.dtype is not dtype
+                or tensor.shape != shape
+                or tensor.get_device() != device_index
+                or not tensor.is_contiguous()
+                or tensor.is_conj()
+                or tensor.is_neg()
+            ):
                 break
             if at == end:
                 _, entries, allocs, announce = buckets[bucket]
@@ -818,11 +904,15 @@ class _SendSession:
         if not self.direct:
             return None
         return DirectSplit(
-            direct_tensors=self.direct_tensors, direct_bytes=self.direct_bytes, bucket_tensors=self.bucket_tensors,
-            bucket_bytes=self.bucket_bytes, allocations=len(self.exports.handles) if self.exports else 0,
-            bucket_reasons=dict(self.bucket_reasons), replaced_allocations=self.exports.replaced if self.exports else 0,
+            direct_tensors=self.direct_tensors,
+            direct_bytes=self.direct_bytes,
+            bucket_tensors=self.bucket_tensors,
+            bucket_bytes=self.bucket_bytes,
+            allocations=len(self.exports.handles) if self.exports else 0,
+            bucket_reasons=dict(self.bucket_reasons),
+            replaced_allocations=self.exports.replaced if self.exports else 0,
             walked_tensors=self.walked,
-        )  # fmt: skip
+        )
 
     def _mark(self, phase: str, began: float) -> None:
         self.timings[phase] = time.perf_counter() - began
@@ -880,7 +970,9 @@ class _SendSession:
         transport = self._choose_transport(hello, first)
         half = self.half_bytes
         early = self.bucket  # from _allocate_early: kept if the session turned out to need just that
-        if early is not None and not (transport == "cuda_ipc" and first is not None and early.device == first[1].device):
+        if early is not None and not (
+            transport == "cuda_ipc" and first is not None and early.device == first[1].device
+        ):
             self.free()
         self.session_transport = transport
         self.session_device = first[1].device if first is not None else None
@@ -905,7 +997,17 @@ class _SendSession:
                 self.exports.take_new()
             else:
                 self.exports, self.adopted = None, False
-        self._send(encode("setup", session=self.session, transport=transport, half_bytes=half, handle=handle, control=control, **extra))
+        self._send(
+            encode(
+                "setup",
+                session=self.session,
+                transport=transport,
+                half_bytes=half,
+                handle=handle,
+                control=control,
+                **extra,
+            )
+        )
         self.state = self.state.to(SendState.OFFERED)
         # No wait for "ready": buckets are packed and their frames queued while the receiver maps the buffer.
         if self.bucket is not None:
@@ -964,7 +1066,11 @@ class _SendSession:
         if direct is None and self.announce_bucket:  # the first bucket packed into a bucket allocated late
             extra["handle"] = self.bucket.handle()  # type: ignore[union-attr]
             self.announce_bucket = False
-        self._send(encode("bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, **extra))
+        self._send(
+            encode(
+                "bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, **extra
+            )
+        )
         self.unacked.append((self.seq, 0 if direct is not None else BOTH_HALVES if wide else 1 << half))
         self.seq += 1
         if self.span is not None:  # the shipped bucket's range ends
@@ -977,7 +1083,9 @@ class _SendSession:
     def _announce_packed(self) -> None:
         """Without a doorbell: a ``packed`` frame for every bucket whose copies have finished, in order."""
         if self.unpacked:
-            doorbell.announce_finished(self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq)))
+            doorbell.announce_finished(
+                self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq))
+            )
 
     def _take_consumed(self) -> None:
         """Count the receiver's CONSUMED announcements (one per bucket; after the last, one for its release).
@@ -1049,9 +1157,13 @@ class _SendSession:
         began = time.perf_counter()
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.timeout_s, phase=self.state.phase, waiting_for=waiting_for,
+                ready,
+                look,
+                timeout_s=self.timeout_s,
+                phase=self.state.phase,
+                waiting_for=waiting_for,
                 peer=f"the receiver on {self.endpoint!r}",
-            )  # fmt: skip
+            )
         finally:
             self.ack_wait_s += time.perf_counter() - began
 
@@ -1077,9 +1189,13 @@ class _SendSession:
         """The next frame and who sent it; None for one that is not the session's receiver's and is no frame of
         ours at all (garbage from another process of our uid): dropped, and logged."""
         parts = recv_frame(
-            self.watch, timeout_s=self.timeout_s if timeout_s is None else timeout_s, phase=self.state.phase,
-            waiting_for=waiting_for, peer=self._peer_name(), copy=False,
-        )  # fmt: skip
+            self.watch,
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            phase=self.state.phase,
+            waiting_for=waiting_for,
+            peer=self._peer_name(),
+            copy=False,
+        )
         peer = parts[0].bytes
         try:
             if len(parts) != 2:
@@ -1118,7 +1234,10 @@ class _SendSession:
             waiting = self.waiting.take()
         waiting_for = "hello (is a receiver connected?)"
         now = time.monotonic()
-        deadline, spin_until = now + self.timeout_s, now + min(doorbell.SPIN_S, self.timeout_s)  # (a hello is often near)
+        deadline, spin_until = (
+            now + self.timeout_s,
+            now + min(doorbell.SPIN_S, self.timeout_s),
+        )  # (a hello is often near)
         while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
             _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
             now = time.monotonic()
@@ -1168,9 +1287,10 @@ class _SendSession:
             error = TransferError(
                 f"receiver on {self.endpoint!r} failed ({phase if type(phase) is str else brief(phase)}; {self.seq} "
                 f"buckets sent): {message}",
-                remote_message=message, remote_type=remote.remote_type if remote else None,
+                remote_message=message,
+                remote_type=remote.remote_type if remote else None,
                 remote_traceback=remote.remote_traceback if remote else None,
-            )  # fmt: skip
+            )
             if remote is None:
                 raise error
             raise error from remote
@@ -1217,7 +1337,11 @@ class _SendSession:
                 if got is None:
                     continue
                 peer, frame = got
-                if peer == self.peer and frame["kind"] in ("released", "error") and frame.get("session") == self.session:
+                if (
+                    peer == self.peer
+                    and frame["kind"] in ("released", "error")
+                    and frame.get("session") == self.session
+                ):
                     return
                 if peer != self.peer and frame["kind"] == "hello":
                     self.waiting.add(peer, frame)

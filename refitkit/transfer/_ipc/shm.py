@@ -122,8 +122,13 @@ def _remove_if_orphaned(path: str) -> bool:
     except FileNotFoundError:
         return False  # another sweep (or its receiver) removed it first
     if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.getuid():
-        log.warning("stale sweep skips %s: not a regular file of uid %d (uid %d, mode %o)",
-                    path, os.getuid(), seen.st_uid, seen.st_mode)  # fmt: skip
+        log.warning(
+            "stale sweep skips %s: not a regular file of uid %d (uid %d, mode %o)",
+            path,
+            os.getuid(),
+            seen.st_uid,
+            seen.st_mode,
+        )
         return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -207,7 +212,11 @@ class Segment:
     def handle(self) -> dict[str, Any]:
         """The fields the receiver needs to open this segment (``open_segment``)."""
         if self.memfd:
-            return {"memfd": {"pid": os.getpid(), "fd": self._fd, "pidns": self._pidns}, "name": self.name, "nbytes": self.nbytes}
+            return {
+                "memfd": {"pid": os.getpid(), "fd": self._fd, "pidns": self._pidns},
+                "name": self.name,
+                "nbytes": self.nbytes,
+            }
         return {"path": self.path, "nbytes": self.nbytes}
 
     def unlink(self) -> None:
@@ -285,13 +294,19 @@ def open_segment(handle: Any, *, what: str) -> mmap.mmap:
 def _open_memfd(handle: dict[str, Any], *, what: str) -> int:
     source, name = handle["memfd"], handle.get("name")
     if (
-        not isinstance(source, dict) or type(source.get("pid")) is not int or type(source.get("fd")) is not int
-        or source["pid"] <= 0 or source["fd"] < 0 or not isinstance(name, str)
+        not isinstance(source, dict)
+        or type(source.get("pid")) is not int
+        or type(source.get("fd")) is not int
+        or source["pid"] <= 0
+        or source["fd"] < 0
+        or not isinstance(name, str)
         or not name.startswith(f"{segment_prefix()}{source['pid']}-")
-    ):  # fmt: skip
+    ):
         raise ProtocolError(f"setup: bad {what} handle {handle!r}")
     if source.get("pidns") != pid_namespace():
-        raise ProtocolError(f"setup: the {what} is a memfd in another PID namespace; its /proc/<pid>/fd is not ours to open")
+        raise ProtocolError(
+            f"setup: the {what} is a memfd in another PID namespace; its /proc/<pid>/fd is not ours to open"
+        )
     path = f"/proc/{source['pid']}/fd/{source['fd']}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # a /proc magic link: O_NOFOLLOW would refuse it
@@ -381,8 +396,12 @@ class _DeviceStaging:
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self._owner = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (self._owner.data_ptr(), False), "version": 3, "strides": None,
-        }  # fmt: skip
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (self._owner.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def _lend(nbytes: int, device: torch.device) -> tuple[torch.Tensor, weakref.finalize]:

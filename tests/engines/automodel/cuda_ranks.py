@@ -17,10 +17,10 @@ VOCAB = 32000
 
 
 def _build(device: torch.device) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -63,7 +63,13 @@ def _backend():
     from nemo_automodel.components.models.common import BackendConfig
 
     return BackendConfig(
-        attn="sdpa", linear="torch", rms_norm="torch", rope="torch", rope_fusion=False, experts="torch", dispatcher="torch"
+        attn="sdpa",
+        linear="torch",
+        rms_norm="torch",
+        rope="torch",
+        rope_fusion=False,
+        experts="torch",
+        dispatcher="torch",
     )
 
 
@@ -106,12 +112,12 @@ def automodel_moe(config) -> nn.Module:
 
 def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str) -> dict:
     """Stream through AutomodelAdapter, load into transformers from a checkpoint of the stream, compare."""
-    from safetensors.torch import load_file, save_file
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import DTensor
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
 
     from refitkit.engines.automodel import AutomodelAdapter
@@ -134,7 +140,9 @@ def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str)
     # transformers loads the streamed set as the checkpoint it is (per-expert names), then saves it back
     checkpoint = os.path.join(tmp, f"rank{rank}")
     os.makedirs(checkpoint, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in streamed.items()}, os.path.join(checkpoint, "model.safetensors"))
+    save_file(
+        {name: tensor.contiguous() for name, tensor in streamed.items()}, os.path.join(checkpoint, "model.safetensors")
+    )
     config.save_pretrained(checkpoint)
     reference, info = reference_cls.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
     reference.eval()

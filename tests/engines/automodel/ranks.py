@@ -40,10 +40,10 @@ def build(
     world_size: int, *, mixed_precision: bool = False, activation_checkpointing: bool = False, seed: int = 0
 ) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
     """Automodel's trainer state for the tiny Llama: ``model_parts`` and its optimizer list."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.manual_seed(seed)
     model = tiny_llama()
@@ -59,7 +59,9 @@ def build(
     return [model], [optimizer]
 
 
-def train_step(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], rank: int, step: int, *, zero: bool = True) -> float:
+def train_step(
+    parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], rank: int, step: int, *, zero: bool = True
+) -> float:
     """One causal-LM step on a batch that depends on (rank, step) only."""
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1000 * rank + step))
     loss = parts[0](input_ids=tokens, labels=tokens).loss
@@ -108,7 +110,9 @@ def train_with_cycle(rank: int, world_size: int, mixed_precision: bool, use_to: 
         "state": adapter.state.name,
         "sharded": any(type(p).__name__ == "DTensor" for p in params.values()),
         "live_storages": _live(adapter),
-        "grads_left": [n for n, p in params.items() if p.grad is not None and local_tensor(p.grad).untyped_storage().nbytes()],
+        "grads_left": [
+            n for n, p in params.items() if p.grad is not None and local_tensor(p.grad).untyped_storage().nbytes()
+        ],
         "grads_none": all(p.grad is None for p in params.values()),
         "device_bytes": sizes.device_bytes,
         "host_bytes": sizes.host_bytes,
@@ -134,7 +138,9 @@ def train_with_cycle(rank: int, world_size: int, mixed_precision: bool, use_to: 
         "intact": [k for k in before if k not in after or not bits_equal(before[k], after[k])],
         "n_state": len(before),
         "n_grads_before": len(grads_before),
-        "grads_changed": [k for k in grads_before if k not in grads_after or not bits_equal(grads_before[k], grads_after[k])],
+        "grads_changed": [
+            k for k in grads_before if k not in grads_after or not bits_equal(grads_before[k], grads_after[k])
+        ],
         "final_differs": [k for k in base_final if k not in final or not bits_equal(base_final[k], final[k])],
         "n_final": len(base_final),
     }
@@ -187,6 +193,7 @@ def ddp_strategy_is_refused() -> str:
     from nemo_automodel.components.distributed.config import DDPConfig
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+
     from refitkit.errors import InvalidInput
 
     model = parallelize_model(tiny_llama(), MeshContext.build(DDPConfig(), ParallelismSizes(), world_size=2))

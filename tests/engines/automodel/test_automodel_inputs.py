@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nemo_automodel.components.checkpoint.state_dict_adapter import StateDictAdapter
 from torch import nn
 
-from nemo_automodel.components.checkpoint.state_dict_adapter import StateDictAdapter
 from refitkit.engines import DeviceState
 from refitkit.engines.automodel import AutomodelAdapter
 from refitkit.errors import InvalidInput
@@ -33,7 +33,9 @@ class SplitGateUp(StateDictAdapter):
     """Automodel's conversion contract for the fused layout: one native tensor, two HF tensors."""
 
     def to_hf(self, state_dict, **kwargs):
-        return dict(pair for fqn, tensor in state_dict.items() for pair in self.convert_single_tensor_to_hf(fqn, tensor))
+        return dict(
+            pair for fqn, tensor in state_dict.items() for pair in self.convert_single_tensor_to_hf(fqn, tensor)
+        )
 
     def from_hf(self, hf_state_dict, device_mesh=None, **kwargs):
         raise NotImplementedError("not needed to stream weights")
@@ -135,6 +137,9 @@ def test_an_optimizer_over_other_params_is_rejected_before_anything_moves():
     model = nn.Linear(2, 2)
     original = nn.Linear(2, 3)  # e.g. the module as it was before parallelize_model replaced its params
     optimizer = torch.optim.SGD([*model.parameters(), *original.parameters()], lr=0.1)
-    with pytest.raises(InvalidInput, match=r"optimizers\[0\]\.param_groups\[0\]\.params\[2\] \(shape \(3, 2\)\).*after parallelize_model"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"optimizers\[0\]\.param_groups\[0\]\.params\[2\] \(shape \(3, 2\)\).*after parallelize_model",
+    ):
         AutomodelAdapter([model], [optimizer])
     assert model.weight.untyped_storage().nbytes() == 16

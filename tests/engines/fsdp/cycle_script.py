@@ -17,7 +17,9 @@ def run_cycle_script(*args: str, timeout_s: float) -> tuple[list[dict], dict]:
     command = [sys.executable, "-m", "benchmarks.multi_gpu_cycle", *args]
     done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+        )
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     rounds = [record for record in records if "round" in record]
     flat = [record for record in records if "flat_pinned_d2h_gbps" in record]

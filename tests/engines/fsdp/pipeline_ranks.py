@@ -47,7 +47,7 @@ def stage(stage_index: int) -> Stack:
     return model
 
 
-def _groups(world_size: int, pg_timeout_s: float) -> tuple[int, nn.Module, "object"]:
+def _groups(world_size: int, pg_timeout_s: float) -> tuple[int, nn.Module, object]:
     """(pipeline stage, the stage's model, the pipeline group). World 2: PP2; world 4: PP2 x FSDP2 (rank = 2 * pp + dp)."""
     import torch.distributed as dist
 
@@ -99,7 +99,9 @@ def _all_reduce(value: float) -> float:
     return float(tensor.item())
 
 
-def stage_fails_part_way(rank: int, world_size: int, failing_rank: int, pp_timeout_s: float, pg_timeout_s: float) -> dict:
+def stage_fails_part_way(
+    rank: int, world_size: int, failing_rank: int, pp_timeout_s: float, pg_timeout_s: float
+) -> dict:
     """``failing_rank`` holds a buffer left on the meta device in its stage's first layer, so its stream
     fails after that layer's weights; rank 0 streams to a receiver. Every rank must raise within the bound,
     with nothing offloaded; then the default group works and, with the buffer removed, the next refit
@@ -108,7 +110,9 @@ def stage_fails_part_way(rank: int, world_size: int, failing_rank: int, pp_timeo
     first_layer = model.layers[str(0 if stage_index == 0 else LAYERS // 2)]
     if rank == failing_rank:
         first_layer.register_buffer("scale", torch.empty(DIM, device="meta"))
-    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1), pp_group=pp_group, pp_timeout_s=pp_timeout_s)
+    adapter = FSDPAdapter(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), pp_group=pp_group, pp_timeout_s=pp_timeout_s
+    )
     endpoint = f"ppfail-{uuid.uuid4().hex[:8]}"
     sender = BucketedWeightSender(endpoint, bucket_bytes=4096, transport="shm", timeout_s=30.0) if rank == 0 else None
     cycle = RefitCycle(adapter, sender, barrier_timeout_s=60.0)
@@ -137,7 +141,9 @@ def stage_fails_part_way(rank: int, world_size: int, failing_rank: int, pp_timeo
         expected = full_model().state_dict()
         outcome["receiver_error"] = receiver.error
         outcome["received_names"] = sorted(receiver.received) == sorted(expected)
-        outcome["received_equal"] = all(bits_equal(receiver.received[n], expected[n]) for n in expected if n in receiver.received)
+        outcome["received_equal"] = all(
+            bits_equal(receiver.received[n], expected[n]) for n in expected if n in receiver.received
+        )
         sender.close()
     cycle.close()
     return outcome
@@ -203,7 +209,9 @@ def stage_fails_part_way_on_nccl(rank: int, world_size: int, pp_timeout_s: float
     first_layer = model.layers[str(0 if rank == 0 else LAYERS // 2)]
     if rank == 1:
         first_layer.register_buffer("scale", torch.empty(DIM, device="meta"))
-    adapter = FSDPAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1), pp_group=pp_group, pp_timeout_s=pp_timeout_s)
+    adapter = FSDPAdapter(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), pp_group=pp_group, pp_timeout_s=pp_timeout_s
+    )
     cycle = RefitCycle(adapter, None, barrier_timeout_s=60.0)
     start = time.monotonic()
     try:

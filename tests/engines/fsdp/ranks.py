@@ -47,7 +47,11 @@ def build(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world_size,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision
+            else MixedPrecisionPolicy()
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -72,13 +76,15 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
     out = {f"p.{n}": local_tensor(t).detach().clone() for n, t in model.named_parameters()}
     out.update({f"b.{n}": t.detach().clone() for n, t in model.named_buffers()})
-    for index, (param, state) in enumerate(optimizer.state.items()):
+    for index, (_param, state) in enumerate(optimizer.state.items()):
         for key, value in state.items():
             out[f"o.{index}.{key}"] = local_tensor(value).detach().clone()
     return out
 
 
-def train_with_cycle(rank: int, world_size: int, fsdp: bool, mixed_precision: bool, use_to: bool, keep_grads: bool) -> dict:
+def train_with_cycle(
+    rank: int, world_size: int, fsdp: bool, mixed_precision: bool, use_to: bool, keep_grads: bool
+) -> dict:
     """Baseline: 4 steps. Cycled: 2 steps, offload (checked), reload (checked), 2 steps. Same process."""
     base_model, base_opt = build(world_size, fsdp=fsdp, mixed_precision=mixed_precision)
     # the cycled run offloads with step-2 grads present: dropped grads match zero_grad(), kept grads
@@ -97,8 +103,14 @@ def train_with_cycle(rank: int, world_size: int, fsdp: bool, mixed_precision: bo
         "parts": [s.name for s in vars(adapter.part_states).values()],
         "device_bytes": adapter.state_bytes().device_bytes,
         "host_bytes": adapter.state_bytes().host_bytes,
-        "live_storages": [n for n, t in adapter._model_tensors() + adapter._optimizer_tensors() if _local(t).untyped_storage().nbytes()],
-        "grads_left": [n for n, p in model.named_parameters() if p.grad is not None and _local(p.grad).untyped_storage().nbytes()],
+        "live_storages": [
+            n
+            for n, t in adapter._model_tensors() + adapter._optimizer_tensors()
+            if _local(t).untyped_storage().nbytes()
+        ],
+        "grads_left": [
+            n for n, p in model.named_parameters() if p.grad is not None and _local(p.grad).untyped_storage().nbytes()
+        ],
         "grads_none": all(p.grad is None for p in model.parameters()),
         "moved_bytes": move.total.bytes,
         "model_bytes": move.model.bytes,
@@ -116,7 +128,8 @@ def train_with_cycle(rank: int, world_size: int, fsdp: bool, mixed_precision: bo
         "base_final": local_state(base_model, base_opt),
         "final": local_state(model, optimizer),
         "intact": sorted(before) == sorted(after) and all(bits_equal(before[k], after[k]) for k in before),
-        "grads_intact": sorted(grads_before) == sorted(grads_after) and all(bits_equal(grads_before[k], grads_after[k]) for k in grads_before),
+        "grads_intact": sorted(grads_before) == sorted(grads_after)
+        and all(bits_equal(grads_before[k], grads_after[k]) for k in grads_before),
         "n_grads_before": len(grads_before),
         "freed": freed,
         "again_bytes": again.total.bytes,
@@ -148,7 +161,9 @@ def named_weights_match(rank: int, world_size: int) -> dict:
         "trained_equal": all(bits_equal(t, full[n]) for n, t in trained),
         "types": sorted({type(t).__name__ for _, t in trained}),
         "says_held": getattr(adapter.named_weights(), "refitkit_holds_tensors", False),  # gathered: not the model's own
-        "says_fresh": getattr(adapter.named_weights(), "refitkit_fresh_tensors", False),  # but new ones nothing else holds
+        "says_fresh": getattr(
+            adapter.named_weights(), "refitkit_fresh_tensors", False
+        ),  # but new ones nothing else holds
         "trained_changed": not all(bits_equal(t, reference[n]) for n, t in trained if n in reference),
     }
 
@@ -204,9 +219,12 @@ def cycle_garbage(rank: int, world_size: int) -> dict:
     for _ in adapter.named_weights():
         pass
     result = {}
-    for phase, run in (("offload", adapter.offload), ("reload", adapter.reload), ("named_weights", lambda: list(adapter.named_weights()))):
+    for phase, run in (
+        ("offload", adapter.offload),
+        ("reload", adapter.reload),
+        ("named_weights", lambda: list(adapter.named_weights())),
+    ):
         with CycleAudit() as audit:
             run()
         result[phase] = (audit.report.cyclic_objects, dict(audit.report.by_type))
     return result
-

@@ -14,7 +14,9 @@ def test_every_layout_gathers_bit_exact_with_no_cyclic_garbage():
     results = run_world(layout_ranks.gather_every_layout, 4, timeout_s=200)
     for rank, result in enumerate(results):
         partial = result.pop("partial_error")
-        assert "'layers.0.w'" in partial and "mesh dim 0" in partial and "neither Shard nor Replicate" in partial, partial
+        assert "'layers.0.w'" in partial and "mesh dim 0" in partial and "neither Shard nor Replicate" in partial, (
+            partial
+        )
         cyclic, by_type = result.pop("cyclic")
         assert cyclic == 0, f"rank {rank}: gathers left cyclic garbage {by_type}"
         # the audit sees what full_tensor() leaves, so 0 above is a real measurement
@@ -29,7 +31,9 @@ def test_every_layout_gathers_bit_exact_with_no_cyclic_garbage():
 def test_fsdp_times_tp_named_weights_equal_the_unsharded_model():
     results = run_world(layout_ranks.fsdp_tp_named_weights, 4, timeout_s=200)
     for rank, result in enumerate(results):
-        assert "_StridedShard" in result["placements"]["0.up.weight"] or "_S(" in result["placements"]["0.up.weight"], result["placements"]
+        assert "_StridedShard" in result["placements"]["0.up.weight"] or "_S(" in result["placements"]["0.up.weight"], (
+            result["placements"]
+        )
         assert sorted(result["names"]) == sorted(result["reference_names"])
         assert all(result["equal"].values()), f"rank {rank}: {result['equal']}"
         assert result["cyclic"][0] == 0, f"rank {rank}: {result['cyclic']}"

@@ -197,4 +197,8 @@ def test_clean_fqn_drops_wrapper_components():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_an_adapter_cycle_creates_no_cyclic_garbage(world_size):
     for result in run_world(ranks.cycle_garbage, world_size, timeout_s=150):
-        assert {phase: count for phase, (count, _) in result.items()} == {"offload": 0, "reload": 0, "named_weights": 0}, result
+        assert {phase: count for phase, (count, _) in result.items()} == {
+            "offload": 0,
+            "reload": 0,
+            "named_weights": 0,
+        }, result

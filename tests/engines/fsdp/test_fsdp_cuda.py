@@ -38,7 +38,9 @@ def offload_returns_memory(rank: int, world_size: int) -> dict:
     base_allocated = torch.cuda.memory_allocated()
     base_free = torch.cuda.mem_get_info()[0]
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(3)]).cuda()
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(3)]
+    ).cuda()
     for block in model:
         fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     fully_shard(model, mesh=mesh)
@@ -56,8 +58,12 @@ def offload_returns_memory(rank: int, world_size: int) -> dict:
     move = adapter.offload()
     allocated_after = torch.cuda.memory_allocated()
     live_blocks = sorted(
-        (block["size"] for segment in torch.cuda.memory_snapshot() for block in segment["blocks"]
-         if block["state"] == "active_allocated"),
+        (
+            block["size"]
+            for segment in torch.cuda.memory_snapshot()
+            for block in segment["blocks"]
+            if block["state"] == "active_allocated"
+        ),
         reverse=True,
     )[:12]
     flush_device()

@@ -27,8 +27,10 @@ def gathered_equals_full_tensor(rank: int, world_size: int) -> dict:
     fully_shard(model, mesh=mesh)
     reference = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
     weights = {name: t.cpu() for name, t in FSDPAdapter(model).named_weights()}
-    return {"same_names": sorted(weights) == sorted(reference),
-            "equal": all(bits_equal(weights[n], reference[n]) for n in reference)}
+    return {
+        "same_names": sorted(weights) == sorted(reference),
+        "equal": all(bits_equal(weights[n], reference[n]) for n in reference),
+    }
 
 
 @pytest.mark.cuda

@@ -12,8 +12,8 @@ from torch import nn
 from refitkit.engines import DeviceState
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import InvalidInput, RefitError
-from tests.engines.fsdp import ranks
 from refitkit.offload.device import local_tensor
+from tests.engines.fsdp import ranks
 from tests.engines.fsdp.test_fsdp_failures import _snapshot, _trained
 from tests.helpers.world import run_world
 

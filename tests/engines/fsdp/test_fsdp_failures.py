@@ -40,8 +40,11 @@ def test_a_param_replaced_while_offloaded_is_refused_and_nothing_is_lost():
     original = model.head.weight
     model.head.weight = nn.Parameter(torch.zeros(original.shape))
 
-    with pytest.raises(InvalidInput, match=r"'model\.head\.weight' was replaced or removed while offloaded.*put the "
-                       r"original tensor back and call reload\(\) again"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"'model\.head\.weight' was replaced or removed while offloaded.*put the "
+        r"original tensor back and call reload\(\) again",
+    ):
         adapter.reload()
 
     assert adapter.state is DeviceState.OFFLOADED and adapter.part_states.model is DeviceState.OFFLOADED
@@ -114,7 +117,9 @@ def replaced_sharded_param(rank: int, world_size: int) -> dict:
     original = model.head.weight
     fresh = torch.zeros(original.to_local().shape)  # only metadata of the offloaded shard is read
     model.head.weight = nn.Parameter(
-        DTensor.from_local(fresh, original.device_mesh, original.placements, shape=original.shape, stride=original.stride())
+        DTensor.from_local(
+            fresh, original.device_mesh, original.placements, shape=original.shape, stride=original.stride()
+        )
     )
     try:
         adapter.reload()
@@ -144,14 +149,21 @@ def test_a_sharded_param_replaced_while_offloaded_is_refused_on_every_rank():
 
 def test_swapped_model_and_optimizer_are_named():
     model, optimizer = _trained()
-    with pytest.raises(InvalidInput, match=r"FSDPAdapter: model is a AdamW optimizer, not an nn.Module; the model "
-                       r"comes first: FSDPAdapter\(model, optimizer\)"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"FSDPAdapter: model is a AdamW optimizer, not an nn.Module; the model "
+        r"comes first: FSDPAdapter\(model, optimizer\)",
+    ):
         FSDPAdapter(optimizer)
     with pytest.raises(InvalidInput, match=r"FSDPAdapter: model is a AdamW optimizer"):
         FSDPAdapter(optimizer, model)
-    with pytest.raises(InvalidInput, match=r"optimizer is a \w+ module, not a torch.optim.Optimizer; the model comes first"):
+    with pytest.raises(
+        InvalidInput, match=r"optimizer is a \w+ module, not a torch.optim.Optimizer; the model comes first"
+    ):
         FSDPAdapter(model, model)
-    with pytest.raises(InvalidInput, match=r"model part 1 is a AdamW, not an nn.Module; the optimizers go in the second"):
+    with pytest.raises(
+        InvalidInput, match=r"model part 1 is a AdamW, not an nn.Module; the optimizers go in the second"
+    ):
         FSDPAdapter([model, optimizer])
 
 
@@ -172,12 +184,17 @@ def test_a_model_that_is_not_a_module_is_named(model_arg, message):
 
 def test_wrong_optimizers_and_knobs_are_named():
     model, optimizer = _trained()
-    with pytest.raises(InvalidInput, match=r"optimizer must be a torch.optim.Optimizer, a list of them, or None, got a int"):
+    with pytest.raises(
+        InvalidInput, match=r"optimizer must be a torch.optim.Optimizer, a list of them, or None, got a int"
+    ):
         FSDPAdapter(model, 5)
     other = nn.Linear(3, 3)
     stranger = torch.optim.SGD(other.parameters(), lr=0.1)
-    with pytest.raises(InvalidInput, match=r"optimizer 1 param_groups\[0\]\.params\[0\] \(shape \(3, 3\)\) is not a "
-                       r"parameter of the model passed"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"optimizer 1 param_groups\[0\]\.params\[0\] \(shape \(3, 3\)\) is not a "
+        r"parameter of the model passed",
+    ):
         FSDPAdapter(model, [optimizer, stranger])
     with pytest.raises(InvalidInput, match=r"arena= must be a refitkit.offload.HostArena or None, got AdamW"):
         FSDPAdapter(model, arena=optimizer)
@@ -220,7 +237,9 @@ def test_an_offload_hook_that_raises_leaves_the_parts_offloaded_and_reload_resto
     with pytest.raises(RuntimeError, match="injected failure in _after_offload"):
         adapter.offload()
     # the copies had freed every storage: ON_DEVICE here would make reload skip them
-    assert adapter.part_states == type(adapter.part_states)(DeviceState.OFFLOADED, DeviceState.OFFLOADED, DeviceState.OFFLOADED)
+    assert adapter.part_states == type(adapter.part_states)(
+        DeviceState.OFFLOADED, DeviceState.OFFLOADED, DeviceState.OFFLOADED
+    )
     assert adapter.state_bytes().device_bytes == 0 and adapter.arena.held_bytes > 0
     adapter.reload()
     assert adapter.state is DeviceState.ON_DEVICE and adapter.arena.held_bytes == 0

@@ -42,14 +42,20 @@ CASES = {
     "torch_save": ("{}", "torch.save(model.state_dict(), sys.argv[1])", "the model's state_dict()"),
     "step": ("{}", "optimizer.step()", "AdamW.step() while the model and optimizer state is offloaded"),
     "step_params_only": ("{'optimizer': False}", "optimizer.step()", "AdamW.step() while the model state is offloaded"),
-    "optimizer_state_dict": ("{}", "optimizer.state_dict()", "AdamW.state_dict() while the optimizer state is offloaded"),
+    "optimizer_state_dict": (
+        "{}",
+        "optimizer.state_dict()",
+        "AdamW.state_dict() while the optimizer state is offloaded",
+    ),
 }
 
 
 def run_child(parts: str, call: str, path: Path) -> subprocess.CompletedProcess:
     source = CHILD.replace("{PARTS}", parts).replace("{CALL}", call)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", source, str(path)], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", source, str(path)], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 @pytest.mark.timeout(150)
@@ -67,5 +73,7 @@ def test_a_call_on_offloaded_state_is_refused_and_reload_brings_it_back(case, tm
 
 @pytest.mark.timeout(150)
 def test_the_optimizer_may_save_while_only_the_params_are_offloaded(tmp_path):
-    result = run_child("{'optimizer': False}", "optimizer.state_dict(); print('SAVED'); raise OffloadedStateError('x')", tmp_path / "x")
+    result = run_child(
+        "{'optimizer': False}", "optimizer.state_dict(); print('SAVED'); raise OffloadedStateError('x')", tmp_path / "x"
+    )
     assert "SAVED" in result.stdout and result.returncode == 0, result.stdout + result.stderr

@@ -26,7 +26,9 @@ def test_a_stage_failing_part_way_fails_every_pipeline_rank_at_once_and_the_next
     # timeout, then raised gloo's RuntimeError (not a refitkit error), PG_TIMEOUT_S after the failure.
     sender, failing = run_world(pipeline_ranks.stage_fails_part_way, 2, 1, PP_TIMEOUT_S, PG_TIMEOUT_S, timeout_s=200)
     assert failing["error_type"] == "InvalidInput", failing
-    assert "'layers.2.scale' is on meta" in failing["error"] and "keep every model part on one device" in failing["error"]
+    assert (
+        "'layers.2.scale' is on meta" in failing["error"] and "keep every model part on one device" in failing["error"]
+    )
     assert sender["error_type"] == "RankFailure", sender
     assert "pipeline stage stream failed on pipeline rank 1 (global rank 1)" in sender["error"]
     assert "InvalidInput: pipeline stage stream: 'layers.2.scale' is on meta" in sender["error"]

@@ -12,7 +12,10 @@ def _streamed(adapter) -> dict[str, torch.Tensor]:
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k]) for k in a)
+    return sorted(a) == sorted(b) and all(
+        torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k])
+        for k in a
+    )
 
 
 def rebuild_world(rank: int, world_size: int, use_distributed_optimizer: bool) -> dict:
@@ -109,7 +112,9 @@ def prepare_world(rank: int, world_size: int, arriving: bool) -> dict:
     tiny_gpt.train_step(trainer, 0)
     adapter = rm.MegatronAdapter(trainer.chunks, trainer.optimizer, rebuild_params_from_main=True)
     dropped = rebuildable_tensors(adapter.chunks, adapter._leaves, main_pairs(adapter._leaves))
-    seen: dict = {"bf16_bytes": sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in dropped}.values())}
+    seen: dict = {
+        "bf16_bytes": sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for _, t in dropped}.values())
+    }
     before = _streamed(adapter)
     if arriving:  # the first prepare() while a deferred reload of the optimizer state is still copying
         adapter.offload(model=False)

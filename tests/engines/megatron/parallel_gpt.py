@@ -270,7 +270,9 @@ def build_trainer(layout: Layout, *, seed: int = 1234) -> Trainer:
     ]
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, weight_decay=0.01, bf16=True, use_distributed_optimizer=True, clip_grad=1.0
+        ),
         wrapped,
     )
     return Trainer(chunks=wrapped, optimizer=optimizer, layout=layout)
@@ -281,7 +283,9 @@ def _forward_step(data_iterator, model):
     tokens, labels = next(data_iterator)
     positions = torch.arange(tiny_gpt.SEQ, device=device).unsqueeze(0).expand(tiny_gpt.BATCH, -1)
     causal = torch.triu(torch.ones(tiny_gpt.SEQ, tiny_gpt.SEQ, dtype=torch.bool, device=device), diagonal=1)
-    output = model(tokens.to(device), positions, causal.view(1, 1, tiny_gpt.SEQ, tiny_gpt.SEQ), labels=labels.to(device))
+    output = model(
+        tokens.to(device), positions, causal.view(1, 1, tiny_gpt.SEQ, tiny_gpt.SEQ), labels=labels.to(device)
+    )
 
     def loss_func(per_token: torch.Tensor):
         loss = per_token.float().mean()

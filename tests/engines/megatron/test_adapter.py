@@ -21,9 +21,7 @@ def _all_device_bytes(trainer) -> dict[str, int]:
         "frozen": tiny_gpt.device_bytes(frozen),
         "grads": tiny_gpt.device_bytes([p.main_grad for p in trainer.chunks[0].parameters() if p.requires_grad]),
         "copies": tiny_gpt.device_bytes([p for g in leaf.shard_fp32_from_float16_groups for p in g]),
-        "state": tiny_gpt.device_bytes(
-            [v for s in leaf.optimizer.state.values() for k, v in s.items() if k != "step"]
-        ),
+        "state": tiny_gpt.device_bytes([v for s in leaf.optimizer.state.values() for k, v in s.items() if k != "step"]),
     }
 
 
@@ -38,10 +36,16 @@ def adapter_world(rank: int, world_size: int) -> dict:
     trainer = tiny_gpt.build(frozen=FROZEN)
     losses = [tiny_gpt.train_step(trainer, step) for step in range(2)]
     adapter = rm.MegatronAdapter(trainer.chunks, trainer.optimizer)
-    seen: dict = {"arena_shared": rm.arena_of(trainer.chunks[0]) is adapter.arena is rm.arena_of(trainer.optimizer.chained_optimizers[0])}
+    seen: dict = {
+        "arena_shared": rm.arena_of(trainer.chunks[0])
+        is adapter.arena
+        is rm.arena_of(trainer.optimizer.chained_optimizers[0])
+    }
     seen["before"] = _all_device_bytes(trainer)
     seen["weights"] = {name: w.to("cpu", copy=True) for name, w in adapter.named_weights()}
-    seen["says_fresh"] = getattr(adapter.named_weights(), "refitkit_fresh_tensors", False)  # gathers, params, their views
+    seen["says_fresh"] = getattr(
+        adapter.named_weights(), "refitkit_fresh_tensors", False
+    )  # gathers, params, their views
     seen["gpt_names"] = [n for n, _ in trainer.chunks[0].module.module.named_parameters()]
 
     seen["initial_state"] = adapter.state
@@ -75,7 +79,8 @@ def adapter_world(rank: int, world_size: int) -> dict:
     seen["kept_grads_freed"] = _all_device_bytes(trainer)["grads"]
     adapter.reload()
     seen["kept_grads_restored"] = all(
-        torch.equal(p.main_grad.cpu(), g) for p, g in zip([p for p in trainer.chunks[0].parameters() if p.requires_grad], grads)
+        torch.equal(p.main_grad.cpu(), g)
+        for p, g in zip([p for p in trainer.chunks[0].parameters() if p.requires_grad], grads)
     )
     tiny_gpt.optimizer_step(trainer, 3)
     return {

@@ -29,7 +29,9 @@ def cuda_world(rank: int, world_size: int, port: int) -> dict:
 
     torch.distributed.destroy_process_group()
     torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
 
     reference = tiny_gpt.build(hidden_size=256, num_layers=2)

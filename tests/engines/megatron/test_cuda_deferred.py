@@ -31,7 +31,9 @@ def on_nccl(rank: int, world_size: int, port: int, which: str, *args: object) ->
     """The same rank function as the CPU tests, on this rank's GPU over NCCL (the helper's gloo group swapped out)."""
     torch.distributed.destroy_process_group()
     torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     return RANK_FUNCTIONS[which](rank, world_size, *args)
 

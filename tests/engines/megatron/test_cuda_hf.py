@@ -37,11 +37,18 @@ def _free_port() -> int:
 
 def _hf_names(layout: Layout) -> set[str]:
     """The checkpoint names transformers 5.18 loads for this config (experts one by one, as vLLM reads them)."""
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    ]
     per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
     if layout.moe:
         per_layer.append("mlp.gate.weight")
-        per_layer += [f"mlp.experts.{e}.{p}_proj.weight" for e in range(parallel_gpt.EXPERTS) for p in ("gate", "up", "down")]
+        per_layer += [
+            f"mlp.experts.{e}.{p}_proj.weight" for e in range(parallel_gpt.EXPERTS) for p in ("gate", "up", "down")
+        ]
     else:
         per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     names = {f"model.layers.{i}.{n}" for i in range(layout.num_layers) for n in per_layer}
@@ -54,7 +61,9 @@ def gpu_world(rank: int, world_size: int, port: int, layout: Layout, out_path: s
 
     torch.distributed.destroy_process_group()
     torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
 
     reference = parallel_gpt.build_trainer(layout)
@@ -70,7 +79,9 @@ def gpu_world(rank: int, world_size: int, port: int, layout: Layout, out_path: s
     expected = {name: tensor.to("cpu", copy=True) for name, tensor in adapter.named_weights()}
 
     endpoint = f"megatron-hf-{os.getpid()}"
-    with BucketedWeightSender(endpoint, bucket_bytes=512 << 20, transport="cuda_ipc", timeout_s=STREAM_TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        endpoint, bucket_bytes=512 << 20, transport="cuda_ipc", timeout_s=STREAM_TIMEOUT_S
+    ) as sender:
         receiver = subprocess.Popen(
             [sys.executable, "-m", "tests.engines.megatron.stream_receiver", endpoint, out_path, str(STREAM_TIMEOUT_S)],
             env=child_env(),
@@ -103,7 +114,9 @@ def gpu_world(rank: int, world_size: int, port: int, layout: Layout, out_path: s
     }
 
 
-@pytest.mark.parametrize("label,layout,min_params", [("qwen3-1b", QWEN3_1B, 10**9), ("qwen3-moe-small", QWEN3_MOE_SMALL, 10**7)])
+@pytest.mark.parametrize(
+    "label,layout,min_params", [("qwen3-1b", QWEN3_1B, 10**9), ("qwen3-moe-small", QWEN3_MOE_SMALL, 10**7)]
+)
 def test_stream_hf_names_over_cuda_ipc_then_offload_and_train_on(label: str, layout: Layout, min_params: int) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     with tempfile.TemporaryDirectory(prefix="refitkit-megatron-gpu-") as directory:

@@ -40,7 +40,9 @@ def test_an_unsupported_megatron_optimizer_kind_is_named():
     from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer, OptimizerConfig
 
     abstract = sorted(MegatronOptimizer.__abstractmethods__)
-    custom_kind = type("CustomMegatronOptimizer", (MegatronOptimizer,), {name: lambda *a, **k: None for name in abstract})
+    custom_kind = type(
+        "CustomMegatronOptimizer", (MegatronOptimizer,), {name: lambda *a, **k: None for name in abstract}
+    )
     model = _linear()
     custom = custom_kind(torch.optim.Adam(model.parameters()), OptimizerConfig())
     with pytest.raises(InvalidInput, match="CustomMegatronOptimizer is not supported yet"):

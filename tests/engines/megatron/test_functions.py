@@ -19,7 +19,7 @@ def _copy_params(optimizer) -> list[torch.Tensor]:
     """The fp32 master copies, read straight from Megatron (independently of refitkit)."""
     found = []
     for leaf in optimizer.chained_optimizers:
-        groups = getattr(leaf, "shard_fp32_from_float16_groups", None) or getattr(leaf, "fp32_from_float16_groups")
+        groups = getattr(leaf, "shard_fp32_from_float16_groups", None) or leaf.fp32_from_float16_groups
         found += [p for group in groups for p in group if p is not None]
     return found
 
@@ -61,7 +61,12 @@ def six_functions_world(rank: int, world_size: int, use_distributed_optimizer: b
     trainer = tiny_gpt.build(use_distributed_optimizer=use_distributed_optimizer)
     chunks, optimizer = trainer.chunks, trainer.optimizer
     losses = [tiny_gpt.train_step(trainer, step) for step in range(2)]
-    parts = {"params": _params(trainer), "grads": _grads(trainer), "copies": _copy_params(optimizer), "state": _state(optimizer)}
+    parts = {
+        "params": _params(trainer),
+        "grads": _grads(trainer),
+        "copies": _copy_params(optimizer),
+        "state": _state(optimizer),
+    }
     before = {name: tiny_gpt.device_bytes(t) for name, t in parts.items()}
     values = {name: _snapshot(t) for name, t in parts.items() if name != "grads"}
     seen: dict = {"before": before, "optimizer": [type(leaf).__name__ for leaf in optimizer.chained_optimizers]}
@@ -89,7 +94,9 @@ def six_functions_world(rank: int, world_size: int, use_distributed_optimizer: b
     rm.load_megatron_model_to_gpu(chunks, load_grad=True)
     seen["after_model_load"] = now()
     seen["grads_zero"] = all(bool((g == 0).all()) for g in parts["grads"])
-    seen["main_grad_views_kept"] = all(p.main_grad is g for p, g in zip([p for p in chunks[0].parameters() if p.requires_grad], parts["grads"]))
+    seen["main_grad_views_kept"] = all(
+        p.main_grad is g for p, g in zip([p for p in chunks[0].parameters() if p.requires_grad], parts["grads"])
+    )
 
     losses += [tiny_gpt.train_step(trainer, step) for step in range(2, 4)]
     arenas = [rm.arena_of(chunks[0]), rm.arena_of(optimizer.chained_optimizers[0])]

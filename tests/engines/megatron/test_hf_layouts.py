@@ -40,7 +40,9 @@ def test_split_qkv_takes_each_head_from_its_group(heads: int, groups: int) -> No
 def test_to_hf_names_layers_experts_and_halves() -> None:
     shape = AttentionShape(num_heads=2, num_query_groups=1, head_dim=2)
     fc1 = torch.arange(8.0).reshape(4, 2)
-    pairs = list(hf_layouts.to_hf("decoder.layers.7.mlp.experts.local_experts.5.linear_fc1.weight", fc1, "qwen3_moe", shape))
+    pairs = list(
+        hf_layouts.to_hf("decoder.layers.7.mlp.experts.local_experts.5.linear_fc1.weight", fc1, "qwen3_moe", shape)
+    )
     assert [name for name, _ in pairs] == [
         "model.layers.7.mlp.experts.5.gate_proj.weight",
         "model.layers.7.mlp.experts.5.up_proj.weight",
@@ -55,7 +57,10 @@ def test_to_hf_names_layers_experts_and_halves() -> None:
 
 def test_unknown_names_and_families_are_refused() -> None:
     shape = AttentionShape(num_heads=2, num_query_groups=1, head_dim=2)
-    with pytest.raises(InvalidInput, match=r"'decoder.layers.0.mystery.weight' of shape \(2, 2\) has no Hugging Face name in the 'llama' table"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"'decoder.layers.0.mystery.weight' of shape \(2, 2\) has no Hugging Face name in the 'llama' table",
+    ):
         list(hf_layouts.to_hf("decoder.layers.0.mystery.weight", torch.zeros(2, 2), "llama", shape))
     with pytest.raises(InvalidInput, match=r"hf_family='gpt2' has no Megatron -> Hugging Face table"):
         hf_layouts.table("gpt2")

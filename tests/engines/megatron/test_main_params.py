@@ -11,10 +11,14 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize(
-    "world_size,use_distributed_optimizer", [(1, True), (1, False), (2, True)], ids=["distributed", "float16", "distributed-dp2"]
+    "world_size,use_distributed_optimizer",
+    [(1, True), (1, False), (2, True)],
+    ids=["distributed", "float16", "distributed-dp2"],
 )
 def test_offload_skips_the_bf16_params_and_reload_rebuilds_them_bit_identically(world_size, use_distributed_optimizer):
-    for rank, seen in enumerate(run_world(main_params_ranks.rebuild_world, world_size, use_distributed_optimizer, timeout_s=240)):
+    for rank, seen in enumerate(
+        run_world(main_params_ranks.rebuild_world, world_size, use_distributed_optimizer, timeout_s=240)
+    ):
         assert seen["dropped_names"] and seen["bf16_dtypes"] == ["torch.bfloat16"], rank
         assert seen["bf16_bytes"] > 0
         # the model part moved everything but the bf16 params, which left the device without a copy

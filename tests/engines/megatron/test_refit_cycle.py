@@ -23,8 +23,8 @@ TIMEOUT_S = 120.0
 
 
 def cycle_world(rank: int, world_size: int, layout: Layout, directory: str) -> dict:
-    from refitkit.refit import RefitCycle
     from refitkit.engines.megatron import MegatronAdapter, is_stream_source
+    from refitkit.refit import RefitCycle
     from refitkit.transfer import BucketedWeightSender
 
     reference = parallel_gpt.build_trainer(layout)
@@ -41,7 +41,16 @@ def cycle_world(rank: int, world_size: int, layout: Layout, directory: str) -> d
         endpoint = f"megatron-cycle-{os.getpid()}"
         sender = BucketedWeightSender(endpoint, bucket_bytes=1 << 20, timeout_s=TIMEOUT_S)
         receiver = subprocess.Popen(
-            [sys.executable, "-m", "tests.engines.megatron.stream_receiver", endpoint, out_path, str(TIMEOUT_S), str(ROUNDS), device.type],
+            [
+                sys.executable,
+                "-m",
+                "tests.engines.megatron.stream_receiver",
+                endpoint,
+                out_path,
+                str(TIMEOUT_S),
+                str(ROUNDS),
+                device.type,
+            ],
             env=child_env(),
         )
     losses, freed, expected = [], [], {}
@@ -86,7 +95,9 @@ def test_refit_cycle_streams_hf_names_offloads_and_trains_on_bit_identical(label
     for result in sources:
         assert result["receiver_rc"] == 0
         assert result["received"].keys() == result["expected"].keys()
-        assert all(torch.equal(result["received"][n], t) for n, t in result["expected"].items()), "a streamed weight differs"
+        assert all(torch.equal(result["received"][n], t) for n, t in result["expected"].items()), (
+            "a streamed weight differs"
+        )
         assert result["synced"] == sum(t.numel() * t.element_size() for t in result["expected"].values())
         names += result["received"]
     assert len(names) == len(set(names)), "a weight was streamed by two ranks"

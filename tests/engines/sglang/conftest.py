@@ -28,8 +28,8 @@ def tiny(tmp_path_factory, plugin_path):
     """One engine on a tiny bf16 Llama with the memory saver on (weights released without a host backup)."""
     import torch
 
-    from tests.engines.sglang.sglang_engine import make_engine
     from examples.tiny_llama import random_llama, save_checkpoint
+    from tests.engines.sglang.sglang_engine import make_engine
 
     if not torch.cuda.is_available():
         pytest.skip("SGLang needs a CUDA GPU")

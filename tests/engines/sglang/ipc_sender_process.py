@@ -11,8 +11,8 @@ def send_then_die(name: str, die_at: int, timeout_s: float, ready: Any) -> None:
     """Bind ``name``, report its path, then send; SIGKILL ourselves when tensor ``die_at`` is asked for."""
     import torch
 
-    from refitkit.transfer import BucketedWeightSender
     from examples.tiny_llama import random_llama
+    from refitkit.transfer import BucketedWeightSender
 
     model = random_llama(seed=7).to(device="cuda", dtype=torch.bfloat16)
     with BucketedWeightSender(name, bucket_bytes=64 << 10, transport="cuda_ipc", timeout_s=timeout_s) as sender:

@@ -36,17 +36,26 @@ def make_engine(path: str, **kwargs: Any) -> Any:
     import sglang
 
     settings = dict(
-        model_path=path, dtype="bfloat16", mem_fraction_static=0.15, random_seed=0, log_level="error",
-        context_length=256, skip_tokenizer_init=True, attention_backend="triton",
-    )  # fmt: skip
+        model_path=path,
+        dtype="bfloat16",
+        mem_fraction_static=0.15,
+        random_seed=0,
+        log_level="error",
+        context_length=256,
+        skip_tokenizer_init=True,
+        attention_backend="triton",
+    )
     return sglang.Engine(**{**settings, **kwargs})
 
 
 def prompt_logprobs(engine: Any) -> list[float]:
     """SGLang's logprob of each prompt token given the ones before it (``input_token_logprobs``: (logprob, id, text))."""
     output = engine.generate(
-        input_ids=PROMPT, sampling_params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True, logprob_start_len=0
-    )  # fmt: skip
+        input_ids=PROMPT,
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
     entries = output["meta_info"]["input_token_logprobs"]
     return [float(entry[0]) for entry in entries[1:]]
 
@@ -72,7 +81,7 @@ def reference_greedy(model: torch.nn.Module, count: int = 4) -> list[int]:
         for _ in range(count):
             logits = model(torch.tensor([tokens], device=next(model.parameters()).device)).logits[0, -1]
             tokens.append(int(logits.argmax()))
-    return tokens[len(PROMPT):]
+    return tokens[len(PROMPT) :]
 
 
 def expected_fingerprints(trainer: torch.nn.Module) -> dict[str, list[int]]:

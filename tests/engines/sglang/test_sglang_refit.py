@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from examples.tiny_llama import random_llama
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import EngineAsleep, InvalidInput, KVCacheWontFit, PartialPush, TransferError
 from refitkit.refit import RefitCycle
@@ -18,10 +19,17 @@ from refitkit.rollout.sglang import clean_weight_version, engine_state, push_wei
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender, WeightVersion
 from tests.engines.sglang.ipc_sender_process import send_then_die
 from tests.engines.sglang.sglang_engine import (
-    LOGPROB_TOLERANCE, PROMPT, TIMEOUT_S, assert_engine_holds, expected_fingerprints, greedy_tokens, make_engine,
-    prompt_logprobs, reference_greedy, reference_logprobs,
-)  # fmt: skip
-from examples.tiny_llama import random_llama
+    LOGPROB_TOLERANCE,
+    PROMPT,
+    TIMEOUT_S,
+    assert_engine_holds,
+    expected_fingerprints,
+    greedy_tokens,
+    make_engine,
+    prompt_logprobs,
+    reference_greedy,
+    reference_logprobs,
+)
 from tests.helpers.ports import free_port
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
@@ -46,14 +54,21 @@ def free_bytes() -> int:
 def test_the_cycle_refits_several_steps_bit_exact_with_memory_released_and_resumed(tiny):
     model = trainer_model(seed=20)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with BucketedWeightSender("sglang-cycle", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "sglang-cycle", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
         link = SglangLink(tiny, sender, sleep_level=2, first_version=10, engine_timeout_s=60.0)
         phase_free: dict[str, int] = {}  # the device's free bytes after each phase (this process sees the whole device)
-        with RefitCycle(FSDPAdapter(model, optimizer), link, on_phase=lambda phase: phase_free.__setitem__(phase, free_bytes())) as cycle:
+        with RefitCycle(
+            FSDPAdapter(model, optimizer), link, on_phase=lambda phase: phase_free.__setitem__(phase, free_bytes())
+        ) as cycle:
             serving_free = free_bytes()
             link.sleep_for_training()  # the engine served; the trainer's state is on the device: its first step
             state = engine_state(tiny)
-            assert sorted(state["released"]) == ["cuda_graph", "kv_cache", "weights"] and link.memory is EngineMemory.ASLEEP
+            assert (
+                sorted(state["released"]) == ["cuda_graph", "kv_cache", "weights"]
+                and link.memory is EngineMemory.ASLEEP
+            )
             assert free_bytes() > serving_free + state["kv_cache_bytes"] // 2  # the release gave memory back
             assert not weight_version(tiny).clean  # no host backup: the weights were discarded
             for step in range(3):
@@ -64,11 +79,28 @@ def test_the_cycle_refits_several_steps_bit_exact_with_memory_released_and_resum
                 report = cycle.refit(step)
 
                 names = [phase.name for phase in report.phases]
-                assert names == ["engine_wake_weights", "sync_weights", "offload", "flush_device", "barrier", "engine_wake_kv_cache"]
+                assert names == [
+                    "engine_wake_weights",
+                    "sync_weights",
+                    "offload",
+                    "flush_device",
+                    "barrier",
+                    "engine_wake_kv_cache",
+                ]
                 kv_bytes = engine_state(tiny)["kv_cache_bytes"]
-                assert phase_free["barrier"] - phase_free["engine_wake_kv_cache"] > kv_bytes // 2  # the KV cache came back
-                print(json.dumps({"step": step, "kv_cache_mib": kv_bytes >> 20, "free_mib": {k: v >> 20 for k, v in phase_free.items()},
-                                  "phase_ms": {phase.name: round(phase.seconds * 1e3, 1) for phase in report.phases}}))
+                assert (
+                    phase_free["barrier"] - phase_free["engine_wake_kv_cache"] > kv_bytes // 2
+                )  # the KV cache came back
+                print(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "kv_cache_mib": kv_bytes >> 20,
+                            "free_mib": {k: v >> 20 for k, v in phase_free.items()},
+                            "phase_ms": {phase.name: round(phase.seconds * 1e3, 1) for phase in report.phases},
+                        }
+                    )
+                )
                 assert engine_state(tiny)["released"] == [] and link.memory is EngineMemory.SERVING
                 assert clean_weight_version(tiny) == 10 + step
                 assert link.last_push.ranks[0]["complete"] and link.last_push.ranks[0]["tensors"] == tensors
@@ -90,7 +122,9 @@ def test_a_push_into_released_weights_is_refused_and_the_engine_still_serves(tin
         tiny.release_memory_occupation(tags=["weights"])  # by hand: no link saw it
         try:
             began = time.monotonic()
-            with pytest.raises(EngineAsleep, match=r"weights are released .*resume_memory_occupation\(tags=\['weights'\]\)"):
+            with pytest.raises(
+                EngineAsleep, match=r"weights are released .*resume_memory_occupation\(tags=\['weights'\]\)"
+            ):
                 push_weights(tiny, sender, trainer.named_parameters(), version=41)
             assert time.monotonic() - began < TIMEOUT_S / 2  # refused by the scheduler, not found by a timeout
             assert engine_state(tiny)["released"] == ["weights"]
@@ -103,7 +137,9 @@ def test_a_push_into_released_weights_is_refused_and_the_engine_still_serves(tin
 def test_a_push_of_some_weights_is_a_partial_push_naming_how_many_landed(tiny):
     trainer = trainer_model(seed=35)
     weights = list(trainer.named_parameters())
-    with BucketedWeightSender("sglang-partial", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "sglang-partial", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
         push_weights(tiny, sender, weights, version=45)
         with pytest.raises(PartialPush) as caught:
             push_weights(tiny, sender, weights[:3], version=46)
@@ -128,7 +164,10 @@ def test_a_killed_sender_leaves_the_engine_incomplete_until_a_full_sync(tiny):
     try:
         path = ready.get(timeout=120)
         began = time.monotonic()
-        with pytest.raises(TransferError, match=r"SGLang's TP rank 0 in SGLang's receive raised (TransferTimeout|PeerGone|TransferError)"):
+        with pytest.raises(
+            TransferError,
+            match=r"SGLang's TP rank 0 in SGLang's receive raised (TransferTimeout|PeerGone|TransferError)",
+        ):
             receive_from(tiny, f"ipc://{path}", version=51, timeout_s=kill_timeout_s)  # (its own type, across)
         assert time.monotonic() - began < kill_timeout_s + 30.0
         process.join(timeout=30)
@@ -142,7 +181,9 @@ def test_a_killed_sender_leaves_the_engine_incomplete_until_a_full_sync(tiny):
         clean_weight_version(tiny)
     assert len(prompt_logprobs(tiny)) == len(PROMPT) - 1  # the engine still serves
 
-    with BucketedWeightSender("sglang-again", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "sglang-again", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
         push_weights(tiny, sender, trainer.named_parameters(), version=52)
     assert clean_weight_version(tiny) == 52
     assert_engine_holds(tiny, trainer)
@@ -163,7 +204,10 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_the_bytes(tiny):
             with pytest.raises(KVCacheWontFit, match=r"needs \d+ MiB .* has \d+ MiB free") as caught:
                 link.wake_for_rollout()
             assert caught.value.needed_bytes == needed and caught.value.free_bytes < needed
-            assert link.memory is EngineMemory.WEIGHTS_AWAKE and engine_state(tiny)["released"] == ["cuda_graph", "kv_cache"]
+            assert link.memory is EngineMemory.WEIGHTS_AWAKE and engine_state(tiny)["released"] == [
+                "cuda_graph",
+                "kv_cache",
+            ]
         finally:
             del hog
             torch.cuda.empty_cache()
@@ -176,9 +220,17 @@ def test_a_qwen3_0_6b_shaped_checkpoint_refits_bit_exact_for_several_steps(tmp_p
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="bfloat16",
-    )  # fmt: skip
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
     from examples.tiny_llama import save_checkpoint
@@ -208,7 +260,9 @@ def test_the_cycle_refits_over_the_broadcast_bit_exact(tiny):
     model = trainer_model(seed=70)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
-    with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 20, timeout_s=TIMEOUT_S) as sender:
+    with BroadcastWeightSender(
+        rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 20, timeout_s=TIMEOUT_S
+    ) as sender:
         link = SglangLink(tiny, sender, secret=SECRET, sleep_level=2, first_version=70, engine_timeout_s=60.0)
         with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
             link.sleep_for_training()
@@ -227,9 +281,13 @@ def test_the_cycle_refits_over_the_broadcast_bit_exact(tiny):
 def test_a_link_refuses_what_cannot_work(tiny):
     with pytest.raises(InvalidInput, match="SglangLink: engine must be an sglang.Engine"):
         SglangLink(object(), None)  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match="SglangLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a str"):
+    with pytest.raises(
+        InvalidInput, match="SglangLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a str"
+    ):
         SglangLink(tiny, "policy-0")  # type: ignore[arg-type]
-    with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S) as sender:
+    with BroadcastWeightSender(
+        f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S
+    ) as sender:
         with pytest.raises(InvalidInput, match="a BroadcastWeightSender needs secret="):
             SglangLink(tiny, sender)
 
@@ -245,7 +303,9 @@ def test_a_tensor_parallel_engine_refits_over_the_broadcast_every_rank_whole(tmp
     engine = make_engine(str(tmp_path), tp_size=2)
     try:
         model = trainer_model(seed=80)
-        with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=2, timeout_s=TIMEOUT_S) as sender:
+        with BroadcastWeightSender(
+            f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=2, timeout_s=TIMEOUT_S
+        ) as sender:
             link = SglangLink(engine, sender, secret=SECRET, first_version=80)
             link.send(model.named_parameters())
         ranks = link.last_push.ranks

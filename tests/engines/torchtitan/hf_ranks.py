@@ -113,7 +113,11 @@ def hf_names_match_transformers(rank: int, world_size: int, flavour: str, tp: in
         "hf_names": sorted(hf_state),
         "missing": sorted(result.missing_keys),
         "unexpected": sorted(result.unexpected_keys),
-        "equal": {n: tuple(t.shape) == tuple(hf_state[n].shape) and bits_equal(t, hf_state[n]) for n, t in streamed.items() if n in hf_state},
+        "equal": {
+            n: tuple(t.shape) == tuple(hf_state[n].shape) and bits_equal(t, hf_state[n])
+            for n, t in streamed.items()
+            if n in hf_state
+        },
         "tied": reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr(),
         "max_logit_diff": (titan_logits.float() - hf_logits.float()).abs().max().item(),
         "logit_scale": hf_logits.abs().max().item(),
@@ -183,7 +187,11 @@ def pipeline_stages_reach_every_rank(rank: int, world_size: int, flavour: str, p
         if name in digests:
             raise AssertionError(f"{name} streamed twice")
         order.append(name)
-        digests[name] = (tuple(tensor.shape), str(tensor.dtype), hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy()).hexdigest())
+        digests[name] = (
+            tuple(tensor.shape),
+            str(tensor.dtype),
+            hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy()).hexdigest(),
+        )
         if name in own:
             own_equal[name] = bits_equal(tensor, own[name])
     with CycleAudit() as audit:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from refitkit.offload.device import local_tensor as _local
 from tests.helpers.bits import bits_equal
 
@@ -118,14 +119,22 @@ def train_with_cycle(rank: int, world_size: int, keep_grads: bool) -> dict:
     def run(cycle: bool) -> dict:
         model_parts, optimizers, loss_fn = build(world_size)
         # step-2 grads are present at the cycle: kept ones carry into step 3, dropped ones are zeroed
-        losses = [train_step(model_parts, optimizers, loss_fn, rank, s, zero=s != 1 or not keep_grads) for s in range(2)]
+        losses = [
+            train_step(model_parts, optimizers, loss_fn, rank, s, zero=s != 1 or not keep_grads) for s in range(2)
+        ]
         out: dict = {}
         if cycle:
             adapter = TorchTitanAdapter(model_parts, optimizers, keep_grads=keep_grads)
             before = local_state(model_parts, optimizers)
             move = adapter.to("cpu")
-            out["live"] = [n for n, t in adapter._model_tensors() + adapter._optimizer_tensors() if _local(t).untyped_storage().nbytes()]
-            out["live_grads"] = [n for n, p in adapter._grad_params() if p.grad is not None and _local(p.grad).untyped_storage().nbytes()]
+            out["live"] = [
+                n
+                for n, t in adapter._model_tensors() + adapter._optimizer_tensors()
+                if _local(t).untyped_storage().nbytes()
+            ]
+            out["live_grads"] = [
+                n for n, p in adapter._grad_params() if p.grad is not None and _local(p.grad).untyped_storage().nbytes()
+            ]
             out["bytes"] = (move.model.bytes, move.optimizer.bytes, move.grad.bytes)
             out["device_bytes"] = adapter.state_bytes().device_bytes
             out["state"] = adapter.state.name

@@ -21,5 +21,7 @@ def test_torchtitan_fsdp_times_tp_cycle_on_every_gpu():
     count = torch.cuda.device_count()
     if count < 4:
         pytest.skip("FSDP x TP needs 4+ GPUs (the multi-GPU machine kinds)")
-    rounds, _ = run_cycle_script("--nproc", str(count), "--engine", "torchtitan", "--tp", "2", "--rounds", "2", timeout_s=540)
+    rounds, _ = run_cycle_script(
+        "--nproc", str(count), "--engine", "torchtitan", "--tp", "2", "--rounds", "2", timeout_s=540
+    )
     check_rounds(rounds, 2)

@@ -78,7 +78,9 @@ def test_a_weight_to_hf_does_not_know_is_named_and_a_wrong_adapter_is_refused(ca
     model.extra_head = nn.Linear(3, 2)  # no HF name in Llama3StateDictAdapter's map
     adapter = TorchTitanAdapter([model], state_dict_adapter=sd_adapter)
     weights = adapter.named_weights()
-    assert not getattr(weights, "refitkit_holds_tensors", False)  # to_hf's tensors are new ones: no sender may hold them
+    assert not getattr(
+        weights, "refitkit_holds_tensors", False
+    )  # to_hf's tensors are new ones: no sender may hold them
     name, tensor = next(weights)
     assert name == "model.embed_tokens.weight" and torch.equal(tensor, model.tok_embeddings.weight)
     with pytest.raises(InvalidInput, match=r"to_hf could not convert \['extra_head.weight'\].*state_dict_adapter=None"):

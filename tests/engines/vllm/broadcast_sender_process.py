@@ -7,13 +7,17 @@ import signal
 from typing import Any
 
 
-def send_then_die(port: int, secret: str, version: int, die_at: int, bucket_bytes: int, timeout_s: float, ready: Any) -> None:
+def send_then_die(
+    port: int, secret: str, version: int, die_at: int, bucket_bytes: int, timeout_s: float, ready: Any
+) -> None:
     """Host the rendezvous on ``port``, then send version ``version``; SIGKILL ourselves when tensor ``die_at`` is asked for."""
-    from refitkit.transfer import BroadcastWeightSender
     from examples.tiny_llama import random_llama
+    from refitkit.transfer import BroadcastWeightSender
 
     model = random_llama(seed=7)
-    sender = BroadcastWeightSender(("127.0.0.1", port), secret=secret, receivers=1, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    sender = BroadcastWeightSender(
+        ("127.0.0.1", port), secret=secret, receivers=1, bucket_bytes=bucket_bytes, timeout_s=timeout_s
+    )
     ready.put(os.getpid())
 
     def weights():

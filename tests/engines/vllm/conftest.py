@@ -53,8 +53,12 @@ def start_llm(path: str, *, extension: bool) -> Any:
 
     cuda = torch.cuda.is_available()
     return LLM(
-        model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=128,
         **({"worker_extension_cls": "refitkit.rollout.vllm.RefitWorkerExtension"} if extension else {}),
         weight_transfer_config={"backend": "refitkit"},  # the same receiver, also through vLLM's own API
         **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
-    )  # fmt: skip
+    )

@@ -34,7 +34,11 @@ def build_vllm_llama(checkpoint: str) -> tuple[Any, Any]:
     config = EngineArgs(model=checkpoint, dtype="float32", enforce_eager=True, max_model_len=128).create_engine_config()
     with set_current_vllm_config(config):
         init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{_free_port()}"
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
         )
         ensure_model_parallel_initialized(1, 1)
         return LlamaForCausalLM(vllm_config=config), config
@@ -52,7 +56,9 @@ def server_main(checkpoint: str, commands: Any, answers: Any) -> None:
     with set_current_vllm_config(config):
         plan = record_load_plan(model, model.load_weights, shapes)
     bound = plan.bind(model)
-    answers.put(("ready", {name: tuple(dest.__dict__.values()) for name, dest in plan.destinations.items()}, dict(plan.skipped)))
+    answers.put(
+        ("ready", {name: tuple(dest.__dict__.values()) for name, dest in plan.destinations.items()}, dict(plan.skipped))
+    )
     receivers: dict[str, BroadcastWeightReceiver] = {}
     while True:
         command = commands.get()
@@ -64,7 +70,9 @@ def server_main(checkpoint: str, commands: Any, answers: Any) -> None:
                 param.zero_()
         start = time.monotonic()
         try:
-            receiver = receivers.get(rendezvous) or BroadcastWeightReceiver(rendezvous, secret=secret, rank=1, timeout_s=timeout_s)
+            receiver = receivers.get(rendezvous) or BroadcastWeightReceiver(
+                rendezvous, secret=secret, rank=1, timeout_s=timeout_s
+            )
             receivers[rendezvous] = receiver
             with set_current_vllm_config(config):
                 receiver.receive(lambda weights, last: model.load_weights(weights), direct=bound if use_plan else None)

@@ -16,10 +16,10 @@ import socket
 import pytest
 import torch
 
+from examples.tiny_llama import random_llama, save_checkpoint, tiny_config
 from refitkit.rollout.vllm import stacked_digests
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from tests.engines.vllm.load_plan_peers import VllmModelProcess
-from examples.tiny_llama import random_llama, save_checkpoint, tiny_config
 from tests.transfer.peers import digest
 
 pytestmark = pytest.mark.timeout(400)
@@ -43,18 +43,46 @@ def test_plan_maps_qkv_and_gate_up_rows(server):
     f32 = torch.float32
     for layer in range(config.num_hidden_layers):
         attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
-        assert server.destinations[f"{attn}.q_proj.weight"] == (f"{attn}.qkv_proj.weight", 0, q_rows * hidden, (q_rows, hidden), f32)
+        assert server.destinations[f"{attn}.q_proj.weight"] == (
+            f"{attn}.qkv_proj.weight",
+            0,
+            q_rows * hidden,
+            (q_rows, hidden),
+            f32,
+        )
         assert server.destinations[f"{attn}.k_proj.weight"] == (
-            f"{attn}.qkv_proj.weight", q_rows * hidden, kv_rows * hidden, (kv_rows, hidden), f32
+            f"{attn}.qkv_proj.weight",
+            q_rows * hidden,
+            kv_rows * hidden,
+            (kv_rows, hidden),
+            f32,
         )
         assert server.destinations[f"{attn}.v_proj.weight"] == (
-            f"{attn}.qkv_proj.weight", (q_rows + kv_rows) * hidden, kv_rows * hidden, (kv_rows, hidden), f32
+            f"{attn}.qkv_proj.weight",
+            (q_rows + kv_rows) * hidden,
+            kv_rows * hidden,
+            (kv_rows, hidden),
+            f32,
         )
-        assert server.destinations[f"{mlp}.gate_proj.weight"] == (f"{mlp}.gate_up_proj.weight", 0, ffn * hidden, (ffn, hidden), f32)
-        assert server.destinations[f"{mlp}.up_proj.weight"] == (f"{mlp}.gate_up_proj.weight", ffn * hidden, ffn * hidden, (ffn, hidden), f32)
+        assert server.destinations[f"{mlp}.gate_proj.weight"] == (
+            f"{mlp}.gate_up_proj.weight",
+            0,
+            ffn * hidden,
+            (ffn, hidden),
+            f32,
+        )
+        assert server.destinations[f"{mlp}.up_proj.weight"] == (
+            f"{mlp}.gate_up_proj.weight",
+            ffn * hidden,
+            ffn * hidden,
+            (ffn, hidden),
+            f32,
+        )
     names = set(random_llama(seed=0).state_dict())
     assert set(server.destinations) == names and server.skipped == {}  # every weight of this Llama can land in place
-    for name in names - {n for n in names if any(part in n for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}:
+    for name in names - {
+        n for n in names if any(part in n for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    }:
         param, offset, numel, shape, _ = server.destinations[name]
         assert (param, offset, tuple(shape)) == (name, 0, tuple(random_llama(seed=0).state_dict()[name].shape))
 
@@ -73,7 +101,9 @@ def test_direct_receive_is_bit_exact_with_vllms_own_loading(server):
             probe.bind(("127.0.0.1", 0))
             url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
         # 64 KiB buckets: the 128 KiB embedding, lm_head and gate/up are split across buckets
-        with BroadcastWeightSender(url, secret=SECRET, receivers=1, bucket_bytes=1 << 16, per_tensor=True, timeout_s=30.0) as sender:
+        with BroadcastWeightSender(
+            url, secret=SECRET, receivers=1, bucket_bytes=1 << 16, per_tensor=True, timeout_s=30.0
+        ) as sender:
             server.receive(url, SECRET, use_plan=use_plan)
             sender.send(iter(state.items()), version=1)
         error, message, _, digests, split = server.result()
@@ -93,7 +123,9 @@ def test_a_weight_sent_in_another_dtype_falls_back_to_vllms_loader(server):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-    with BroadcastWeightSender(url, secret=SECRET, receivers=1, bucket_bytes=1 << 16, per_tensor=True, timeout_s=30.0) as sender:
+    with BroadcastWeightSender(
+        url, secret=SECRET, receivers=1, bucket_bytes=1 << 16, per_tensor=True, timeout_s=30.0
+    ) as sender:
         server.receive(url, SECRET, use_plan=True)
         sender.send(list(state.items()), version=2)
     error, message, _, digests, (direct_bytes, bucket_bytes, fallbacks) = server.result()

@@ -10,9 +10,9 @@ import socket
 
 import pytest
 
+from examples.tiny_llama import random_llama, save_checkpoint
 from refitkit.rollout.lora import LoraCollector, VllmLoraLoader
 from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
-from examples.tiny_llama import random_llama, save_checkpoint
 from tests.engines.vllm.vllm_checks import LOGPROB_TOLERANCE, PROMPT, reference_logprobs
 from tests.rollout.lora_models import lora_llama, start_sender
 
@@ -41,10 +41,16 @@ def lora_llm(tmp_path_factory):
     save_checkpoint(random_llama(seed=0), path)
     cuda = torch.cuda.is_available()
     llm = LLM(
-        model=path, dtype="float16" if cuda else "float32", enforce_eager=True, seed=0, max_model_len=128,
-        enable_lora=True, max_lora_rank=8,
-        max_loras=2, **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
-    )  # fmt: skip
+        model=path,
+        dtype="float16" if cuda else "float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=128,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+        **({"gpu_memory_utilization": 0.2} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
+    )
     try:
         yield llm
     finally:
@@ -83,14 +89,22 @@ def test_adapter_sync_serves_the_trainers_lora_in_vllm(lora_llm):
         assert adapter.spec.rank == 8 and adapter.spec.alpha == 16.0
         assert adapter.spec.target_modules == ("down_proj", "gate_proj", "q_proj", "v_proj")
         request = loader.load(adapter, version=version)
-        assert (request.lora_name, request.lora_int_id, request.load_inplace) == ("refitkit", 1, False)  # sampling never reloads
+        assert (request.lora_name, request.lora_int_id, request.load_inplace) == (
+            "refitkit",
+            1,
+            False,
+        )  # sampling never reloads
         got = logprobs(lora_llm, request)
         want = reference_logprobs(lora_llama(0, lora_seed))
         assert got == pytest.approx(want, abs=LORA_TOLERANCE)  # the new version, under the old id
         change = max(abs(a - b) for a, b in zip(got, base_before))
-        assert change > max(0.01, 2 * LORA_TOLERANCE), change  # the adapter really changes the outputs, beyond the tolerance
+        assert change > max(0.01, 2 * LORA_TOLERANCE), (
+            change
+        )  # the adapter really changes the outputs, beyond the tolerance
         assert set(lora_llm.llm_engine.list_loras()) == {1}
-        assert [entry.name for entry in os.scandir(loader.root_dir)] == [f"v{version}-id1"]  # the previous files are gone
+        assert [entry.name for entry in os.scandir(loader.root_dir)] == [
+            f"v{version}-id1"
+        ]  # the previous files are gone
 
     by_id = VllmLoraLoader(lora_llm, inplace=False, lora_id=5)  # a new id per version, the previous one removed
     request = by_id.load(sync_adapter(13, 3), version=3)

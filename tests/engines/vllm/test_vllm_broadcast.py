@@ -7,16 +7,23 @@ import time
 
 import pytest
 
+from examples.tiny_llama import random_llama
 from refitkit.errors import PartialPush, TransferError, UnknownWeight
-from refitkit.rollout._push import peer_error
 from refitkit.rollout import WeightVersion, clean_weight_version, push_weights_broadcast, weight_versions
+from refitkit.rollout._push import peer_error
 from refitkit.transfer import BroadcastWeightSender
 from tests.engines.vllm.broadcast_sender_process import send_then_die
-from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, SECRET, SMALL_BUCKET_BYTES, assert_engine_holds, broadcast_push, free_port,
-    prompt_logprobs, reference_logprobs, worker_info,
-)  # fmt: skip
+    LOGPROB_TOLERANCE,
+    SECRET,
+    SMALL_BUCKET_BYTES,
+    assert_engine_holds,
+    broadcast_push,
+    free_port,
+    prompt_logprobs,
+    reference_logprobs,
+    worker_info,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,7 +41,9 @@ def test_broadcast_push_lands_and_vllm_computes_what_hf_computes(engine, trainer
 
     stats = broadcast_push(engine, trainer.named_parameters(), version=200)
 
-    assert prompt_logprobs(engine.llm) == pytest.approx(expected, abs=LOGPROB_TOLERANCE)  # an HF forward of the pushed weights
+    assert prompt_logprobs(engine.llm) == pytest.approx(
+        expected, abs=LOGPROB_TOLERANCE
+    )  # an HF forward of the pushed weights
     assert_engine_holds(engine, trainer)
     [worker] = stats.ranks
     tensors = len(list(trainer.parameters()))
@@ -51,13 +60,19 @@ def test_a_sync_killed_part_way_leaves_the_engine_incomplete_until_a_full_sync(e
     port = free_port()
     spawn = multiprocessing.get_context("spawn")
     ready = spawn.Queue()
-    sender = spawn.Process(target=send_then_die, args=(port, SECRET, 211, 17, SMALL_BUCKET_BYTES, KILL_TIMEOUT_S, ready))
+    sender = spawn.Process(
+        target=send_then_die, args=(port, SECRET, 211, 17, SMALL_BUCKET_BYTES, KILL_TIMEOUT_S, ready)
+    )
     sender.start()
     try:
         ready.get(timeout=120)  # the child imported torch and hosts the rendezvous
         began = time.monotonic()
-        with pytest.raises(Exception, match=r"TransferTimeout|PeerGone|TransferError|Connection"):  # vLLM re-raises as Exception
-            engine.llm.collective_rpc("refit_receive_broadcast", args=(f"tcp://127.0.0.1:{port}", SECRET, KILL_TIMEOUT_S))
+        with pytest.raises(
+            Exception, match=r"TransferTimeout|PeerGone|TransferError|Connection"
+        ):  # vLLM re-raises as Exception
+            engine.llm.collective_rpc(
+                "refit_receive_broadcast", args=(f"tcp://127.0.0.1:{port}", SECRET, KILL_TIMEOUT_S)
+            )
         assert time.monotonic() - began < KILL_TIMEOUT_S + 10.0
         sender.join(timeout=30)
         assert sender.exitcode == -9
@@ -68,7 +83,9 @@ def test_a_sync_killed_part_way_leaves_the_engine_incomplete_until_a_full_sync(e
 
     assert weight_versions(engine.llm) == [WeightVersion(210, 211)]  # buckets of 211 were loaded, then it broke
     assert worker_info(engine.llm)["weights_consistent"] is False
-    with pytest.raises(TransferError, match="sync of version 211 did not land whole .* last whole sync was version 210"):
+    with pytest.raises(
+        TransferError, match="sync of version 211 did not land whole .* last whole sync was version 210"
+    ):
         clean_weight_version(engine.llm)
     assert len(prompt_logprobs(engine.llm)) == len(engine.baseline_logprobs)  # the engine still serves
 
@@ -80,7 +97,9 @@ def test_a_sync_killed_part_way_leaves_the_engine_incomplete_until_a_full_sync(e
 
 def test_a_partial_broadcast_is_refused_as_incomplete(engine, trainer):
     broadcast_push(engine, trainer.named_parameters(), version=220)
-    with pytest.raises(PartialPush, match="the push of version 221 delivered 3 of the 21 weights vLLM worker 0 loads") as caught:
+    with pytest.raises(
+        PartialPush, match="the push of version 221 delivered 3 of the 21 weights vLLM worker 0 loads"
+    ) as caught:
         broadcast_push(engine, list(trainer.named_parameters())[:3], version=221)
     assert (caught.value.version, caught.value.delivered, caught.value.expected) == (221, 3, 21)
     assert weight_versions(engine.llm) == [WeightVersion(220, 221)]
@@ -93,7 +112,9 @@ def test_a_wrong_secret_on_the_engine_side_is_refused_before_any_weight(engine, 
     with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=5.0) as sender:
         began = time.monotonic()
         with pytest.raises(TransferError, match="secret check|failed the secret"):
-            push_weights_broadcast(engine.llm, sender, trainer.named_parameters(), secret="not-the-job-secret-000", version=231)
+            push_weights_broadcast(
+                engine.llm, sender, trainer.named_parameters(), secret="not-the-job-secret-000", version=231
+            )
         assert time.monotonic() - began < 5.0 + 10.0
     assert weight_versions(engine.llm) == [WeightVersion(230, None)]  # nothing arrived: still clean at 230
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs
@@ -120,6 +141,8 @@ def test_a_loader_that_stops_early_fails_the_session_on_both_sides_and_the_next_
     assert "no module or parameter" in caught.value.remote_message  # vLLM's reason
     assert weight_versions(engine.llm) == [WeightVersion(240, 241)]
 
-    broadcast_push(engine, engine.original.named_parameters(), version=242)  # the worker's receiver thread ended: no hang
+    broadcast_push(
+        engine, engine.original.named_parameters(), version=242
+    )  # the worker's receiver thread ended: no hang
     assert weight_versions(engine.llm) == [WeightVersion(242, None)]
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs

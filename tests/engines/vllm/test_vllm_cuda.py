@@ -7,19 +7,26 @@ from __future__ import annotations
 
 import pytest
 
-from refitkit.transfer import BucketedWeightSender
-from refitkit.rollout.vllm import push_weights
 from examples.tiny_llama import random_llama
+from refitkit.rollout.vllm import push_weights
+from refitkit.transfer import BucketedWeightSender
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, TIMEOUT_S, assert_engine_holds, prompt_logprobs, reference_logprobs, worker_info,
-)  # fmt: skip
+    LOGPROB_TOLERANCE,
+    TIMEOUT_S,
+    assert_engine_holds,
+    prompt_logprobs,
+    reference_logprobs,
+    worker_info,
+)
 
 pytestmark = pytest.mark.cuda
 
 
 def test_cuda_ipc_push_lands_bit_exactly(engine):
     trainer = random_llama(seed=2).to("cuda")
-    with BucketedWeightSender("vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
         stats = push_weights(engine.llm, sender, trainer.named_parameters())
     assert stats.sender.tensors == len(list(trainer.parameters())) == stats.ranks[0]["tensors"]
     assert worker_info(engine.llm)["device"].startswith("cuda")
@@ -29,7 +36,9 @@ def test_cuda_ipc_push_lands_bit_exactly(engine):
 
     original = engine.original.to("cuda")
     try:
-        with BucketedWeightSender("vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+        with BucketedWeightSender(
+            "vllm-refit-cuda", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+        ) as sender:
             again = push_weights(engine.llm, sender, original.named_parameters())
     finally:
         engine.original.to("cpu")
@@ -51,8 +60,9 @@ def test_a_direct_push_reads_the_trainers_weights_in_place_bit_exact_and_leaves_
     for round_index in range(3):  # the first makes the engine's temporaries; the rest are the one-copy arrival
         torch.cuda.synchronize()
         reserved, free = torch.cuda.memory_reserved(), device_free_bytes()
-        with BucketedWeightSender("vllm-refit-direct", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S,
-                                  direct=True) as sender:  # fmt: skip
+        with BucketedWeightSender(
+            "vllm-refit-direct", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S, direct=True
+        ) as sender:
             stats = push_weights(engine.llm, sender, trainer.named_parameters())
             split = sender.last_split
         assert torch.cuda.memory_reserved() == reserved
@@ -75,7 +85,7 @@ def test_gloo_broadcast_of_cuda_weights_lands_bit_exactly(engine):
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     with BroadcastWeightSender(
         rendezvous, secret=SECRET, receivers=1, bucket_bytes=1 << 20, device="cuda", backend="gloo", timeout_s=TIMEOUT_S
-    ) as sender:  # fmt: skip
+    ) as sender:
         stats = push_weights_broadcast(engine.llm, sender, trainer.named_parameters(), secret=SECRET, version=900)
     [worker] = stats.ranks
     assert (worker["version"], worker["complete"], worker["tensors"]) == (900, True, len(list(trainer.parameters())))

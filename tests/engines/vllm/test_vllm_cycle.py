@@ -5,16 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from examples.tiny_llama import random_llama
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import InvalidInput
 from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
-from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, PROMPT, SECRET, SMALL_BUCKET_BYTES, TIMEOUT_S, assert_engine_holds, free_port, prompt_logprobs,
+    LOGPROB_TOLERANCE,
+    PROMPT,
+    SECRET,
+    SMALL_BUCKET_BYTES,
+    TIMEOUT_S,
+    assert_engine_holds,
+    free_port,
+    prompt_logprobs,
     reference_logprobs,
-)  # fmt: skip
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,22 +51,30 @@ def run_cycle(engine, sender, link: VllmLink, *, first_version: int) -> None:
 
 
 def test_the_cycle_refits_vllm_over_shm(engine):
-    with BucketedWeightSender("vllm-cycle", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "vllm-cycle", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S
+    ) as sender:
         run_cycle(engine, sender, VllmLink(engine.llm, sender, first_version=300), first_version=300)
 
 
 def test_the_cycle_refits_vllm_over_a_broadcast(engine):
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
-    with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=SMALL_BUCKET_BYTES, timeout_s=TIMEOUT_S) as sender:
+    with BroadcastWeightSender(
+        rendezvous, secret=SECRET, receivers=1, bucket_bytes=SMALL_BUCKET_BYTES, timeout_s=TIMEOUT_S
+    ) as sender:
         run_cycle(engine, sender, VllmLink(engine.llm, sender, secret=SECRET, first_version=400), first_version=400)
 
 
 def test_a_link_refuses_what_cannot_work(engine):
     with pytest.raises(InvalidInput, match="VllmLink: llm must be a vllm.LLM"):
         VllmLink(object(), None)  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match="VllmLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a str"):
+    with pytest.raises(
+        InvalidInput, match="VllmLink: sender must be a BucketedWeightSender or a BroadcastWeightSender, got a str"
+    ):
         VllmLink(engine.llm, "policy-0")  # type: ignore[arg-type]
-    with BroadcastWeightSender(f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S) as sender:
+    with BroadcastWeightSender(
+        f"tcp://127.0.0.1:{free_port()}", secret=SECRET, receivers=1, timeout_s=TIMEOUT_S
+    ) as sender:
         with pytest.raises(InvalidInput, match="a BroadcastWeightSender needs secret="):
             VllmLink(engine.llm, sender)
 

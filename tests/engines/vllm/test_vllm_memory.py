@@ -7,17 +7,22 @@ import time
 import pytest
 import torch
 
+from examples.tiny_llama import random_llama, save_checkpoint
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import EngineAsleep, KVCacheWontFit
 from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version, push_weights, weight_versions
 from refitkit.rollout.links import EngineMemory
 from refitkit.transfer import BucketedWeightSender
-from examples.tiny_llama import random_llama, save_checkpoint
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, PROMPT, TIMEOUT_S, engine_checksums, expected_engine_checksums, prompt_logprobs,
+    LOGPROB_TOLERANCE,
+    PROMPT,
+    TIMEOUT_S,
+    engine_checksums,
+    expected_engine_checksums,
+    prompt_logprobs,
     reference_logprobs,
-)  # fmt: skip
+)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(400)]
 
@@ -32,9 +37,15 @@ def sleepy(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny-llama-sleepy"))
     save_checkpoint(random_llama(seed=0), path)
     llm = LLM(
-        model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128, gpu_memory_utilization=0.1,
-        enable_sleep_mode=True, worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
-    )  # fmt: skip
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=128,
+        gpu_memory_utilization=0.1,
+        enable_sleep_mode=True,
+        worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
+    )
     try:
         yield llm
     finally:
@@ -56,7 +67,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None
 def test_the_link_sleeps_and_wakes_the_engine_around_the_cycle(sleepy, level):
     model = random_llama(seed=20 + level).to("cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with BucketedWeightSender(f"vllm-sleepy-{level}", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        f"vllm-sleepy-{level}", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
         link = VllmLink(sleepy, sender, sleep_level=level, first_version=10 * level, engine_timeout_s=60.0)
         with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
             link.sleep_for_training()  # the engine served; the trainer's state is on the device: its first step
@@ -71,9 +84,18 @@ def test_the_link_sleeps_and_wakes_the_engine_around_the_cycle(sleepy, level):
                 report = cycle.refit(step)
 
                 names = [phase.name for phase in report.phases]
-                assert names == ["engine_wake_weights", "sync_weights", "offload", "flush_device", "barrier", "engine_wake_kv_cache"]
+                assert names == [
+                    "engine_wake_weights",
+                    "sync_weights",
+                    "offload",
+                    "flush_device",
+                    "barrier",
+                    "engine_wake_kv_cache",
+                ]
                 state = memory(sleepy)
-                assert state["asleep"] == {} and state["resident"]["kv_cache"] == asleep["kv_cache"]  # all of it came back
+                assert (
+                    state["asleep"] == {} and state["resident"]["kv_cache"] == asleep["kv_cache"]
+                )  # all of it came back
                 assert link.memory is EngineMemory.SERVING
                 assert engine_checksums(sleepy) == held  # bit for bit what the trainer held
                 assert prompt_logprobs(sleepy) == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
@@ -90,7 +112,9 @@ def test_a_push_into_sleeping_weights_is_refused_not_a_crash(sleepy):
     trainer = random_llama(seed=30).to("cuda")
     sleepy.sleep(level=1)  # by hand: the link did not see it
     try:
-        with BucketedWeightSender("vllm-sleepy-push", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+        with BucketedWeightSender(
+            "vllm-sleepy-push", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+        ) as sender:
             began = time.monotonic()
             with pytest.raises(EngineAsleep, match=r"weights are asleep .*wake_up\(tags=\['weights'\]\)"):
                 push_weights(sleepy, sender, trainer.named_parameters())
@@ -103,7 +127,9 @@ def test_a_push_into_sleeping_weights_is_refused_not_a_crash(sleepy):
 
 def test_a_kv_cache_that_cannot_fit_is_refused_with_the_bytes(sleepy):
     trainer = random_llama(seed=31).to("cuda")
-    with BucketedWeightSender("vllm-sleepy-kv", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "vllm-sleepy-kv", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
         link = VllmLink(sleepy, sender, sleep_level=1, engine_timeout_s=60.0)
         link.sleep_for_training()
         link.send(trainer.named_parameters())  # wakes the weights first

@@ -12,15 +12,19 @@ import time
 import pytest
 import torch
 
+from examples.tiny_llama import random_llama, save_checkpoint
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import EngineError, InvalidInput
 from refitkit.refit import RefitCycle
 from refitkit.rollout import VllmLink, clean_weight_version, push_weights, push_weights_broadcast
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
-from examples.tiny_llama import random_llama, save_checkpoint
 from tests.engines.vllm.vllm_checks import (
-    SECRET, SMALL_BUCKET_BYTES, TIMEOUT_S, engine_checksums, expected_engine_checksums,
-)  # fmt: skip
+    SECRET,
+    SMALL_BUCKET_BYTES,
+    TIMEOUT_S,
+    engine_checksums,
+    expected_engine_checksums,
+)
 from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,10 +42,16 @@ def small_block_engine(tmp_path_factory):
     save_checkpoint(random_llama(seed=0), path)
     cuda = torch.cuda.is_available()
     llm = LLM(
-        model=path, dtype="float32", enforce_eager=True, seed=0, max_model_len=128, block_size=BLOCK,
-        enable_prefix_caching=True, worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=128,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
         **({"gpu_memory_utilization": 0.2, "enable_sleep_mode": True} if cuda else {"kv_cache_memory_bytes": 64 << 20}),
-    )  # fmt: skip
+    )
     try:
         yield llm
     finally:
@@ -52,7 +62,9 @@ def _cached_tokens(llm) -> int:
     """How many of the prompt's tokens the engine took from its prefix cache for one more greedy token."""
     from vllm import SamplingParams
 
-    output = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+    output = llm.generate(
+        [{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+    )[0]
     return output.num_cached_tokens
 
 
@@ -69,7 +81,7 @@ def _broadcast(llm, weights) -> object:
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     sender = BroadcastWeightSender(
         rendezvous, secret=SECRET, receivers=1, bucket_bytes=SMALL_BUCKET_BYTES, timeout_s=TIMEOUT_S
-    )  # fmt: skip
+    )
     with sender:
         return push_weights_broadcast(llm, sender, weights, secret=SECRET, version=clean_weight_version(llm) + 1)
 
@@ -85,7 +97,7 @@ def test_after_a_push_returns_nothing_is_served_from_kv_of_older_weights(small_b
         pushes = {
             "push_weights": lambda weights: push_weights(llm, sender, weights),
             "push_weights_broadcast": lambda weights: _broadcast(llm, weights),
-        }  # fmt: skip
+        }
         push_weights(llm, sender, original.named_parameters(), reset_prefix_cache=True)
         baseline = _greedy(llm)
         assert llm.reset_prefix_cache()  # what is cached next is computed with the weights pushed next
@@ -105,7 +117,9 @@ def test_a_push_told_not_to_keeps_the_prefix_cache_and_one_by_default_drops_it(s
     _cached_tokens(llm)
     assert _cached_tokens(llm) == 2 * BLOCK  # the prompt's whole blocks are cached
 
-    with BucketedWeightSender("vllm-prefix", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "vllm-prefix", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S
+    ) as sender:
         kept = push_weights(llm, sender, trainer.named_parameters(), reset_prefix_cache=False)
         assert kept.reset_s is None and kept.prefix_cache_reset is None
         assert _cached_tokens(llm) == 2 * BLOCK  # stale: KV computed with the old weights, still served (opted out)
@@ -125,19 +139,31 @@ def test_a_reset_that_vllm_refuses_is_an_error_once_the_weights_landed(small_blo
 
     llm, trainer = small_block_engine, random_llama(seed=7)
     engine = llm.llm_engine
-    engine.add_request("held", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=128 - len(PROMPT), ignore_eos=True, temperature=0.0))
+    engine.add_request(
+        "held",
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(max_tokens=128 - len(PROMPT), ignore_eos=True, temperature=0.0),
+    )
     deadline = time.monotonic() + TIMEOUT_S
     while not any(out.outputs[0].token_ids for out in engine.step()):  # its prefill ran: it holds blocks
         assert time.monotonic() < deadline, "the request never started"
     llm.sleep(level=0, mode="keep")  # no more steps; the request keeps its blocks
     try:
         assert engine.has_unfinished_requests(), "the request finished before the engine paused: make it longer"
-        with BucketedWeightSender("vllm-prefix-held", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
-            with pytest.raises(EngineError, match=r"landed version (\d+) whole, but vLLM refused to reset its prefix cache") as refused:
+        with BucketedWeightSender(
+            "vllm-prefix-held", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S
+        ) as sender:
+            with pytest.raises(
+                EngineError, match=r"landed version (\d+) whole, but vLLM refused to reset its prefix cache"
+            ) as refused:
                 push_weights(llm, sender, trainer.named_parameters())  # the default asks for the reset
-            assert "The weights need no second push: let those requests finish or abort them, then call " \
+            assert (
+                "The weights need no second push: let those requests finish or abort them, then call "
                 "llm.reset_prefix_cache()" in str(refused.value)
-            assert clean_weight_version(llm) == int(re.search(r"version (\d+)", str(refused.value)).group(1))  # the weights are in, whole
+            )
+            assert clean_weight_version(llm) == int(
+                re.search(r"version (\d+)", str(refused.value)).group(1)
+            )  # the weights are in, whole
             llm.wake_up(tags=["scheduling"])
             while engine.has_unfinished_requests():
                 engine.step()
@@ -157,7 +183,9 @@ def test_a_cycle_with_the_engine_asleep_leaves_nothing_cached_under_the_old_weig
     llm = small_block_engine
     model = random_llama(seed=5).to("cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with BucketedWeightSender("vllm-prefix-cycle", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "vllm-prefix-cycle", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
         link = VllmLink(llm, sender, sleep_level=1, engine_timeout_s=60.0)
         with RefitCycle(FSDPAdapter(model, optimizer), link) as cycle:
             _cached_tokens(llm)

@@ -8,14 +8,20 @@ import time
 import pytest
 import torch
 
+from examples.tiny_llama import random_llama
 from refitkit.errors import EngineError, InvalidInput, PartialPush, TransferError, UnknownWeight, WeightShapeMismatch
 from refitkit.rollout._push import peer_error
-from refitkit.transfer import BucketedWeightSender
 from refitkit.rollout.vllm import push_weights
-from examples.tiny_llama import random_llama
+from refitkit.transfer import BucketedWeightSender
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, TIMEOUT_S, assert_engine_holds, prompt_logprobs, push, reference_logprobs, worker_info,
-)  # fmt: skip
+    LOGPROB_TOLERANCE,
+    TIMEOUT_S,
+    assert_engine_holds,
+    prompt_logprobs,
+    push,
+    reference_logprobs,
+    worker_info,
+)
 from tests.transfer.peers import mapped_segments
 
 
@@ -40,8 +46,14 @@ def test_push_replaces_the_weights_vllm_computes_with(engine, trainer):
     assert stats.sender.tensors == len(list(trainer.parameters())) and stats.sender.bytes == sent_bytes
     assert stats.sender.buckets > 4  # the small bucket really was reused many times
     [worker] = stats.ranks
-    assert (worker["tensors"], worker["bytes"], worker["buckets"]) == (stats.sender.tensors, sent_bytes, stats.sender.buckets)
-    assert all(isinstance(value, (int, float, bool, list, str)) or value is None for value in worker.values())  # plain values crossed the rpc
+    assert (worker["tensors"], worker["bytes"], worker["buckets"]) == (
+        stats.sender.tensors,
+        sent_bytes,
+        stats.sender.buckets,
+    )
+    assert all(
+        isinstance(value, (int, float, bool, list, str)) or value is None for value in worker.values()
+    )  # plain values crossed the rpc
     assert worker["load_path"] in ("in_place", "layerwise")
     assert (worker["complete"], worker["missing"], worker["expected"]) == (True, [], 21)
 
@@ -71,7 +83,7 @@ def test_unknown_name_fails_naming_it_and_the_engine_recovers(engine, trainer, p
         "vLLM worker 0 has no parameter for pushed weight 'model.layers.0.self_attn.bogus.weight' (shape [4, 4]; the "
         "checkpoint it loaded has no such name): its loader raised ValueError: There is no module or parameter named "
         "'layers.0.self_attn.bogus'"
-    )  # fmt: skip
+    )
     assert "The weights before it were loaded, so the engine reports its weights incomplete" in str(error)
     assert (error.weight, error.shape, error.expected_shape, error.engine) == (bogus[0], (4, 4), None, "vLLM worker 0")
     in_place = torch.cuda.is_available()
@@ -97,7 +109,7 @@ def test_unknown_name_fails_naming_it_and_the_engine_recovers(engine, trainer, p
 
 @pytest.mark.parametrize(
     "victim", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
-)  # fmt: skip
+)
 def test_a_weight_of_the_wrong_shape_fails_naming_it_and_both_shapes(engine, trainer, victim):
     """A q_proj with a row too many loaded silently into vLLM (its loader cuts it to fit), a down_proj failed with an
     empty message, the last weight (lm_head) as a bare ``Exception``: each is refused before vLLM's loader sees it."""
@@ -116,7 +128,7 @@ def test_a_weight_of_the_wrong_shape_fails_naming_it_and_both_shapes(engine, tra
     assert str(error).startswith(
         f"vLLM worker 0 refused weight {victim!r}: pushed with shape {pushed}, but the checkpoint "
         f"it loaded has {expected} (phase: shape check, before loading it). The weights before it were loaded"
-    )  # fmt: skip
+    )
     assert (error.weight, error.shape, error.expected_shape) == (victim, tuple(pushed), tuple(expected))
     assert (error.engine, error.phase, error.remote_type) == ("vLLM worker 0", "shape check", None)
     info = worker_info(engine.llm)
@@ -178,7 +190,9 @@ def test_raw_rpc_with_a_per_rank_endpoint(engine, trainer):
     """Without push_weights: the rpc runs in a thread while the sender sends; ``{rank}`` names rank 0's sender."""
     with BucketedWeightSender("vllm-rank-0", bucket_bytes=1 << 20, transport="shm", timeout_s=TIMEOUT_S) as sender:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            rpc = pool.submit(engine.llm.collective_rpc, "refit_receive", timeout=TIMEOUT_S, args=("vllm-rank-{rank}", TIMEOUT_S))
+            rpc = pool.submit(
+                engine.llm.collective_rpc, "refit_receive", timeout=TIMEOUT_S, args=("vllm-rank-{rank}", TIMEOUT_S)
+            )
             sent = sender.send(trainer.named_parameters())
             [received] = rpc.result(timeout=TIMEOUT_S)
     assert (received["tensors"], received["bytes"]) == (sent.tensors, sent.bytes)

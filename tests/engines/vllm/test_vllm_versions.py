@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from examples.tiny_llama import random_llama
 from refitkit.errors import EngineError, InvalidInput, PartialPush, TransferError, UnknownWeight
 from refitkit.rollout import WeightVersion, clean_weight_version, weight_versions
-from examples.tiny_llama import random_llama
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, assert_engine_holds, prompt_logprobs, push, reference_logprobs, worker_info,
-)  # fmt: skip
+    LOGPROB_TOLERANCE,
+    assert_engine_holds,
+    prompt_logprobs,
+    push,
+    reference_logprobs,
+    worker_info,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +38,9 @@ def test_a_whole_push_is_clean_at_the_version_it_carried(engine, trainer):
 
 def test_a_partial_push_of_3_of_21_tensors_is_a_partial_push_not_bad_input(engine, trainer):
     push(engine, trainer.named_parameters(), version=50)
-    first_three = list(trainer.named_parameters())[:3]  # embed_tokens, layers.0 q_proj and k_proj: what a new user tries
+    first_three = list(trainer.named_parameters())[
+        :3
+    ]  # embed_tokens, layers.0 q_proj and k_proj: what a new user tries
 
     with pytest.raises(PartialPush) as caught:
         push(engine, first_three, version=51)
@@ -52,8 +59,11 @@ def test_a_partial_push_of_3_of_21_tensors_is_a_partial_push_not_bad_input(engin
     assert (state["clean"], state["received"], state["expected"], len(state["missing"])) == (False, 3, HF_NAMES, 18)
     assert "model.layers.0.self_attn.v_proj.weight" in state["missing"]
     assert worker_info(engine.llm)["weights_consistent"] is False
-    with pytest.raises(TransferError, match=r"worker 0's weights are incomplete: sync of version 51 did not land whole; "
-                       r"it did not deliver 18 weights, .* its last whole sync was version 50"):  # fmt: skip
+    with pytest.raises(
+        TransferError,
+        match=r"worker 0's weights are incomplete: sync of version 51 did not land whole; "
+        r"it did not deliver 18 weights, .* its last whole sync was version 50",
+    ):
         clean_weight_version(engine.llm)
 
     push(engine, trainer.named_parameters(), version=52)  # the next whole push makes it clean again

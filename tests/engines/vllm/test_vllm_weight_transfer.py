@@ -7,15 +7,21 @@ import concurrent.futures
 
 import pytest
 
+from examples.tiny_llama import random_llama
 from refitkit.errors import EngineError, InvalidInput, PartialPush, TransferError, WeightShapeMismatch
 from refitkit.rollout import clean_weight_version
 from refitkit.transfer import BucketedWeightSender
-from examples.tiny_llama import random_llama
 from tests.engines.vllm.conftest import Engine, start_llm
 from tests.engines.vllm.vllm_checks import (
-    LOGPROB_TOLERANCE, SMALL_BUCKET_BYTES, TIMEOUT_S, assert_engine_holds, broadcast_push, prompt_logprobs, push,
+    LOGPROB_TOLERANCE,
+    SMALL_BUCKET_BYTES,
+    TIMEOUT_S,
+    assert_engine_holds,
+    broadcast_push,
+    prompt_logprobs,
+    push,
     reference_logprobs,
-)  # fmt: skip
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,14 +33,18 @@ def api_only(engine):
     exceptions on as text only."""
     llm = start_llm(engine.checkpoint, extension=False)
     try:
-        yield Engine(llm=llm, checkpoint=engine.checkpoint, original=engine.original, baseline_logprobs=prompt_logprobs(llm))
+        yield Engine(
+            llm=llm, checkpoint=engine.checkpoint, original=engine.original, baseline_logprobs=prompt_logprobs(llm)
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
 def sync_through_vllms_api(llm, weights, *, version: int) -> None:
     """start_weight_update, update_weights (in a thread, as vLLM's HTTP endpoints would) while we send, finish."""
-    with BucketedWeightSender("vllm-api", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S) as sender:
+    with BucketedWeightSender(
+        "vllm-api", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S
+    ) as sender:
         llm.start_weight_update()
         info = {"endpoint": f"ipc://{sender.path}", "timeout_s": TIMEOUT_S, "version": version}
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -59,7 +69,10 @@ def test_vllms_weight_transfer_api_lands_a_refitkit_session(engine):
 
 def test_a_partial_session_fails_update_weights_and_leaves_the_engine_incomplete(engine):
     weights = list(random_llama(seed=8).named_parameters())
-    with pytest.raises(Exception, match=r"the push of version 78 delivered 10 of the 21 weights vLLM worker 0 loads; missing \['lm_head.weight'"):
+    with pytest.raises(
+        Exception,
+        match=r"the push of version 78 delivered 10 of the 21 weights vLLM worker 0 loads; missing \['lm_head.weight'",
+    ):
         sync_through_vllms_api(engine.llm, weights[:10], version=78)  # (vLLM hands on the worker's error as text)
     with pytest.raises(Exception, match="sync of version 78 did not land whole"):
         clean_weight_version(engine.llm)
@@ -90,7 +103,9 @@ def test_push_weights_through_vllms_own_api_lands_and_a_partial_one_is_a_partial
     assert not isinstance(partial, InvalidInput)
     assert (partial.version, partial.delivered, partial.expected, partial.engine) == (91, 3, 21, "vLLM's workers")
     assert len(partial.missing) == 18 and "lm_head.weight" in partial.missing
-    assert isinstance(partial.__cause__, EngineError)  # vLLM's update_weights failed (the worker's PartialPush, as text)
+    assert isinstance(
+        partial.__cause__, EngineError
+    )  # vLLM's update_weights failed (the worker's PartialPush, as text)
 
     push(api_only, api_only.original.named_parameters(), version=92)
     assert prompt_logprobs(api_only.llm) == api_only.baseline_logprobs

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from refitkit.transfer import BucketedWeightSender
 from refitkit.rollout import PushStats
 from refitkit.rollout.vllm import push_weights, stacked_digests, tensor_sha256
-from tests.transfer.harness import own_segment_files
+from refitkit.transfer import BucketedWeightSender
 from tests.helpers.ports import free_port
+from tests.transfer.harness import own_segment_files
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 # 64 KiB halves: the 128 KiB matrices are split across buckets and every layer spans several,
@@ -58,7 +58,12 @@ def worker_info(llm: Any) -> dict[str, Any]:
 
 
 def push(
-    engine: Any, weights: Any, *, bucket_bytes: int = SMALL_BUCKET_BYTES, endpoint: str = "vllm-refit", version: int | None = None
+    engine: Any,
+    weights: Any,
+    *,
+    bucket_bytes: int = SMALL_BUCKET_BYTES,
+    endpoint: str = "vllm-refit",
+    version: int | None = None,
 ) -> PushStats:
     """One push over shm with a fresh sender; checks the sender kept no bucket memory."""
     with BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="shm", timeout_s=TIMEOUT_S) as sender:
@@ -92,5 +97,7 @@ def broadcast_push(engine: Any, weights: Any, *, version: int, bucket_bytes: int
     from refitkit.transfer import BroadcastWeightSender
 
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
-    with BroadcastWeightSender(rendezvous, secret=SECRET, receivers=1, bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S) as sender:
+    with BroadcastWeightSender(
+        rendezvous, secret=SECRET, receivers=1, bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S
+    ) as sender:
         return push_weights_broadcast(engine.llm, sender, weights, secret=SECRET, version=version)
