@@ -33,9 +33,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(PY) -m refitkit.cli demo
 
-# The core suite alone first: its transfer tests time how fast a dead peer is noticed and how much CPU a waiting
-# side uses, and on the 2-core CI box a vLLM suite beside it made them fail (they pass alone). Then the engines'
-# suites and the install check two at a time (most of their time is spawned processes starting and waiting).
+# The core suite alone first: its transfer tests hold peers to timed bounds, and on the 2-core CI box a vLLM suite
+# beside it can starve them. Then the engines' suites and the install check two at a time (most of their time is
+# spawned processes starting and waiting).
 test:
 	$(MAKE) lint test-core
 	$(MAKE) -j2 --output-sync=target test-engines test-install
