@@ -74,8 +74,9 @@ class TransferTimeout(TransferError, TimeoutError):
 
 
 class PeerGone(TransferTimeout):
-    """The peer's connection broke (it died or gave up): a send to it was refused at once, or a collective failed.
-    Nothing timed out, but the caller handles it as the timeout it would otherwise have become."""
+    """The peer's connection broke (it died or gave up): its connection closed while a wait was on, a send to it was
+    refused at once, or a collective failed. Nothing timed out, but the caller handles it as the timeout it would
+    otherwise have become."""
 
 
 class ProtocolError(TransferError):

@@ -44,14 +44,12 @@ from __future__ import annotations
 import functools
 import os
 import reprlib
-import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
 import torch
-import zmq
 
 from refitkit.errors import ProtocolError, RemoteError, TransferTimeout, error_from_record, error_record
 from refitkit.offload.device import ALIGN_BYTES, align_up  # noqa: F401 (re-exported: the wire's alignment)
@@ -434,33 +432,6 @@ def expect(frame: dict[str, Any], *kinds: str, session: str | None = None) -> di
     if session is not None and frame.get("session") != session:
         raise ProtocolError(f"frame for session {brief(frame.get('session'))}, expected {session!r}")
     return frame
-
-
-def recv_frame(
-    sock: zmq.Socket,
-    *,
-    timeout_s: float,
-    phase: SessionPhase,
-    waiting_for: str,
-    peer: str,
-    spin_s: float = 0.0,
-) -> list[bytes]:
-    """Receive one multipart message within ``timeout_s``, else TransferTimeout naming phase and knob. ``spin_s``:
-    look without sleeping for that long first (yielding the core), for a frame due at once: a thread asleep in
-    ``poll`` wakes some time after its frame came."""
-    began = time.monotonic()
-    deadline = began + timeout_s
-    spin_until = began + min(spin_s, timeout_s)
-    while time.monotonic() < spin_until:
-        if sock.poll(0, zmq.POLLIN):
-            return sock.recv_multipart(copy=True)
-        os.sched_yield()
-    while True:
-        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        if sock.poll(remaining_ms, zmq.POLLIN):
-            return sock.recv_multipart(copy=True)
-        if time.monotonic() >= deadline:
-            raise timeout_error(phase, waiting_for, peer, timeout_s)
 
 
 def timeout_error(phase: SessionPhase, waiting_for: str, peer: str, timeout_s: float) -> TransferTimeout:

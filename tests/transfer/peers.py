@@ -194,6 +194,8 @@ def _run_session(
         calls.append((len(weights), is_last))
         if mode == "raise" and len(calls) == arg:
             raise RuntimeError(f"loader exploded at bucket {arg}")
+        if mode == "stall" and len(calls) == 1:  # a loader that takes arg seconds over its first bucket
+            time.sleep(arg)
         if mode == "kill":  # reads nothing on its way: a test that times the sender must not time our digests
             if len(calls) == arg:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -322,18 +324,75 @@ def one_shot_receiver_main(endpoint: str, device: str, timeout_s: float, mode: s
     conn.send(_run_session(endpoint, device, timeout_s, mode, arg, {}))
 
 
-def killed_sender_main(endpoint: str, bucket_bytes: int, kill_at_item: int, conn: Any) -> None:
-    """A sender that SIGKILLs itself while pulling item ``kill_at_item`` (buckets already in flight)."""
+def killed_sender_main(
+    endpoint: str, bucket_bytes: int, kill_at_item: int, conn: Any, transport: str = "shm", device: str = "cpu"
+) -> None:
+    """A sender that SIGKILLs itself while pulling item ``kill_at_item`` (buckets already in flight); its tensors
+    lie on ``device`` and go by ``transport``."""
     from refitkit.transfer import BucketedWeightSender
 
     torch.set_num_threads(1)
-    sender = BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport="shm", timeout_s=30)
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)  # CUDA context up front: the test times the session, not CUDA's start
+    sender = BucketedWeightSender(endpoint, bucket_bytes=bucket_bytes, transport=transport, timeout_s=30, direct=False)
     conn.send(os.getpid())
 
     def weights():
         for index in range(1000):
             if index == kill_at_item:
                 os.kill(os.getpid(), signal.SIGKILL)
-            yield f"w{index}", torch.full((bucket_bytes // 8,), float(index))
+            yield f"w{index}", torch.full((bucket_bytes // 8,), float(index), device=device)
 
     sender.send(weights())
+
+
+def looping_receiver_main(endpoint: str, syncs: int, timeout_s: float, conn: Any) -> None:
+    """A receiver that calls ``receive()`` ``syncs`` times in a loop, as an engine's worker does; its loader raises
+    on a tensor named ``explode``. Reports each sync (sent as it ends): its outcome, digests and seconds."""
+    from refitkit.transfer import BucketedWeightReceiver
+
+    torch.set_num_threads(1)
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=timeout_s)
+    conn.send("ready")
+    for _ in range(syncs):
+        got: dict[str, Digest] = {}
+
+        def on_bucket(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+            for name, tensor in weights:
+                if name == "explode":
+                    raise RuntimeError("the loader refused 'explode'")
+                got[name] = digest(tensor)
+
+        began = time.monotonic()
+        try:
+            receiver.receive(on_bucket)
+            outcome: dict[str, Any] = {"ok": True, "digests": got}
+        except Exception as exc:  # every failure goes back to the test as data
+            outcome = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+        outcome["seconds"] = time.monotonic() - began
+        outcome["segments_after"] = mapped_segments()
+        conn.send(outcome)
+
+
+def garbage_main(path: str, conn: Any) -> None:
+    """A third process of our uid that connects to a sender's socket at ``path`` and sends it frames that are not
+    a receiver's: bytes that are no msgpack, another wire version, a well-formed frame of a session it never had,
+    a three-part message; then waits to be told to close."""
+    import msgpack
+    import zmq
+
+    from refitkit.transfer.protocol import WIRE_VERSION
+
+    context = zmq.Context()
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(f"ipc://{path}")
+    rogue.send(b"\x93garbage!")
+    rogue.send(msgpack.packb({"v": WIRE_VERSION + 1, "kind": "done", "session": "x", "seq": 0}))
+    rogue.send(msgpack.packb({"v": WIRE_VERSION, "kind": "done", "session": "not-yours", "seq": 0}))
+    rogue.send(msgpack.packb({"v": WIRE_VERSION, "kind": "error", "session": "not-yours", "message": "boom"}))
+    rogue.send_multipart([b"three", b"part", b"message"])
+    conn.send("sent")
+    conn.poll(60)
+    rogue.close()
+    context.term()

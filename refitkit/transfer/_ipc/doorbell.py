@@ -24,8 +24,10 @@ barriers, so the bytes written before a post are visible after the matching wait
 architecture.
 
 What can go wrong is bounded. A peer that dies simply stops posting: waits use
-``sem_timedwait`` in short slices against the caller's deadline, and look at the socket in
-between for error and abort frames. A process never waits on anything its peer owns except
+``sem_timedwait`` in slices against the caller's deadline (a post ends a slice at once; slices
+grow from 1 ms to 50 ms, so a long wait costs next to no CPU), and look at the socket in between
+for error and abort frames and for the peer's connection (``liveness``): a dead peer ends the
+wait within a slice. A process never waits on anything its peer owns except
 these counters: no CUDA object crosses the process boundary, so a killed peer cannot leave one of
 our streams waiting forever. A host function posts into our own mapping, which is unmapped only
 after the stream that holds the host function was synchronized.
@@ -76,7 +78,10 @@ CONSUMED = 1
 CONTROL_BYTES = 4096
 _SEM_OFFSETS = (64, 128)  # sem_t is 32 bytes on x86-64 and 32 on aarch64 glibc; each gets a cache line
 SPIN_S = 0.002  # spin this long before a waiter sleeps in sem_timedwait slices
-WAIT_SLICE_S = 0.001  # one sleeping look; the socket is looked at between slices
+WAIT_SLICE_S = 0.001  # the first sleeping look; the socket is looked at between slices
+# The longest one (each is twice the one before): a post or a frame ends a slice at once, so this only bounds how
+# late a wait looks at the socket (error and abort frames, the peer's connection) while nothing comes.
+MAX_WAIT_SLICE_S = 0.05
 # No semaphore has more announcements pending than a few (MAX_IN_FLIGHT buckets, then the final ACK):
 # a larger value is a peer writing over the segment, refused before glibc counts it down 4e9 times.
 MAX_PENDING = 16
@@ -106,25 +111,35 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
 
 
 def wait_until(
-    ready: Callable[[], bool], look: Callable[[bool], None], *, timeout_s: float, phase: SessionPhase,
-    waiting_for: str, peer: str,
-) -> None:  # fmt: skip
-    """Until ``ready()``: spin (yielding the core) for ``SPIN_S``, then call ``look(sleepy)`` every 32
-    tries, with ``sleepy`` True once the spin is over (``look`` then waits one slice on a semaphore
-    or a socket); TransferTimeout (naming ``phase``, ``waiting_for``, ``peer`` and the knob) once
-    ``timeout_s`` has passed."""
+    ready: Callable[[], bool],
+    look: Callable[[float], None],
+    *,
+    timeout_s: float,
+    phase: SessionPhase,
+    waiting_for: str,
+    peer: str,
+) -> None:
+    """Until ``ready()``: spin (yielding the core) for ``SPIN_S``, calling ``look(0.0)`` every 32 tries,
+    then ``look(slice_s)`` between tries, where ``look`` may sleep up to ``slice_s`` on a semaphore or
+    the socket (slices grow from ``WAIT_SLICE_S`` to ``MAX_WAIT_SLICE_S``); TransferTimeout (naming
+    ``phase``, ``waiting_for``, ``peer`` and the knob) once ``timeout_s`` has passed."""
     began = time.perf_counter()
     spin_until, deadline = began + SPIN_S, began + timeout_s
     tries = 0
+    slice_s = WAIT_SLICE_S
     while not ready():
-        tries += 1
-        if tries % 32:
-            os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
-            continue
         now = time.perf_counter()
         if now >= deadline:
             raise timeout_error(phase, waiting_for, peer, timeout_s)
-        look(now >= spin_until)
+        if now < spin_until:
+            tries += 1
+            if tries % 32:
+                os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
+            else:
+                look(0.0)
+            continue
+        look(min(slice_s, deadline - now))
+        slice_s = min(2 * slice_s, MAX_WAIT_SLICE_S)
 
 
 class _Timespec(ctypes.Structure):
@@ -317,9 +332,10 @@ class Doorbell:
         deadline = (time.monotonic() if clockwait is not None else time.time()) + timeout_s
         spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
         while (
-            clockwait(sem, time.CLOCK_MONOTONIC, ctypes.byref(spec)) if clockwait is not None
+            clockwait(sem, time.CLOCK_MONOTONIC, ctypes.byref(spec))
+            if clockwait is not None
             else self._libc.sem_timedwait(sem, ctypes.byref(spec))
-        ) != 0:  # fmt: skip
+        ) != 0:
             err = ctypes.get_errno()
             if err == errno.ETIMEDOUT:
                 return False

@@ -33,11 +33,15 @@ from typing import Any
 import zmq
 
 from refitkit.errors import InvalidInput, TransferError
+from refitkit.transfer._ipc.liveness import PeerWatch
 from refitkit.transfer.protocol import MAX_FRAME_BYTES, encode
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the NUL
 RECONNECT_IVL_MS = 5  # a receiver that starts first must not add 100 ms (the ZMQ default) to a sync
+# ...but a connection to a sender that is gone (a socket parked for a next session that does not come) must not try
+# 200 times a second forever: the interval doubles after each failed try, up to this
+RECONNECT_IVL_MAX_MS = 100
 
 
 def socket_dir() -> str:
@@ -127,16 +131,19 @@ def _clear_leftover(path: str) -> None:
         ) from exc
 
 
-def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
-    """A ROUTER socket bound at ``path`` (file mode 0600 from birth), after clearing a dead sender's leftover."""
+def bind_sender(context: zmq.Context, path: str) -> tuple[zmq.Socket, PeerWatch]:
+    """A ROUTER socket bound at ``path`` (file mode 0600 from birth), after clearing a dead sender's leftover, and the
+    watch over its connections (made before it binds: it sees every receiver's connection)."""
     _clear_leftover(path)
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished receiver fails instead of vanishing
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer that sends more is disconnected, never buffered
+    watch = PeerWatch(sock)
     try:
         _bind_private_then_link(sock, path)
     except Exception as exc:
+        watch.close()
         sock.close(linger=0)
         if isinstance(exc, (OSError, zmq.ZMQError)):  # e.g. a read-only directory, or one that takes no files
             raise TransferError(
@@ -144,7 +151,7 @@ def bind_sender(context: zmq.Context, path: str) -> zmq.Socket:
                 "directory this process can write (a name under REFITKIT_SOCKET_DIR, or ipc:///path)"
             ) from exc
         raise
-    return sock
+    return sock, watch
 
 
 def _bind_private_then_link(sock: zmq.Socket, path: str) -> None:
@@ -216,33 +223,43 @@ def receiver_context() -> zmq.Context:
         return held[1]
 
 
-def connect_receiver(context: zmq.Context, path: str) -> zmq.Socket:
-    """A DEALER socket connected to ``path``; frames queue until the sender binds."""
+def connect_receiver(context: zmq.Context, path: str) -> tuple[zmq.Socket, PeerWatch]:
+    """A DEALER socket connected to ``path`` (frames queue until the sender binds) and the watch over its connection
+    (made before it connects: it sees the connection open)."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a peer that sends more is disconnected, never buffered
+    watch = PeerWatch(sock)
     sock.connect(f"ipc://{path}")
-    return sock
+    return sock, watch
+
+
+def close_watched(sock: zmq.Socket, watch: PeerWatch) -> None:
+    """Close a socket and its watch (the watch first: it monitors the socket)."""
+    watch.close()
+    sock.close(linger=0)
 
 
 PARKED_ENDPOINTS = 8  # a process keeps connections made ahead to this many endpoints (the most recent ones)
-_parked: OrderedDict[str, tuple[int, tuple[int, int], zmq.Socket]] = OrderedDict()  # path -> (pid, socket file, socket)
+# path -> (pid, socket file, socket, its watch)
+_parked: OrderedDict[str, tuple[int, tuple[int, int], zmq.Socket, PeerWatch]] = OrderedDict()
 _parked_lock = threading.Lock()
 
 
-def take_receiver_socket(path: str) -> zmq.Socket:
-    """A DEALER socket connected to ``path`` for a receiving session: the one ``park_receiver_socket`` connected
-    after this process's last session on it, while the socket file is still the one it connected to (its
-    connection's handshake is done, so the hello leaves at once); else a new one."""
+def take_receiver_socket(path: str) -> tuple[zmq.Socket, PeerWatch]:
+    """A DEALER socket connected to ``path`` for a receiving session, with its watch: the one
+    ``park_receiver_socket`` connected after this process's last session on it, while the socket file is still the
+    one it connected to (its connection's handshake is done, so the hello leaves at once); else a new one."""
     with _parked_lock:
         parked = _parked.pop(path, None)
     if parked is not None:
-        pid, identity, sock = parked
+        pid, identity, sock, watch = parked
         if pid == os.getpid():  # (a forked child leaves its parent's sockets alone)
             if identity == socket_identity(path):
-                return sock
-            sock.close(linger=0)  # another sender bound the endpoint since: connect to it anew
+                return sock, watch
+            close_watched(sock, watch)  # another sender bound the endpoint since: connect to it anew
     return connect_receiver(receiver_context(), path)
 
 
@@ -252,35 +269,50 @@ def park_receiver_socket(path: str) -> None:
     identity = socket_identity(path)
     if identity is None:
         return  # the sender is gone: the next session connects when it comes
-    sock = connect_receiver(receiver_context(), path)
+    sock, watch = connect_receiver(receiver_context(), path)
     with _parked_lock:
         dropped = [_parked.pop(path, None)]
-        _parked[path] = (os.getpid(), identity, sock)
+        _parked[path] = (os.getpid(), identity, sock, watch)
         while len(_parked) > PARKED_ENDPOINTS:
             dropped.append(_parked.popitem(last=False)[1])
     for old in dropped:
         if old is not None and old[0] == os.getpid():
-            old[2].close(linger=0)
+            close_watched(old[2], old[3])
 
 
 class WaitingReceivers:
     """Hellos of receivers that arrived while a session ran: served, in order, by the next sessions.
 
     A hello is worth serving only while its receiver still waits for the setup, i.e. within the
-    ``timeout_s`` it announced; older ones are skipped.
+    ``timeout_s`` it announced; older ones are skipped. A receiving session says hello once, on a socket of its
+    own: a hello from a socket whose session was served already (``serve``) is stale (or a flood), and dropped.
     """
 
-    def __init__(self, limit: int = 16) -> None:
+    def __init__(self, limit: int = 16, served_limit: int = 64) -> None:
         self._queue: deque[tuple[bytes, dict[str, Any], float]] = deque(maxlen=limit)  # peer, hello, arrival
+        self._served: OrderedDict[bytes, None] = OrderedDict()  # the latest sessions' peers
+        self._served_limit = served_limit
 
     def add(self, peer: bytes, hello: dict[str, Any]) -> None:
-        self._queue.append((peer, hello, time.monotonic()))
+        if peer not in self._served:
+            self._queue.append((peer, hello, time.monotonic()))
+
+    def serve(self, peer: bytes) -> None:
+        """``peer``'s hello is being served by a session: any other hello from it is stale."""
+        self._served[peer] = None
+        while len(self._served) > self._served_limit:
+            self._served.popitem(last=False)
+
+    def served(self, peer: bytes) -> bool:
+        return peer in self._served
 
     def take(self) -> tuple[bytes, dict[str, Any]] | None:
         """The oldest hello whose receiver may still be waiting, or None."""
         while self._queue:
             peer, hello, arrived = self._queue.popleft()
             patience = hello.get("timeout_s")
+            if peer in self._served:
+                continue
             if not isinstance(patience, (int, float)) or time.monotonic() - arrived <= patience:
                 return peer, hello
         return None

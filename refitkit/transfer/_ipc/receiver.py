@@ -21,6 +21,10 @@ bucket on other streams (its own copy streams) must hand them over with ``receiv
 then also wait for the work queued on those streams, for the rest of the session. Reads on a stream
 the receiver does not know about may see bytes of the next bucket.
 
+Bounds: every wait is bounded by ``timeout_s``, and the whole sync, hello to final ACK, by ``max_sync_s``
+(a sender that keeps sending buckets never marked last cannot keep a receiver busy forever). A sender that
+dies is noticed by its connection (``liveness``): the wait raises ``PeerGone`` at once.
+
 Everything from the wire is checked before it is used (``protocol``): offsets, lengths, shapes and
 sequence numbers against the session's announced bucket, the mapping's real size and the tensor's
 own totals; a split tensor may not be larger than the receiving device's memory. A bad frame is a
@@ -35,15 +39,16 @@ import time
 import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import zmq
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferError
+from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
-from refitkit.transfer._ipc.endpoint import park_receiver_socket, socket_path, take_receiver_socket
-from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs
+from refitkit.transfer._ipc.endpoint import close_watched, park_receiver_socket, socket_path, take_receiver_socket
+from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_frame
+from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_seconds
 from refitkit.transfer.protocol import (
     ALIGN_BYTES,
     MAX_IN_FLIGHT,
@@ -63,27 +68,44 @@ from refitkit.transfer.protocol import (
     entries_from_wire,
     expect,
     failure_fields,
-    recv_frame,
     setup_exports,
     setup_fields,
-)  # fmt: skip
+)
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
+T = TypeVar("T")
+
+MAX_SYNC_S = 3600.0  # the default bound of one whole sync: far beyond any real one, short of forever
 
 # A session's phases as ``last_timings_s`` names them: handshake (hello to ready), waits for the sender's frames and
 # bytes, mapping its memory, the caller's on_bucket, the release (of it: the stream's reads, closing the mappings,
 # torch's caches) and closing the socket.
 RECEIVE_PHASES = (
-    "handshake", "frames", "packed", "map", "on_bucket", "release", "release_sync", "release_close", "release_flush",
+    "handshake",
+    "frames",
+    "packed",
+    "map",
+    "on_bucket",
+    "release",
+    "release_sync",
+    "release_close",
+    "release_flush",
     "close",
-)  # fmt: skip
+)
 
 
 class BucketedWeightReceiver:
-    """Connects to a sender's ``endpoint`` and receives one session per ``receive()`` / ``iter_weights()``."""
+    """Connects to a sender's ``endpoint`` and receives one session per ``receive()`` / ``iter_weights()``.
 
-    def __init__(self, endpoint: str, device: str | torch.device, timeout_s: float = 120.0) -> None:
+    ``timeout_s`` bounds each wait for the sender; ``max_sync_s`` the whole of one session, from its hello to its
+    final ACK (the loader's time included): past it the session fails with ``TransferTimeout`` naming the knob.
+    """
+
+    def __init__(
+        self, endpoint: str, device: str | torch.device, timeout_s: float = 120.0, *, max_sync_s: float = MAX_SYNC_S
+    ) -> None:
         self.timeout_s, _, _ = checked_knobs(timeout_s=timeout_s)
+        self.max_sync_s = checked_seconds(max_sync_s, "max_sync_s")
         self.device = checked_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -109,8 +131,13 @@ class BucketedWeightReceiver:
 
     def _new_session(self) -> _ReceiveSession:
         session = _ReceiveSession(
-            endpoint=self.endpoint, path=self.path, device=self.device, timeout_s=self.timeout_s, plans=self._plans
-        )  # fmt: skip
+            endpoint=self.endpoint,
+            path=self.path,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            max_sync_s=self.max_sync_s,
+            plans=self._plans,
+        )
         self.last_timings_s = session.timings
         return session
 
@@ -212,13 +239,21 @@ class _ReceiveSession:
     """State of one receiving session: socket, mapping, sequence numbers, partly assembled tensors."""
 
     def __init__(
-        self, *, endpoint: str, path: str, device: torch.device, timeout_s: float, plans: dict[int, _DirectPlan]
-    ) -> None:  # fmt: skip
-        self.endpoint, self.path, self.timeout_s = endpoint, path, timeout_s
+        self,
+        *,
+        endpoint: str,
+        path: str,
+        device: torch.device,
+        timeout_s: float,
+        max_sync_s: float,
+        plans: dict[int, _DirectPlan],
+    ) -> None:
+        self.endpoint, self.path, self.timeout_s, self.max_sync_s = endpoint, path, timeout_s, max_sync_s
         self.plans = plans  # the receiver's direct buckets as laid out last time, by sequence number
         self.device = device
         self.phase = SessionPhase.HANDSHAKE
         self.sock: zmq.Socket | None = None
+        self.watch: PeerWatch | None = None  # the socket's connection: whether the sender is still there
         self.session: str | None = None
         self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
         self.exported: list[
@@ -244,6 +279,7 @@ class _ReceiveSession:
         self.posts_queued = False
         self.assembled: list[torch.Tensor] = []  # this bucket's reassembled (owned) tensors
         self.started = time.perf_counter()
+        self.sync_deadline = self.started + max_sync_s
         # seconds per phase (the receiver's last_timings_s): frames and packed are waits for the sender, map opens
         # its allocations, release_* split the release (the stream's reads, closing mappings, torch's caches)
         self.timings = dict.fromkeys(RECEIVE_PHASES, 0.0)
@@ -263,16 +299,20 @@ class _ReceiveSession:
             self.timings["handshake"] += time.perf_counter() - began
 
     def _open(self) -> None:
-        self.sock = take_receiver_socket(self.path)
+        self.sock, self.watch = take_receiver_socket(self.path)
+        self.watch.follow(None, f"the sender on {self.endpoint!r}")
         hello: dict[str, Any] = {
-            "pid": os.getpid(), "device": self.device.type, "shm": doorbell.shm_identity(),
+            "pid": os.getpid(),
+            "device": self.device.type,
+            "shm": doorbell.shm_identity(),
             "timeout_s": self.timeout_s,  # how long a sender may keep this hello queued
             "pidns": shm.pid_namespace(),  # the same as the sender's: sealed memfds instead of named segments
-        }  # fmt: skip
+        }
         if self.device.type == "cuda":
             hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
         self.sock.send(encode("hello", **hello))
-        setup = self._recv("setup", spin_s=doorbell.SPIN_S)  # a sender waiting for us answers at once
+        # (a sender waiting for us answers at once: spin a little first)
+        setup = self._bounded(lambda timeout_s: self._recv("setup", timeout_s, spin_s=doorbell.SPIN_S))
         if setup["kind"] == "abort":
             self.phase = SessionPhase.RELEASED
             raise TransferError(f"sender on {self.endpoint!r} refused the session: {setup.get('reason')}")
@@ -404,25 +444,36 @@ class _ReceiveSession:
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
         """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
         began = time.perf_counter()
-        deadline = began + self.timeout_s
+        watch: PeerWatch = self.watch  # type: ignore[assignment]
 
         def ready() -> bool:
             self._announce_consumed()
-            if not self.inbox and self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]
+            if not self.inbox and watch.poll(0):
                 self._take(self._recv_now())
             return bool(self.inbox)
 
-        def look(sleepy: bool) -> None:
-            if sleepy:  # one slice while reads wait to be announced, else nothing but the socket: block on it
-                wait_s = doorbell.WAIT_SLICE_S if self.unconsumed else deadline - time.perf_counter()
-                if self.sock.poll(max(1, int(wait_s * 1000)), zmq.POLLIN):  # type: ignore[union-attr]
-                    self._take(self._recv_now())
+        def wait(timeout_s: float) -> None:
+            deadline = began + timeout_s
+
+            def look(slice_s: float) -> None:
+                if watch.lost:  # seen by an earlier look, and ready() found nothing since
+                    raise self._gone(waiting_for)
+                if slice_s:  # one slice while reads wait to be announced, else nothing but the socket: block on it
+                    wait_s = doorbell.WAIT_SLICE_S if self.unconsumed else deadline - time.perf_counter()
+                    if watch.poll(max(1, int(wait_s * 1000))):
+                        self._take(self._recv_now())
+
+            doorbell.wait_until(
+                ready,
+                look,
+                timeout_s=timeout_s,
+                phase=self.phase,
+                waiting_for=waiting_for,
+                peer=f"the sender on {self.endpoint!r}",
+            )
 
         try:
-            doorbell.wait_until(
-                ready, look, timeout_s=self.timeout_s, phase=self.phase, waiting_for=waiting_for,
-                peer=f"the sender on {self.endpoint!r}",
-            )  # fmt: skip
+            self._bounded(wait)
             return self.inbox.popleft()
         finally:
             waited = time.perf_counter() - began
@@ -439,22 +490,36 @@ class _ReceiveSession:
             self._announce_consumed()
             return self._count_packed() >= target
 
-        def look(sleepy: bool) -> None:
-            if sleepy and self.bell is not None:
-                if self.bell.take(doorbell.PACKED, doorbell.WAIT_SLICE_S):
+        watch: PeerWatch = self.watch  # type: ignore[assignment]
+        waiting_for = f"bucket {self.seq} from the sender (its frame came, its bytes never completed)"
+
+        def look(slice_s: float) -> None:
+            if watch.lost:  # seen by an earlier look, and ready() found nothing since
+                raise self._gone(waiting_for)
+            if slice_s and self.bell is not None:
+                if self.bell.take(doorbell.PACKED, slice_s):
                     self.packed += 1
-            elif sleepy and self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
+            elif slice_s:  # (while reads wait to be announced, the socket one WAIT_SLICE_S at a time)
+                if watch.poll(int(min(slice_s, doorbell.WAIT_SLICE_S if self.unconsumed else slice_s) * 1000)):
+                    self._take(self._recv_now())
+            for _ in range(FRAMES_PER_LOOK):  # an abort, or early frames (a flood cannot hold the wait)
+                if not watch.poll(0):
+                    break
                 self._take(self._recv_now())
-            while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
-                self._take(self._recv_now())
+
+        def wait(timeout_s: float) -> None:
+            doorbell.wait_until(
+                ready,
+                look,
+                timeout_s=timeout_s,
+                phase=self.phase,
+                waiting_for=waiting_for,
+                peer=f"the sender on {self.endpoint!r}",
+            )
 
         began = time.perf_counter()
         try:
-            doorbell.wait_until(
-                ready, look, timeout_s=self.timeout_s, phase=self.phase,
-                waiting_for=f"bucket {self.seq} from the sender (its frame came, its bytes never completed)",
-                peer=f"the sender on {self.endpoint!r}",
-            )  # fmt: skip
+            self._bounded(wait)
         finally:
             waited = time.perf_counter() - began
             self.wait_s += waited
@@ -485,12 +550,8 @@ class _ReceiveSession:
             self._release()
             self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
             self.phase = SessionPhase.RELEASED
-            applied = (
-                f"the weights are INCOMPLETE: {self.seq} buckets ({self.tensors} tensors) were already handed to "
-                "on_bucket and applied; no bucket came with is_last=True" if self.seq else "nothing was handed to on_bucket"
-            )  # fmt: skip
             raise TransferError(
-                f"sender on {self.endpoint!r} aborted the session at bucket {self.seq} ({applied}): {reason}"
+                f"sender on {self.endpoint!r} aborted the session at bucket {self.seq} ({self._applied()}): {reason}"
             )
         if kind == "packed":
             expect(frame, "packed", session=self.session)
@@ -502,6 +563,37 @@ class _ReceiveSession:
             self.packed += 1
             return
         self.inbox.append(frame)
+
+    def _applied(self) -> str:
+        """What a session that ends now, before its last bucket, leaves applied."""
+        if not self.seq:
+            return "nothing was handed to on_bucket"
+        return (
+            f"the weights are INCOMPLETE: {self.seq} buckets ({self.tensors} tensors) were already handed to on_bucket "
+            "and applied; no bucket came with is_last=True"
+        )
+
+    def _gone(self, waiting_for: str) -> PeerGone:
+        """The error of a wait that the sender's death (its connection's end) cut short."""
+        return PeerGone(f"{self.watch.gone(self.phase, waiting_for)} ({self._applied()})")  # type: ignore[union-attr]
+
+    def _bounded(self, wait: Callable[[float], T]) -> T:
+        """``wait(timeout_s)`` with the wait's bound: ``timeout_s``, or what is left of the session's (``max_sync_s``,
+        hello to final ACK), TransferTimeout naming that knob when it is the one that ran out."""
+        left_s = self.sync_deadline - time.perf_counter()
+        if left_s > 0:
+            try:
+                return wait(min(self.timeout_s, left_s))
+            except PeerGone:
+                raise
+            except TransferTimeout:
+                if self.timeout_s <= left_s:
+                    raise
+        raise TransferTimeout(
+            f"{self.phase.value}: the session with the sender on {self.endpoint!r} took longer than "
+            f"max_sync_s={self.max_sync_s:g}, at bucket {self.seq} ({self._applied()}); raise max_sync_s if a sync "
+            "really takes this long"
+        )
 
     def _announce_consumed(self) -> None:
         """Without a doorbell: a ``done`` frame for every bucket whose reads have finished, in order."""
@@ -672,9 +764,12 @@ class _ReceiveSession:
 
     def stats(self) -> TransferStats:
         return TransferStats(
-            bytes=self.bytes, tensors=self.tensors, buckets=self.seq + 1,
-            seconds=time.perf_counter() - self.started, ack_wait_s=self.wait_s,
-        )  # fmt: skip
+            bytes=self.bytes,
+            tensors=self.tensors,
+            buckets=self.seq + 1,
+            seconds=time.perf_counter() - self.started,
+            ack_wait_s=self.wait_s,
+        )
 
     def close(self) -> None:
         """Release whatever is still held and close the socket; never raises for the release."""
@@ -686,8 +781,8 @@ class _ReceiveSession:
         except TransferError as exc:
             log.warning("receiver on %r: %s", self.endpoint, exc)
         if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+            close_watched(self.sock, self.watch)  # type: ignore[arg-type]
+            self.sock = self.watch = None
             if self.acked:  # a session that ended well: the next on this endpoint finds a connection made
                 park_receiver_socket(self.path)
         self.timings["close"] += time.perf_counter() - began
@@ -708,14 +803,18 @@ class _ReceiveSession:
         return self._recv("a frame", timeout_s=0.0)
 
     def _recv(self, waiting_for: str, timeout_s: float | None = None, *, spin_s: float = 0.0) -> dict[str, Any]:
-        if self.sock is None:
+        if self.watch is None:
             raise TransferError(f"{self.phase.value}: the receiver's socket to {self.endpoint!r} is closed")
         began = time.perf_counter()
         try:
             parts = recv_frame(
-                self.sock, timeout_s=self.timeout_s if timeout_s is None else timeout_s, phase=self.phase,
-                waiting_for=waiting_for, peer=f"the sender on {self.endpoint!r}", spin_s=spin_s,
-            )  # fmt: skip
+                self.watch,
+                timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+                phase=self.phase,
+                waiting_for=waiting_for,
+                peer=f"the sender on {self.endpoint!r}",
+                spin_s=spin_s,
+            )
         finally:
             self.wait_s += time.perf_counter() - began
         if len(parts) != 1:
@@ -750,7 +849,7 @@ class _DirectPlan:
 
     def __init__(
         self, raw: list[Any], raw_allocs: list[Any], announced: list[int], entries: list[Entry], allocs: list[int]
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.raw, self.raw_allocs, self.announced = raw, raw_allocs, announced  # what it was made from, as it came
         self.entries = entries
         self.names = [entry.name for entry in entries]

@@ -12,6 +12,13 @@ it done reading (both through ``doorbell``). The bucket is freed in a ``finally`
 holds 0 bytes of bucket memory after every ``send()``, whether it succeeded or not. A receiver
 whose hello arrives during a session is served by the next ``send()``.
 
+The socket stays bound from the constructor to ``close()``, through failed sessions too: a hello said
+at any time is served. Each session's frames are told from others' by the peer they come from (a
+receiving session has a socket, so a connection and an identity, of its own): anything that is not
+from the session's receiver (a stale session's frames, garbage from another process of our uid) is
+dropped and logged. The receiver's death is noticed by its connection (``liveness``): a wait of the
+session raises ``PeerGone`` at once instead of waiting out ``timeout_s``.
+
 Validation: a list or tuple is checked whole (names, dtypes, devices, duplicates, layout) before
 the sender waits for a hello, so no receiver sees a byte of a bad list; ``send()`` raises
 ``InvalidInput`` at once, and a receiver already waiting is refused with an ``abort`` frame (as for
@@ -61,6 +68,7 @@ from refitkit.transfer._ipc.endpoint import (
     socket_identity,
     socket_path,
 )
+from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_frame
 from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.packing import (
     BOTH_HALVES,
@@ -72,7 +80,7 @@ from refitkit.transfer.packing import (
     fresh_each,
     half_bytes_for,
     held_unchanged,
-)  # fmt: skip
+)
 from refitkit.transfer.protocol import (
     ALIGN_BYTES,
     DIRECT_IN_FLIGHT,
@@ -82,10 +90,9 @@ from refitkit.transfer.protocol import (
     encode,
     entry_to_wire,
     expect,
-    recv_frame,
     remote_failure,
     timeout_error,
-)  # fmt: skip
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +185,14 @@ class BucketedWeightSender:
     """
 
     def __init__(
-        self, endpoint: str, bucket_bytes: int = 2 << 30, transport: str = "auto", timeout_s: float = 120.0, *,
+        self,
+        endpoint: str,
+        bucket_bytes: int = 2 << 30,
+        transport: str = "auto",
+        timeout_s: float = 120.0,
+        *,
         direct: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         timeout_s, bucket_bytes, transport = checked_knobs(  # type: ignore[assignment]
             timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport, min_bucket_bytes=4 * ALIGN_BYTES
         )
@@ -206,6 +218,7 @@ class BucketedWeightSender:
         shm.remove_stale_segments()
         self._context: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
+        self._watch: PeerWatch | None = None  # the socket's connections: whether a session's receiver is still there
         self._open()
 
     # -- socket lifecycle -------------------------------------------------------------------------
@@ -213,20 +226,12 @@ class BucketedWeightSender:
     def _open(self) -> None:
         self._context = zmq.Context()
         try:
-            self._socket = bind_sender(self._context, self.path)
+            self._socket, self._watch = bind_sender(self._context, self.path)
             self._bound = socket_identity(self.path)  # close() removes this file, not a successor's
         except Exception:
             self._context.term()
             self._context = None
             raise
-
-    def _reopen(self) -> None:
-        """After a failed session: drop queued frames and half-open peers with a fresh socket."""
-        # Waiting receivers' connections go with the old socket, hellos still queued in it too: tell
-        # every one of them to fail fast and say hello again.
-        self._refuse_waiting("the sender's previous session failed; say hello again")
-        self._close_socket()
-        self._open()
 
     def close(self) -> None:
         """Close the socket (its file is removed); the sender cannot send afterwards.
@@ -252,6 +257,9 @@ class BucketedWeightSender:
             self._lock.release()
 
     def _close_socket(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -331,7 +339,7 @@ class BucketedWeightSender:
 
     def _exclusive(
         self, prepare: Callable[[], _Prepared], cancel: StopRequest | None, on_hello: Callable[[], Any] | None = None
-    ) -> TransferStats:  # fmt: skip
+    ) -> TransferStats:
         """Run one session holding the sender's lock (waiting for a running one at most ``timeout_s``)."""
         if self._owner == threading.get_ident():
             raise TransferError(
@@ -392,19 +400,37 @@ class BucketedWeightSender:
     # -- one session ------------------------------------------------------------------------------
 
     def _session(
-        self, pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool, fresh: bool,
-        cancel: StopRequest, on_hello: Callable[[], Any] | None = None,
-    ) -> TransferStats:  # fmt: skip
+        self,
+        pull: Callable[[], Any],
+        listed: list[CheckedItem] | None,
+        all_cuda: bool,
+        held: bool,
+        fresh: bool,
+        cancel: StopRequest,
+        on_hello: Callable[[], Any] | None = None,
+    ) -> TransferStats:
         """One session; ``listed``: the checked items, when the caller gave a list or tuple (its size is known up
         front); ``held``: the items' tensors stay as they are during the session, so small copies may be deferred;
         ``fresh``: each tensor is made for the sender (direct mode may keep it until the receiver read it)."""
-        if self._socket is None:
+        if self._socket is None or self._watch is None:
             raise TransferError(f"sender on {self.endpoint!r} is closed")
         run = _SendSession(
-            self._socket, self._waiting, endpoint=self.endpoint, transport=self.transport, timeout_s=self.timeout_s,
-            pull=pull, listed=listed, all_cuda=all_cuda, held=held, fresh=fresh, cancel=cancel,
-            half_bytes=half_bytes_for(listed, self.half_bytes), direct=self.direct, walk=self._walk, on_hello=on_hello,
-        )  # fmt: skip
+            self._watch,
+            self._waiting,
+            endpoint=self.endpoint,
+            transport=self.transport,
+            timeout_s=self.timeout_s,
+            pull=pull,
+            listed=listed,
+            all_cuda=all_cuda,
+            held=held,
+            fresh=fresh,
+            cancel=cancel,
+            half_bytes=half_bytes_for(listed, self.half_bytes),
+            direct=self.direct,
+            walk=self._walk,
+            on_hello=on_hello,
+        )
         self.last_timings_s = run.timings
         self.last_split = None
         self._walk = None
@@ -414,29 +440,22 @@ class BucketedWeightSender:
             try:
                 run.abort(exc)
             finally:
-                self._clean_up_after(run, exc)
+                self._free_after(run, exc)
             raise
+        finally:
+            run.watch.unfollow()  # the socket stays: what its receiver sends from now on is stale
         run.free()
         self.last_split = run.split()
         self._walk = run.walk_made()
         return stats
 
-    def _clean_up_after(self, run: _SendSession, exc: BaseException) -> None:
-        """After a failed session: free the bucket, then a fresh socket. Neither may hide ``exc``."""
+    def _free_after(self, run: _SendSession, exc: BaseException) -> None:
+        """After a failed session: free the bucket, without hiding ``exc``. The socket stays bound: receivers whose
+        hellos are queued are served by the next sessions, and the failed one's frames are dropped as stale."""
         try:
             run.free()
         except Exception as late:
             log.error("sender on %r could not free the bucket after %r: %s", self.endpoint, exc, late)
-        if self._closed or not run.ever_offered:
-            return  # closing anyway, or no receiver was ever offered the bucket: the socket holds no session
-        try:
-            self._reopen()
-        except Exception as late:  # the sender is closed now; its next send() says so
-            log.error("sender on %r could not rebind after %r (it is closed now): %s", self.endpoint, exc, late)
-            if hasattr(exc, "add_note"):  # Python 3.11+ (the log line above says it on 3.10)
-                exc.add_note(
-                    f"refitkit: the sender could not rebind {self.endpoint!r} afterwards and is closed: {late!r}"
-                )
 
 
 # -- One ``send()`` session of a ``BucketedWeightSender``: handshake, streaming, draining, release ---
@@ -513,12 +532,26 @@ class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
     def __init__(
-        self, sock: zmq.Socket, waiting: WaitingReceivers, *, endpoint: str, transport: str, timeout_s: float,
-        pull: Callable[[], Any], listed: list[CheckedItem] | None, all_cuda: bool, held: bool,
-        cancel: StopRequest | None, half_bytes: int, direct: bool = False, fresh: bool = False,
-        walk: _DirectWalk | None = None, on_hello: Callable[[], Any] | None = None,
-    ) -> None:  # fmt: skip
-        self.sock = sock
+        self,
+        watch: PeerWatch,
+        waiting: WaitingReceivers,
+        *,
+        endpoint: str,
+        transport: str,
+        timeout_s: float,
+        pull: Callable[[], Any],
+        listed: list[CheckedItem] | None,
+        all_cuda: bool,
+        held: bool,
+        cancel: StopRequest | None,
+        half_bytes: int,
+        direct: bool = False,
+        fresh: bool = False,
+        walk: _DirectWalk | None = None,
+        on_hello: Callable[[], Any] | None = None,
+    ) -> None:
+        self.watch = watch  # the socket's connections: it follows this session's receiver's
+        self.sock = watch.sock
         self.on_hello = on_hello  # the caller's, called once the first hello came
         self.waiting = waiting  # hellos queued for later sessions (the sender's, shared across its sessions)
         self.endpoint, self.transport, self.timeout_s = endpoint, transport, timeout_s
@@ -529,12 +562,12 @@ class _SendSession:
         self.checked = listed is not None  # a list's items were checked whole before the session
         self.all_cuda = all_cuda
         self.cancel = cancel
-        self.aborted_from: SendState | None = None  # the state abort() found
         self.half_bytes = half_bytes
         self.pull = pull
         self.session = secrets.token_hex(8)
         self.state = SendState.AWAITING_HELLO
         self.peer: bytes | None = None
+        self.peer_pid: int | None = None  # as its hello says (for messages)
         self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
         self.bell: doorbell.Doorbell | None = None
         self.packer: BucketPacker | None = None
@@ -625,9 +658,12 @@ class _SendSession:
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
         return TransferStats(
-            bytes=total_bytes, tensors=self.items, buckets=self.seq,
-            seconds=time.perf_counter() - start, ack_wait_s=self.ack_wait_s,
-        )  # fmt: skip
+            bytes=total_bytes,
+            tensors=self.items,
+            buckets=self.seq,
+            seconds=time.perf_counter() - start,
+            ack_wait_s=self.ack_wait_s,
+        )
 
     def _stream(self, item: CheckedItem | None, take_direct: Callable[[str, torch.Tensor, str], bool] | None) -> int:
         """Check, place and ship every item from ``item`` on, then the last bucket; the bytes streamed."""
@@ -666,7 +702,7 @@ class _SendSession:
             if self.exports is None:  # (else the walk's, exported while the hello was awaited and sent with the setup)
                 self.exports = cuda_ipc.AllocationExports(
                     self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
-                )  # fmt: skip
+                )
             if self.batch:  # tensors that stay where they lie: the next session may follow this one's walk
                 self.record = _DirectWalk(self.session_device)
         self.direct_ship_tensors = min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS)
@@ -790,11 +826,19 @@ class _SendSession:
                 break
             named, tensor = item[0], item[1]
             if (
-                named is not name and (type(named) is not str or named != name)
-                or type(tensor) not in plain or tensor.layout is not strided or tensor.is_nested
-                or tensor.data_ptr() != pointer or tensor.dtype is not dtype or tensor.shape != shape
-                or tensor.get_device() != device_index or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg()
-            ):  # fmt: skip
+                named is not name
+                and (type(named) is not str or named != name)
+                or type(tensor) not in plain
+                or tensor.layout is not strided
+                or tensor.is_nested
+                or tensor.data_ptr() != pointer
+                or tensor.dtype is not dtype
+                or tensor.shape != shape
+                or tensor.get_device() != device_index
+                or not tensor.is_contiguous()
+                or tensor.is_conj()
+                or tensor.is_neg()
+            ):
                 break
             if at == end:
                 _, entries, allocs, announce = buckets[bucket]
@@ -860,11 +904,15 @@ class _SendSession:
         if not self.direct:
             return None
         return DirectSplit(
-            direct_tensors=self.direct_tensors, direct_bytes=self.direct_bytes, bucket_tensors=self.bucket_tensors,
-            bucket_bytes=self.bucket_bytes, allocations=len(self.exports.handles) if self.exports else 0,
-            bucket_reasons=dict(self.bucket_reasons), replaced_allocations=self.exports.replaced if self.exports else 0,
+            direct_tensors=self.direct_tensors,
+            direct_bytes=self.direct_bytes,
+            bucket_tensors=self.bucket_tensors,
+            bucket_bytes=self.bucket_bytes,
+            allocations=len(self.exports.handles) if self.exports else 0,
+            bucket_reasons=dict(self.bucket_reasons),
+            replaced_allocations=self.exports.replaced if self.exports else 0,
             walked_tensors=self.walked,
-        )  # fmt: skip
+        )
 
     def _mark(self, phase: str, began: float) -> None:
         self.timings[phase] = time.perf_counter() - began
@@ -1083,32 +1131,39 @@ class _SendSession:
             self.direct_shipped.popleft()  # the receiver's reads of these ran: the trainer may free or reuse them
 
     def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
-        """Until ``condition()``: spin a little, then sleep in short slices (on the CONSUMED semaphore when
-        ``counter``, else on the socket), reading frames between looks.
+        """Until ``condition()``: spin a little, then sleep in slices (on the CONSUMED semaphore when ``counter``,
+        else on the socket), reading frames between looks.
 
-        Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once.
+        Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once, the receiver's death
+        (its connection's end) PeerGone.
         """
 
         def ready() -> bool:
             self._announce_packed()
             return condition()
 
-        def look(sleepy: bool) -> None:
+        def look(slice_s: float) -> None:
             if self.cancel is not None and self.cancel.is_set():
                 raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
-            if sleepy and counter and self.bell is not None:
-                if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
+            if self.watch.lost:  # seen by an earlier look, and ready() found nothing since
+                raise self._gone(waiting_for)
+            if slice_s and counter and self.bell is not None:
+                if self.bell.take(doorbell.CONSUMED, slice_s):
                     self.consumed += 1
                 self._read_frames(0)
-            else:  # (frames, or our own copies' packed frames in the fallback: one slice at most)
-                self._read_frames(int(doorbell.WAIT_SLICE_S * 1000) if sleepy else 0)
+            else:  # frames; in the fallback our own copies' events are looked at every WAIT_SLICE_S
+                self._read_frames(int(min(slice_s, doorbell.WAIT_SLICE_S if self.unpacked else slice_s) * 1000))
 
         began = time.perf_counter()
         try:
             doorbell.wait_until(
-                ready, look, timeout_s=self.timeout_s, phase=self.state.phase, waiting_for=waiting_for,
+                ready,
+                look,
+                timeout_s=self.timeout_s,
+                phase=self.state.phase,
+                waiting_for=waiting_for,
                 peer=f"the receiver on {self.endpoint!r}",
-            )  # fmt: skip
+            )
         finally:
             self.ack_wait_s += time.perf_counter() - began
 
@@ -1122,27 +1177,61 @@ class _SendSession:
         except zmq.ZMQError as exc:
             self._read_frames(0)  # a receiver that failed and left reported why first: raise that
             raise PeerGone(
-                f"{self.state.phase.value}: receiver on {self.endpoint!r} is gone ({exc}) at bucket {self.seq}; "
-                f"nothing left to wait for within timeout_s={self.timeout_s:g}"
+                f"{self.state.phase.value}: {self._peer_name()} is gone (a frame to it was refused: {exc}) at bucket "
+                f"{self.seq}"
             ) from exc
 
-    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]]:
+    def _gone(self, waiting_for: str) -> PeerGone:
+        """The error of a wait that the receiver's death (its connection's end) cut short."""
+        return PeerGone(f"{self.watch.gone(self.state.phase, waiting_for)} ({self.seq} buckets sent)")
+
+    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> tuple[bytes, dict[str, Any]] | None:
+        """The next frame and who sent it; None for one that is not the session's receiver's and is no frame of
+        ours at all (garbage from another process of our uid): dropped, and logged."""
         parts = recv_frame(
-            self.sock, timeout_s=self.timeout_s if timeout_s is None else timeout_s, phase=self.state.phase,
-            waiting_for=waiting_for, peer=self._peer_name(),
-        )  # fmt: skip
-        if len(parts) != 2:
-            raise ProtocolError(f"{self.state.phase.value}: a {len(parts) - 1}-part message on {self.endpoint!r}")
-        return parts[0], decode(parts[1])
+            self.watch,
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            phase=self.state.phase,
+            waiting_for=waiting_for,
+            peer=self._peer_name(),
+            copy=False,
+        )
+        peer = parts[0].bytes
+        try:
+            if len(parts) != 2:
+                raise ProtocolError(f"{self.state.phase.value}: a {len(parts) - 1}-part message on {self.endpoint!r}")
+            frame = decode(parts[1].bytes)
+        except ProtocolError as exc:
+            if peer == self.peer:
+                raise  # the session's receiver broke the protocol
+            log.warning("sender on %r dropped a frame that is not its receiver's: %s", self.endpoint, exc)
+            return None
+        if frame["kind"] == "hello":
+            self.watch.note_hello(peer, parts[1])
+        return peer, frame
 
     def _peer_name(self) -> str:
-        return f"the receiver on {self.endpoint!r}"
+        return f"the receiver on {self.endpoint!r}" + (f" (pid {self.peer_pid})" if self.peer_pid is not None else "")
+
+    def _take_hello(self, peer: bytes, frame: dict[str, Any]) -> bool:
+        """Make ``peer`` this session's receiver, unless its hello is stale: its session was served already, or its
+        connection closed since it said hello (it gave up or died)."""
+        if self.waiting.served(peer) or self.watch.left(peer):
+            log.debug("sender on %r dropped a hello whose receiver is gone", self.endpoint)
+            return False
+        self.waiting.serve(peer)
+        self.peer = peer
+        pid = frame.get("pid")
+        self.peer_pid = pid if type(pid) is int else None
+        self.watch.follow(peer, self._peer_name())
+        return True
 
     def _await_hello(self) -> dict[str, Any]:
         waiting = self.waiting.take()
-        if waiting is not None:
-            self.peer, frame = waiting
-            return frame
+        while waiting is not None:
+            if self._take_hello(*waiting):
+                return waiting[1]
+            waiting = self.waiting.take()
         waiting_for = "hello (is a receiver connected?)"
         now = time.monotonic()
         deadline, spin_until = (
@@ -1156,32 +1245,41 @@ class _SendSession:
             slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
             if now < spin_until:  # look without sleeping first: a thread asleep in poll wakes late
                 slice_s = 0.0
-                if not self.sock.poll(0, zmq.POLLIN):
+                if not self.watch.poll(0):
                     os.sched_yield()
                     continue
-            if not self.sock.poll(int(slice_s * 1000), zmq.POLLIN):
+            if not self.watch.poll(int(slice_s * 1000)):
                 if time.monotonic() >= deadline:
                     raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.timeout_s)
                 continue
-            peer, frame = self._recv(waiting_for, timeout_s=0.0)
-            if frame["kind"] == "hello":
-                self.peer = peer
+            got = self._recv(waiting_for, timeout_s=0.0)
+            if got is None:
+                continue
+            peer, frame = got
+            if frame["kind"] == "hello" and self._take_hello(peer, frame):
                 return frame
-            log.debug("dropped a stale %s frame before the handshake", frame["kind"])
+            if frame["kind"] != "hello":
+                log.debug("sender on %r dropped a stale %s frame before the handshake", self.endpoint, frame["kind"])
 
     def _read_frames(self, timeout_ms: int) -> None:
-        """Handle every frame already queued (waiting up to ``timeout_ms`` for the first) up to the final ACK:
-        what follows it (the next session's hello) is left for the next session."""
-        while self.state is not SendState.RELEASED and self.sock.poll(timeout_ms, zmq.POLLIN):
+        """Handle the frames already queued (waiting up to ``timeout_ms`` for the first) up to the final ACK: what
+        follows it (the next session's hello) is left for the next session. At most ``FRAMES_PER_LOOK`` of them: a
+        peer flooding the socket cannot hold a wait past its bound."""
+        for _ in range(FRAMES_PER_LOOK):
+            if self.state is SendState.RELEASED or not self.watch.poll(timeout_ms):
+                return
             timeout_ms = 0
-            peer, frame = self._recv("a frame", timeout_s=0.0)
-            self._handle(peer, frame)
+            got = self._recv("a frame", timeout_s=0.0)
+            if got is not None:
+                self._handle(*got)
 
     def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
         if peer != self.peer:
             if frame["kind"] == "hello":  # the next receiver (it waits, bounded by its own timeout_s)
                 self.waiting.add(peer, frame)
-            return  # else a well-formed frame from an earlier session's peer
+            else:  # a well-formed frame from an earlier session's peer, or from another process of our uid
+                log.debug("sender on %r dropped a %s frame that is not its receiver's", self.endpoint, frame["kind"])
+            return
         if frame["kind"] == "error":
             message = str(frame.get("message"))
             self.state = self.state.to(SendState.PEER_FAILED)  # the receiver released before it reported
@@ -1189,9 +1287,10 @@ class _SendSession:
             error = TransferError(
                 f"receiver on {self.endpoint!r} failed ({phase if type(phase) is str else brief(phase)}; {self.seq} "
                 f"buckets sent): {message}",
-                remote_message=message, remote_type=remote.remote_type if remote else None,
+                remote_message=message,
+                remote_type=remote.remote_type if remote else None,
                 remote_traceback=remote.remote_traceback if remote else None,
-            )  # fmt: skip
+            )
             if remote is None:
                 raise error
             raise error from remote
@@ -1218,7 +1317,6 @@ class _SendSession:
         if self.state in (SendState.RELEASED, SendState.PEER_FAILED, SendState.ABORTED):
             return  # it already released (and reported), or was told
         setup_sent = self.state.setup_sent
-        self.aborted_from = self.state
         self.state = self.state.to(SendState.ABORTED)
         if self.peer is None:
             return  # no receiver yet
@@ -1235,7 +1333,10 @@ class _SendSession:
         deadline = time.monotonic() + self.timeout_s
         try:
             while time.monotonic() < deadline:
-                peer, frame = self._recv("released after abort", timeout_s=max(0.0, deadline - time.monotonic()))
+                got = self._recv("released after abort", timeout_s=max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    continue
+                peer, frame = got
                 if (
                     peer == self.peer
                     and frame["kind"] in ("released", "error")
@@ -1246,12 +1347,6 @@ class _SendSession:
                     self.waiting.add(peer, frame)
         except TransferError as late:
             log.warning("receiver did not confirm the abort on %r: %s", self.endpoint, late)
-
-    @property
-    def ever_offered(self) -> bool:
-        """Whether a receiver was ever sent the setup in this session (the socket may then hold its frames)."""
-        state = self.aborted_from if self.state is SendState.ABORTED else self.state
-        return state is not SendState.AWAITING_HELLO
 
     def free(self) -> None:
         """Free the bucket (idempotent); after this the sender holds no bucket memory."""
