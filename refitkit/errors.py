@@ -79,6 +79,11 @@ class PeerGone(TransferTimeout):
     otherwise have become."""
 
 
+class ChannelClosed(TransferError):
+    """A transfer channel was used after ``close()``, or in a process other than the one that opened it (a forked
+    child: open a channel of its own there)."""
+
+
 class ProtocolError(TransferError):
     """A frame on the socket was not a valid refitkit message (wrong version, unknown kind, garbage)."""
 

@@ -1,9 +1,11 @@
 """Weight transfer from the trainer to the inference engine, in two wings.
 
-- One host (``_ipc``): ``BucketedWeightSender`` binds an endpoint and streams (name, tensor) pairs
-  through a double-buffered bucket in CUDA IPC or shared memory, with ZMQ control frames;
-  ``BucketedWeightReceiver`` connects, maps the bucket once per session and hands the tensors to a
-  loader. ``_ipc/sender.py`` and ``_ipc/receiver.py`` hold the session rules.
+- One host (``_ipc``): a ``SenderChannel`` (the trainer rank's end; ``BucketedWeightSender`` is the
+  same class under its first name) binds an endpoint and streams (name, tensor) pairs through a
+  double-buffered bucket in CUDA IPC or shared memory, with ZMQ control frames; a ``ReceiverChannel``
+  (the engine rank's end; ``BucketedWeightReceiver``) connects once, maps the bucket once per sync and
+  hands the tensors to a loader. Each is opened once, runs one sync per call and is closed by
+  ``close()``; nothing of it outlives it. ``_ipc/sender.py`` and ``_ipc/receiver.py`` hold the session rules.
 - Other GPUs or nodes (``_broadcast``): ``BroadcastWeightSender`` / ``BroadcastWeightReceiver`` carry
   the same streams over a torch.distributed broadcast (gloo or NCCL), a group formed per session
   through a TCPStore rendezvous and admitted by a per-job secret. ``_broadcast/sender.py`` holds the
@@ -15,15 +17,18 @@ Both share ``protocol`` (the wire format), ``packing`` (checking items, laying o
 
 from refitkit.transfer._broadcast.receiver import BroadcastWeightReceiver
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
-from refitkit.transfer._ipc.receiver import BucketedWeightReceiver
-from refitkit.transfer._ipc.sender import BucketedWeightSender
-from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion
+from refitkit.transfer._ipc.receiver import BucketedWeightReceiver, ReceiverChannel
+from refitkit.transfer._ipc.sender import BucketedWeightSender, SenderChannel
+from refitkit.transfer.common import ChannelState, SessionPhase, TransferStats, WeightVersion
 
 __all__ = [
     "BroadcastWeightReceiver",
     "BroadcastWeightSender",
     "BucketedWeightReceiver",
     "BucketedWeightSender",
+    "ChannelState",
+    "ReceiverChannel",
+    "SenderChannel",
     "SessionPhase",
     "TransferStats",
     "WeightVersion",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from refitkit._knobs import MAX_TIMEOUT_S, checked_seconds  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
-from refitkit.errors import InvalidInput
+from refitkit.errors import ChannelClosed, InvalidInput
 from refitkit.report import gbps, repr_with_gbps
 
 TRANSPORTS = ("auto", "cuda_ipc", "shm")
@@ -25,6 +25,28 @@ class SessionPhase(enum.Enum):
     STREAMING = "streaming"  # buckets flow; the sender packs i+1 while the receiver consumes i
     DRAINING = "draining"  # last bucket sent; waiting for the receiver to release and ACK
     RELEASED = "released"  # bucket memory freed on both sides (success or failure)
+
+
+class ChannelState(enum.Enum):
+    """Where a transfer channel (one end of a trainer-engine link) stands: open between syncs, in one sync, or
+    closed. A failed sync ends that sync only: its channel is open again for the next."""
+
+    OPEN = "open"  # connected (or bound) and idle: the next sync may start
+    EXCHANGING = "exchanging"  # one sync runs on it
+    CLOSED = "closed"  # close() ran, or the process that opened it is not this one: nothing of it is held
+
+    def to(self, new: ChannelState) -> ChannelState:
+        """``new``, if this state may become it; else ChannelClosed (a closed channel stays closed)."""
+        if new not in _CHANNEL_NEXT[self]:
+            raise ChannelClosed(f"a {self.value} channel cannot become {new.value}")
+        return new
+
+
+_CHANNEL_NEXT = {
+    ChannelState.OPEN: frozenset({ChannelState.EXCHANGING, ChannelState.CLOSED}),
+    ChannelState.EXCHANGING: frozenset({ChannelState.OPEN, ChannelState.CLOSED}),
+    ChannelState.CLOSED: frozenset({ChannelState.CLOSED}),
+}
 
 
 _UNCHECKED: object = object()  # a knob this end does not have

@@ -6,8 +6,10 @@ Kinds and their fields (R = receiver, S = sender):
 - ``hello``    R→S  ``pid``, ``device`` ("cpu" or "cuda"), ``device_uuid`` (CUDA only), ``shm`` (which
                     shared-memory filesystem the receiver sees, see ``doorbell.shm_identity``),
                     ``timeout_s`` (how long a hello queued during another session stays worth serving),
-                    ``pidns`` (the receiver's PID namespace, see ``shm.pid_namespace``; None: named segments)
-- ``setup``    S→R  ``session``, ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
+                    ``pidns`` (the receiver's PID namespace, see ``shm.pid_namespace``; None: named segments),
+                    ``exchange`` (a token of this sync: a receiver channel says hello once per sync on its one
+                    connection, and takes only the setup or abort that echoes it)
+- ``setup``    S→R  ``session``, ``exchange`` (the hello's), ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
                     ``handle`` (the transport's raw fields: a segment handle, see ``shm.Segment.handle``
                     — ``{"path", "nbytes"}`` for a named segment or ``{"memfd": {"pid", "fd", "pidns"},
                     "name", "nbytes"}`` for a sealed memfd — or the CUDA IPC handle bytes),
@@ -35,8 +37,8 @@ Kinds and their fields (R = receiver, S = sender):
                     frames as text, ``failure_fields``), which the sender raises as a ``RemoteError`` cause, and
                     for a refitkit error that crosses as its type, ``error_code`` and ``error_fields``
                     (``errors.error_record``: the cause's ``error``)
-- ``abort``    S→R  ``session``, ``reason``: the sender gave up; the receiver releases and
-                    answers ``released``
+- ``abort``    S→R  ``session``, ``reason``, ``exchange`` (the hello's): the sender gave up, or refused the
+                    hello (``session`` empty); the receiver releases and answers ``released``
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ from refitkit.transfer.common import SessionPhase
 
 # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters;
 # 4: segment handles (sealed memfds or named), hello's pidns; 5: direct buckets (the sender's own allocations);
-# 6: a direct session's bucket announced with the first bucket that uses it (bucket_later), up to 4 buckets in flight
-WIRE_VERSION = 6
+# 6: a direct session's bucket announced with the first bucket that uses it (bucket_later), up to 4 buckets in flight;
+# 7: receiver channels: hello's exchange token, echoed by setup and abort
+WIRE_VERSION = 7
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 << 20

@@ -215,17 +215,14 @@ def test_a_direct_buckets_plan_makes_every_view_where_its_bytes_lie_and_fits_onl
     assert not plan.fits(raw, raw_allocs, [announced[0], announced[1] + 256])
 
 
-def test_receivers_made_per_sync_on_one_endpoint_share_their_plans_and_a_process_keeps_a_few_endpoints():
+def test_plans_belong_to_their_receiver_channel_a_new_channel_starts_with_none_and_close_drops_them():
     from refitkit.transfer import BucketedWeightReceiver
-    from refitkit.transfer._ipc import receiver as receiver_module
 
-    first = BucketedWeightReceiver("plans-a", "cpu")
-    assert BucketedWeightReceiver("plans-a", "cpu")._plans is first._plans  # what an engine's next sync gets
-    assert BucketedWeightReceiver("plans-b", "cpu")._plans is not first._plans
-    for index in range(receiver_module.PLAN_ENDPOINTS):
-        BucketedWeightReceiver(f"plans-{index}", "cpu")
-    assert len(receiver_module._plans_by_endpoint) == receiver_module.PLAN_ENDPOINTS
-    assert BucketedWeightReceiver("plans-a", "cpu")._plans is not first._plans  # the oldest endpoint's went
+    with BucketedWeightReceiver("plans-a", "cpu") as first:
+        first._plans[0] = "a plan"  # (what a direct sync leaves: the channel's next sync reuses it)
+        with BucketedWeightReceiver("plans-a", "cpu") as second:  # another channel on the same endpoint
+            assert second._plans == {} and second._plans is not first._plans
+    assert first._plans == {}
 
 
 def test_a_direct_bucket_in_an_shm_session_fails_the_receiver_cleanly(endpoint):

@@ -182,27 +182,26 @@ def test_a_directory_that_takes_no_socket_is_a_transfer_error_naming_the_path_an
     assert message.endswith("(a name under REFITKIT_SOCKET_DIR, or ipc:///path)")
 
 
-def test_a_receivers_next_session_says_hello_on_a_connection_made_ahead_and_never_on_one_to_a_sender_gone(endpoint):
+def test_a_receiver_channel_keeps_one_connection_across_syncs_failed_ones_included_and_close_lets_it_go(endpoint):
     import threading
 
     import torch
 
-    from refitkit.transfer import BucketedWeightReceiver
-    from refitkit.transfer._ipc import endpoint as endpoint_module
+    from refitkit.errors import ChannelClosed
+    from refitkit.transfer import ChannelState, ReceiverChannel
     from tests.transfer.peers import digest
 
-    path = socket_path(endpoint)
     weights = [(f"w{i}", torch.randn(64 + i)) for i in range(5)]
     expected = {name: digest(tensor) for name, tensor in weights}
 
-    def session(sender: BucketedWeightSender, on_bucket=None) -> dict:
-        """One sync as an engine's worker makes it: a new receiver, in this thread; the sender in another."""
+    def sync(sender: BucketedWeightSender, channel: ReceiverChannel, on_bucket=None) -> dict:
+        """One sync as an engine's worker makes it: its kept channel, in this thread; the sender in another."""
         sent: list[BaseException] = []
         thread = threading.Thread(target=lambda: _send_catching(sender, weights, sent))
         thread.start()
         got: dict = {}
         try:
-            BucketedWeightReceiver(endpoint, "cpu", timeout_s=10.0).receive(
+            channel.receive(
                 on_bucket or (lambda batch, last: got.update((name, digest(tensor)) for name, tensor in batch))
             )
         finally:
@@ -210,18 +209,32 @@ def test_a_receivers_next_session_says_hello_on_a_connection_made_ahead_and_neve
         return got
 
     with BucketedWeightSender(endpoint, transport="shm", timeout_s=10.0) as sender:
-        assert session(sender) == expected
-        ahead = endpoint_module._parked[path][2]  # connected after the session ended, for the next one
-        assert not ahead.closed
-        assert session(sender) == expected
-        assert ahead.closed  # the second session said hello on it (and closed it as it ended)
-        stale = endpoint_module._parked[path][2]
-    with BucketedWeightSender(endpoint, transport="shm", timeout_s=10.0) as successor:  # the endpoint bound anew
-        assert session(successor) == expected  # a fresh connection: the parked one led to a socket file now gone
-        assert stale.closed
-        with pytest.raises(TransferError, match="on_bucket raised"):
-            session(successor, on_bucket=lambda batch, last: 1 / 0)
-        assert path not in endpoint_module._parked  # a session that failed leaves nothing connected
+        with ReceiverChannel(endpoint, "cpu", timeout_s=10.0) as channel:
+            sock = channel._sock
+            assert sync(sender, channel) == expected
+            assert channel.state is ChannelState.OPEN
+            with pytest.raises(TransferError, match="on_bucket raised"):
+                sync(sender, channel, on_bucket=lambda batch, last: 1 / 0)
+            assert channel.state is ChannelState.OPEN  # a failed sync ends that sync only
+            assert sync(sender, channel) == expected
+            assert sync(sender, channel) == expected
+            assert channel._sock is sock and not sock.closed  # every sync on the one connection
+            assert sender._watch._serial == 1  # the sender accepted one connection in all
+        assert channel.state is ChannelState.CLOSED and sock.closed and channel._context.closed
+        with pytest.raises(ChannelClosed, match="is closed; open a new one"):
+            channel.receive(lambda batch, last: None)
+        with ReceiverChannel(endpoint, "cpu", timeout_s=10.0) as fresh:  # a new channel: a new connection
+            assert sync(sender, fresh) == expected
+            assert sender._watch._serial == 2
+
+
+def test_a_receiver_channel_dropped_without_close_lets_its_socket_and_context_go(endpoint):
+    from refitkit.transfer import ReceiverChannel
+
+    channel = ReceiverChannel(endpoint, "cpu", timeout_s=10.0)
+    sock, context = channel._sock, channel._context
+    del channel  # (reference counting: the finalizer runs now, no collection needed)
+    assert sock.closed and context.closed
 
 
 def _send_catching(sender: BucketedWeightSender, weights: list, failures: list) -> None:

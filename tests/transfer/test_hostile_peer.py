@@ -156,11 +156,18 @@ def test_scribbled_packed_counter_fails_the_receiver_cleanly(endpoint):
         process, conn = spawn(attacked_receiver_main, endpoint)
         assert conn.poll(60) and conn.recv() == "ready"
         assert router.poll(20_000)
-        peer, _hello = router.recv_multipart()
+        peer, hello = router.recv_multipart()
         bucket = shm.ShmBucket(2 * HALF, session="5c1bb1e5")
         bell = doorbell.Doorbell.create("5c1bb1e4")
         scribble(bell.handle(), doorbell.PACKED, "value")  # before setup: the receiver unlinks the name once mapped
-        setup = dict(session="s", transport="shm", half_bytes=HALF, handle=bucket.handle(), control=bell.handle())
+        setup = dict(
+            session="s",
+            exchange=msgpack.unpackb(hello)["exchange"],  # (the receiver takes only the setup that answers its hello)
+            transport="shm",
+            half_bytes=HALF,
+            handle=bucket.handle(),
+            control=bell.handle(),
+        )
         router.send_multipart([peer, frame("setup", **setup)])
         router.send_multipart(
             [
@@ -199,8 +206,9 @@ def run_rogue_sender(endpoint: str, setup_fields: dict[str, Any], frames: list[b
     def rogue() -> None:
         if not router.poll(int(TIMEOUT_S * 1000)):
             return
-        peer, _hello = router.recv_multipart()
+        peer, hello = router.recv_multipart()
         fields = {"session": "s", "transport": "shm", "half_bytes": HALF, "handle": bucket.handle(), "control": None}
+        fields["exchange"] = msgpack.unpackb(hello)["exchange"]  # (the receiver takes only the answer to its hello)
         router.send_multipart([peer, frame("setup", **{**fields, **setup_fields})])
         for payload in frames:
             router.send_multipart([peer, payload])

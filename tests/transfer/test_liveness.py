@@ -258,8 +258,9 @@ def test_a_sender_that_never_sends_the_last_bucket_is_cut_off_by_max_sync_s(endp
 
         if not router.poll(10_000):
             return
-        peer, _hello = router.recv_multipart()
-        setup = frame("setup", session="s", transport="none", half_bytes=0, handle={}, control=None)
+        peer, hello = router.recv_multipart()
+        exchange = msgpack.unpackb(hello)["exchange"]  # (the receiver takes only the setup that answers its hello)
+        setup = frame("setup", session="s", exchange=exchange, transport="none", half_bytes=0, handle={}, control=None)
         router.send_multipart([peer, setup])
         seq = 0
         while not stop.is_set() and seq < 2000:  # 20 s at most, past the bound but far within timeout_s each

@@ -25,7 +25,6 @@ import re
 import socket
 import stat
 import tempfile
-import threading
 import time
 from collections import OrderedDict, deque
 from typing import Any
@@ -204,25 +203,6 @@ def remove_socket_file(path: str, identity: tuple[int, int] | None) -> None:
         os.unlink(path)
 
 
-_receiver_context: tuple[int, zmq.Context] | None = None  # (pid, context): one per process, a fork makes its own
-_receiver_context_lock = threading.Lock()
-
-
-def receiver_context() -> zmq.Context:
-    """The ZMQ context every receiving session of this process opens its socket in (never terminated: its I/O
-    thread stays for the next session; a fresh context per session cost 0.3-0.4 ms to start and as much to end).
-    Ours, not ``zmq.Context.instance()``: an engine that terminates its global instance must not close our sockets."""
-    global _receiver_context
-    held = _receiver_context
-    if held is not None and held[0] == os.getpid() and not held[1].closed:
-        return held[1]
-    with _receiver_context_lock:
-        held = _receiver_context
-        if held is None or held[0] != os.getpid() or held[1].closed:
-            held = _receiver_context = (os.getpid(), zmq.Context())
-        return held[1]
-
-
 def connect_receiver(context: zmq.Context, path: str) -> tuple[zmq.Socket, PeerWatch]:
     """A DEALER socket connected to ``path`` (frames queue until the sender binds) and the watch over its connection
     (made before it connects: it sees the connection open)."""
@@ -242,76 +222,51 @@ def close_watched(sock: zmq.Socket, watch: PeerWatch) -> None:
     sock.close(linger=0)
 
 
-PARKED_ENDPOINTS = 8  # a process keeps connections made ahead to this many endpoints (the most recent ones)
-# path -> (pid, socket file, socket, its watch)
-_parked: OrderedDict[str, tuple[int, tuple[int, int], zmq.Socket, PeerWatch]] = OrderedDict()
-_parked_lock = threading.Lock()
-
-
-def take_receiver_socket(path: str) -> tuple[zmq.Socket, PeerWatch]:
-    """A DEALER socket connected to ``path`` for a receiving session, with its watch: the one
-    ``park_receiver_socket`` connected after this process's last session on it, while the socket file is still the
-    one it connected to (its connection's handshake is done, so the hello leaves at once); else a new one."""
-    with _parked_lock:
-        parked = _parked.pop(path, None)
-    if parked is not None:
-        pid, identity, sock, watch = parked
-        if pid == os.getpid():  # (a forked child leaves its parent's sockets alone)
-            if identity == socket_identity(path):
-                return sock, watch
-            close_watched(sock, watch)  # another sender bound the endpoint since: connect to it anew
-    return connect_receiver(receiver_context(), path)
-
-
-def park_receiver_socket(path: str) -> None:
-    """Connect a socket to ``path`` for this process's next session on it, after a session ended (an engine's
-    worker receives every sync in a new session). A new socket: nothing of the session before can reach it."""
-    identity = socket_identity(path)
-    if identity is None:
-        return  # the sender is gone: the next session connects when it comes
-    sock, watch = connect_receiver(receiver_context(), path)
-    with _parked_lock:
-        dropped = [_parked.pop(path, None)]
-        _parked[path] = (os.getpid(), identity, sock, watch)
-        while len(_parked) > PARKED_ENDPOINTS:
-            dropped.append(_parked.popitem(last=False)[1])
-    for old in dropped:
-        if old is not None and old[0] == os.getpid():
-            close_watched(old[2], old[3])
+def hello_key(peer: bytes, hello: dict[str, Any]) -> tuple[bytes, Any]:
+    """Which sync a hello opens: its receiver's connection and the sync's token (a receiver channel says hello once
+    per sync, on its one connection)."""
+    exchange = hello.get("exchange")
+    return peer, exchange if type(exchange) is str else None
 
 
 class WaitingReceivers:
     """Hellos of receivers that arrived while a session ran: served, in order, by the next sessions.
 
-    A hello is worth serving only while its receiver still waits for the setup, i.e. within the
-    ``timeout_s`` it announced; older ones are skipped. A receiving session says hello once, on a socket of its
-    own: a hello from a socket whose session was served already (``serve``) is stale (or a flood), and dropped.
+    A hello is worth serving only while its receiver still waits for the setup, i.e. within the ``timeout_s`` it
+    announced; older ones are skipped. A receiver channel waits on one hello at a time: a newer hello on the same
+    connection replaces its older one (that sync gave up), and a hello served already (``serve``) is stale (or a
+    flood), and dropped.
     """
 
     def __init__(self, limit: int = 16, served_limit: int = 64) -> None:
         self._queue: deque[tuple[bytes, dict[str, Any], float]] = deque(maxlen=limit)  # peer, hello, arrival
-        self._served: OrderedDict[bytes, None] = OrderedDict()  # the latest sessions' peers
+        self._served: OrderedDict[tuple[bytes, Any], None] = OrderedDict()  # the latest sessions' hellos
         self._served_limit = served_limit
 
     def add(self, peer: bytes, hello: dict[str, Any]) -> None:
-        if peer not in self._served:
-            self._queue.append((peer, hello, time.monotonic()))
+        if hello_key(peer, hello) in self._served:
+            return
+        for index, (queued, _, _) in enumerate(self._queue):
+            if queued == peer:  # that receiver's earlier sync gave up: only its newest hello is waited on
+                del self._queue[index]
+                break
+        self._queue.append((peer, hello, time.monotonic()))
 
-    def serve(self, peer: bytes) -> None:
-        """``peer``'s hello is being served by a session: any other hello from it is stale."""
-        self._served[peer] = None
+    def serve(self, peer: bytes, hello: dict[str, Any]) -> None:
+        """This hello is being served by a session: the same hello again is stale."""
+        self._served[hello_key(peer, hello)] = None
         while len(self._served) > self._served_limit:
             self._served.popitem(last=False)
 
-    def served(self, peer: bytes) -> bool:
-        return peer in self._served
+    def served(self, peer: bytes, hello: dict[str, Any]) -> bool:
+        return hello_key(peer, hello) in self._served
 
     def take(self) -> tuple[bytes, dict[str, Any]] | None:
         """The oldest hello whose receiver may still be waiting, or None."""
         while self._queue:
             peer, hello, arrived = self._queue.popleft()
             patience = hello.get("timeout_s")
-            if peer in self._served:
+            if self.served(peer, hello):
                 continue
             if not isinstance(patience, (int, float)) or time.monotonic() - arrived <= patience:
                 return peer, hello
@@ -320,8 +275,9 @@ class WaitingReceivers:
     def turn_away(self, sock: zmq.Socket, reason: str) -> None:
         """Tell every waiting receiver to give up now (best effort) and forget them."""
         while self._queue:
-            peer, _, _ = self._queue.popleft()
+            peer, hello, _ = self._queue.popleft()
+            frame = encode("abort", session="", reason=reason, exchange=hello.get("exchange"))
             try:
-                sock.send_multipart([peer, encode("abort", session="", reason=reason)], flags=zmq.NOBLOCK)
+                sock.send_multipart([peer, frame], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # that receiver is gone already

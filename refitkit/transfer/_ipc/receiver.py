@@ -35,20 +35,29 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 import traceback
-from collections import OrderedDict, deque
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import zmq
 
-from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import ChannelClosed, InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
-from refitkit.transfer._ipc.endpoint import close_watched, park_receiver_socket, socket_path, take_receiver_socket
+from refitkit.transfer._ipc.endpoint import close_watched, connect_receiver, socket_path
 from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_frame
-from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_seconds
+from refitkit.transfer.common import (
+    ChannelState,
+    SessionPhase,
+    TransferStats,
+    checked_device,
+    checked_knobs,
+    checked_seconds,
+)
 from refitkit.transfer.protocol import (
     ALIGN_BYTES,
     MAX_IN_FLIGHT,
@@ -94,11 +103,20 @@ RECEIVE_PHASES = (
 )
 
 
-class BucketedWeightReceiver:
-    """Connects to a sender's ``endpoint`` and receives one session per ``receive()`` / ``iter_weights()``.
+class ReceiverChannel:
+    """One engine rank's end of its link to a trainer rank's ``SenderChannel``: connected once, one sync (exchange)
+    per ``receive()`` / ``iter_weights()``, closed by ``close()`` (or ``with``).
 
-    ``timeout_s`` bounds each wait for the sender; ``max_sync_s`` the whole of one session, from its hello to its
-    final ACK (the loader's time included): past it the session fails with ``TransferTimeout`` naming the knob.
+    The channel owns what syncs share and nothing outlives it: its ZMQ context and its one connection to the sender
+    (made at construction; frames queue until the sender binds), the watch over that connection (a sender that
+    dies ends a running sync at once with ``PeerGone``), and the plans of the direct buckets it laid out (a held
+    model's next sync reuses them). A failed sync ends that sync only: the channel is open again for the next, and
+    frames left over from the failed one are told apart (each sync's hello carries its own token) and dropped.
+    Keep one channel across syncs; each new one pays a connection and lays its buckets out again.
+
+    ``timeout_s`` bounds each wait for the sender; ``max_sync_s`` the whole of one sync, from its hello to its final
+    ACK (the loader's time included): past it the sync fails with ``TransferTimeout`` naming the knob. A channel
+    belongs to the process that opened it: in a forked child every call raises ``ChannelClosed``.
     """
 
     def __init__(
@@ -111,14 +129,90 @@ class BucketedWeightReceiver:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.endpoint = endpoint
         self.path = socket_path(endpoint)
+        self.state = ChannelState.OPEN
         self.last_stats: TransferStats | None = None
-        self.last_timings_s: dict[str, float] = {}  # seconds per phase of the last session, for benchmarks
-        self._active: _ReceiveSession | None = None  # the session running now, for wait_on()
-        self._plans = _plans_for(self.path, self.device)  # direct buckets as the last sessions laid them out (by seq)
+        self.last_timings_s: dict[str, float] = {}  # seconds per phase of the last sync, for benchmarks
+        self._active: _ReceiveSession | None = None  # the sync running now, for wait_on()
+        self._plans: dict[int, _DirectPlan] = {}  # direct buckets as the last syncs laid them out (by seq)
+        self._pid = os.getpid()
+        # A context of its own, not ``zmq.Context.instance()``: an engine that terminates its global instance must
+        # not close our socket. Its I/O thread lives as long as the channel.
+        self._context = zmq.Context()
+        try:
+            self._sock, self._watch = connect_receiver(self._context, self.path)
+        except BaseException:
+            self._context.term()
+            raise
+        # A channel dropped without close() still lets its socket, watch and context go (never in a forked child).
+        self._finalizer = weakref.finalize(self, _close_connection, self._pid, self._sock, self._watch, self._context)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection and the context; idempotent. A sync still running (an ``iter_weights()`` generator
+        not finished) is failed first: its sender hears of it, the mappings are released. In a forked child it only
+        forgets the parent's objects (they are the parent's to close)."""
+        if self.state is ChannelState.CLOSED:
+            return
+        if os.getpid() != self._pid:
+            self.state = ChannelState.CLOSED
+            self._finalizer.detach()
+            return
+        session = self._active
+        if session is not None:
+            session.fail("the receiver channel was closed during the sync")
+            session.close()
+            self._active = None
+        self.state = self.state.to(ChannelState.CLOSED)
+        self._plans.clear()
+        self._finalizer()
+
+    def __enter__(self) -> ReceiverChannel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _begin(self) -> _ReceiveSession:
+        """The next sync on this channel (one at a time, in the process that opened it)."""
+        if os.getpid() != self._pid:
+            raise ChannelClosed(
+                f"the receiver channel on {self.endpoint!r} was opened in process {self._pid}; this is process "
+                f"{os.getpid()} (a fork?): open a channel of its own here"
+            )
+        if self.state is ChannelState.CLOSED:
+            raise ChannelClosed(f"the receiver channel on {self.endpoint!r} is closed; open a new one")
+        if self.state is ChannelState.EXCHANGING:
+            raise TransferError(
+                f"the receiver channel on {self.endpoint!r} runs one sync at a time, and one is running (an "
+                "iter_weights() generator not exhausted or closed?)"
+            )
+        self.state = self.state.to(ChannelState.EXCHANGING)
+        session = self._active = _ReceiveSession(
+            endpoint=self.endpoint,
+            sock=self._sock,
+            watch=self._watch,
+            device=self.device,
+            timeout_s=self.timeout_s,
+            max_sync_s=self.max_sync_s,
+            plans=self._plans,
+        )
+        self.last_timings_s = session.timings
+        return session
+
+    def _end(self, session: _ReceiveSession) -> None:
+        """The sync ended (well or not): release what it still holds; the channel is open for the next."""
+        if self._active is session:
+            self._active = None
+        session.close()
+        if self.state is ChannelState.EXCHANGING:
+            self.state = self.state.to(ChannelState.OPEN)
+
+    # -- one sync ---------------------------------------------------------------------------------
 
     def wait_on(self, *streams: Any) -> None:
         """From inside ``on_bucket`` / a loop over ``iter_weights()``: also wait for work queued on ``streams``
-        (torch.cuda.Stream) before each bucket is handed back and before the release, for this session."""
+        (torch.cuda.Stream) before each bucket is handed back and before the release, for this sync."""
         session = self._active
         if session is None or session.phase is not SessionPhase.STREAMING:
             raise InvalidInput("wait_on() is for the streams of a running session: call it from on_bucket or the loop")
@@ -129,21 +223,9 @@ class BucketedWeightReceiver:
                 )
             session.streams.setdefault(stream.cuda_stream, stream)
 
-    def _new_session(self) -> _ReceiveSession:
-        session = _ReceiveSession(
-            endpoint=self.endpoint,
-            path=self.path,
-            device=self.device,
-            timeout_s=self.timeout_s,
-            max_sync_s=self.max_sync_s,
-            plans=self._plans,
-        )
-        self.last_timings_s = session.timings
-        return session
-
     def receive(self, on_bucket: OnBucket) -> TransferStats:
-        """Run one session, calling ``on_bucket(weights, is_last)`` per bucket; returns after the final ACK."""
-        session = self._active = self._new_session()
+        """Run one sync, calling ``on_bucket(weights, is_last)`` per bucket; returns after the final ACK."""
+        session = self._begin()
         try:
             session.open()
             while True:
@@ -172,12 +254,11 @@ class BucketedWeightReceiver:
             session.fail(f"receiver gave up: {type(exc).__name__}: {exc}", cause=exc)
             raise
         finally:
-            self._active = None
-            session.close()
+            self._end(session)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The session as one generator; release + final ACK happen when it is exhausted or closed."""
-        session = self._active = self._new_session()
+        """The sync as one generator; release + final ACK happen when it is exhausted or closed."""
+        session = self._begin()
         yielded = 0
         complete = False
         try:
@@ -212,9 +293,21 @@ class BucketedWeightReceiver:
             session.fail(f"receiver gave up after {yielded} tensors: {type(exc).__name__}: {exc}", cause=exc)
             raise
         finally:
-            if self._active is session:
-                self._active = None
-            session.close()
+            self._end(session)
+
+
+class BucketedWeightReceiver(ReceiverChannel):
+    """The receiver's documented name and signature, kept: a ``ReceiverChannel`` (connects to a sender's
+    ``endpoint`` and receives one sync per ``receive()`` / ``iter_weights()``). Keep it across syncs and close it
+    (``close()`` or ``with``) when done."""
+
+
+def _close_connection(pid: int, sock: zmq.Socket, watch: PeerWatch, context: zmq.Context) -> None:
+    """Close a channel's socket, its watch and its context (only in the process that opened them)."""
+    if os.getpid() != pid:
+        return
+    close_watched(sock, watch)
+    context.term()
 
 
 def _without_locals(exc: BaseException) -> BaseException:
@@ -236,24 +329,27 @@ log = logging.getLogger("refitkit.transfer._ipc.receiver")  # one logger for the
 
 
 class _ReceiveSession:
-    """State of one receiving session: socket, mapping, sequence numbers, partly assembled tensors."""
+    """State of one sync on a ``ReceiverChannel``: mapping, sequence numbers, partly assembled tensors. The socket
+    and its watch are the channel's: used here, closed there."""
 
     def __init__(
         self,
         *,
         endpoint: str,
-        path: str,
+        sock: zmq.Socket,
+        watch: PeerWatch,
         device: torch.device,
         timeout_s: float,
         max_sync_s: float,
         plans: dict[int, _DirectPlan],
     ) -> None:
-        self.endpoint, self.path, self.timeout_s, self.max_sync_s = endpoint, path, timeout_s, max_sync_s
-        self.plans = plans  # the receiver's direct buckets as laid out last time, by sequence number
+        self.endpoint, self.timeout_s, self.max_sync_s = endpoint, timeout_s, max_sync_s
+        self.plans = plans  # the channel's direct buckets as laid out last time, by sequence number
         self.device = device
         self.phase = SessionPhase.HANDSHAKE
-        self.sock: zmq.Socket | None = None
-        self.watch: PeerWatch | None = None  # the socket's connection: whether the sender is still there
+        self.sock: zmq.Socket | None = sock  # (None once the sync ended: nothing more goes out for it)
+        self.watch = watch  # the socket's connection: whether the sender is still there
+        self.exchange = secrets.token_hex(8)  # this sync's hello: answers to others' (earlier syncs') are dropped
         self.session: str | None = None
         self.mapping: shm.ShmMapping | cuda_ipc.CudaIpcMapping | None = None
         self.exported: list[
@@ -299,7 +395,6 @@ class _ReceiveSession:
             self.timings["handshake"] += time.perf_counter() - began
 
     def _open(self) -> None:
-        self.sock, self.watch = take_receiver_socket(self.path)
         self.watch.follow(None, f"the sender on {self.endpoint!r}")
         hello: dict[str, Any] = {
             "pid": os.getpid(),
@@ -307,12 +402,12 @@ class _ReceiveSession:
             "shm": doorbell.shm_identity(),
             "timeout_s": self.timeout_s,  # how long a sender may keep this hello queued
             "pidns": shm.pid_namespace(),  # the same as the sender's: sealed memfds instead of named segments
+            "exchange": self.exchange,  # echoed by the setup (or refusal) that answers this hello
         }
         if self.device.type == "cuda":
             hello["device_uuid"] = cuda_ipc.device_uuid(self.device)
         self.sock.send(encode("hello", **hello))
-        # (a sender waiting for us answers at once: spin a little first)
-        setup = self._bounded(lambda timeout_s: self._recv("setup", timeout_s, spin_s=doorbell.SPIN_S))
+        setup = self._bounded(self._await_setup)
         if setup["kind"] == "abort":
             self.phase = SessionPhase.RELEASED
             raise TransferError(f"sender on {self.endpoint!r} refused the session: {setup.get('reason')}")
@@ -345,6 +440,17 @@ class _ReceiveSession:
             raise
         self.sock.send(encode("ready", session=self.session))
         self.phase = SessionPhase.STREAMING
+
+    def _await_setup(self, timeout_s: float) -> dict[str, Any]:
+        """The setup (or refusal) that answers this sync's hello, within ``timeout_s``. Frames left on the channel's
+        connection by an earlier sync (its sender's late frames, an answer to a hello that gave up) are dropped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # (a sender waiting for us answers at once: spin a little first)
+            frame = self._recv("setup", max(0.0, deadline - time.monotonic()), spin_s=doorbell.SPIN_S)
+            if frame["kind"] in ("setup", "abort") and frame.get("exchange") == self.exchange:
+                return frame
+            log.debug("receiver on %r dropped a %s frame of an earlier sync", self.endpoint, frame["kind"])
 
     def _map_cuda_bucket(self, handle: dict[str, Any]) -> None:
         began = time.perf_counter()
@@ -545,7 +651,10 @@ class _ReceiveSession:
     def _take(self, frame: dict[str, Any]) -> None:
         """File a frame that arrived: an abort ends the session here, ``packed`` counts, others wait in the inbox."""
         kind = frame["kind"]
-        if kind == "abort" and frame.get("session") == self.session:
+        if frame.get("session") != self.session:  # left on the channel by an earlier sync
+            log.debug("receiver on %r dropped a %s frame of an earlier sync", self.endpoint, kind)
+            return
+        if kind == "abort":
             reason = str(frame.get("reason"))
             self._release()
             self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
@@ -772,7 +881,7 @@ class _ReceiveSession:
         )
 
     def close(self) -> None:
-        """Release whatever is still held and close the socket; never raises for the release."""
+        """Release whatever is still held; never raises for the release."""
         began = time.perf_counter()
         self.partial = None
         self.assembled.clear()
@@ -780,11 +889,8 @@ class _ReceiveSession:
             self._release()
         except TransferError as exc:
             log.warning("receiver on %r: %s", self.endpoint, exc)
-        if self.sock is not None:
-            close_watched(self.sock, self.watch)  # type: ignore[arg-type]
-            self.sock = self.watch = None
-            if self.acked:  # a session that ended well: the next on this endpoint finds a connection made
-                park_receiver_socket(self.path)
+        self.sock = None  # the channel's, and kept by it for its next sync
+        self.watch.unfollow()
         self.timings["close"] += time.perf_counter() - began
 
     def _send(self, payload: bytes, *, quiet: bool = False) -> None:
@@ -820,23 +926,6 @@ class _ReceiveSession:
         if len(parts) != 1:
             raise ProtocolError(f"{self.phase.value}: a {len(parts)}-part message from {self.endpoint!r}")
         return decode(parts[0])
-
-
-# The direct buckets' plans of this many receivers' endpoints are kept by a process, so that an engine that makes a
-# receiver per sync (vLLM's and SGLang's workers do) lays its buckets out once, not every sync.
-PLAN_ENDPOINTS = 8
-_plans_by_endpoint: OrderedDict[tuple[str, str], dict[int, _DirectPlan]] = OrderedDict()
-
-
-def _plans_for(path: str, device: torch.device) -> dict[int, _DirectPlan]:
-    """The plans of the receivers on ``path`` and ``device`` (shared by every receiver made for them; the
-    ``PLAN_ENDPOINTS`` most recent endpoints' are kept)."""
-    key = (path, str(device))
-    plans = _plans_by_endpoint.pop(key, None)
-    _plans_by_endpoint[key] = plans = {} if plans is None else plans
-    while len(_plans_by_endpoint) > PLAN_ENDPOINTS:
-        _plans_by_endpoint.popitem(last=False)
-    return plans
 
 
 class _DirectPlan:

@@ -12,11 +12,13 @@ it done reading (both through ``doorbell``). The bucket is freed in a ``finally`
 holds 0 bytes of bucket memory after every ``send()``, whether it succeeded or not. A receiver
 whose hello arrives during a session is served by the next ``send()``.
 
-The socket stays bound from the constructor to ``close()``, through failed sessions too: a hello said
-at any time is served. Each session's frames are told from others' by the peer they come from (a
-receiving session has a socket, so a connection and an identity, of its own): anything that is not
-from the session's receiver (a stale session's frames, garbage from another process of our uid) is
-dropped and logged. The receiver's death is noticed by its connection (``liveness``): a wait of the
+A ``SenderChannel`` is the trainer rank's end of its link to an engine rank's ``ReceiverChannel``: it
+owns its ZMQ context, its bound socket, the watch over its receivers' connections and what the last
+all-direct sync walked, from the constructor to ``close()``; each ``send()`` is one sync (exchange)
+on it. The socket stays bound through failed syncs too: a hello said at any time is served. Each
+sync's frames are told from others' by the receiver's connection and the sync's tokens (the
+receiver's hello, the sender's session): anything else (a failed sync's late frames, garbage from
+another process of our uid) is dropped and logged. The receiver's death is noticed by its connection (``liveness``): a wait of the
 session raises ``PeerGone`` at once instead of waiting out ``timeout_s``.
 
 Validation: a list or tuple is checked whole (names, dtypes, devices, duplicates, layout) before
@@ -59,7 +61,7 @@ import zmq
 from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from refitkit.errors import InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import ChannelClosed, InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
 from refitkit.transfer._ipc.endpoint import (
     WaitingReceivers,
@@ -69,7 +71,7 @@ from refitkit.transfer._ipc.endpoint import (
     socket_path,
 )
 from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_frame
-from refitkit.transfer.common import DirectSplit, SessionPhase, TransferStats, checked_knobs
+from refitkit.transfer.common import ChannelState, DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.packing import (
     BOTH_HALVES,
     PLAIN_TENSOR_TYPES,
@@ -169,8 +171,11 @@ DIRECT_SHIP_TENSORS = 64
 DIRECT_SHIP_BYTES = 1 << 30
 
 
-class BucketedWeightSender:
-    """Binds ``endpoint`` and sends weights to one ``BucketedWeightReceiver`` per ``send()``.
+class SenderChannel:
+    """Binds ``endpoint`` and sends weights to one receiver (normally the ``ReceiverChannel`` of the engine rank it
+    is paired with) per ``send()``: one sync (exchange) a call, one at a time, until ``close()`` (or ``with``).
+    Keep one channel across syncs. A channel belongs to the process that opened it: in a forked child every call
+    raises ``ChannelClosed``.
 
     ``direct`` (the default; it applies to CUDA IPC sessions): the receiver reads each weight where the trainer
     holds it, one copy per byte instead of two: the sender exports the allocations that hold the weights (at
@@ -197,7 +202,7 @@ class BucketedWeightSender:
             timeout_s=timeout_s, bucket_bytes=bucket_bytes, transport=transport, min_bucket_bytes=4 * ALIGN_BYTES
         )
         if not isinstance(direct, bool):
-            raise InvalidInput(f"BucketedWeightSender: direct= must be a bool, got {direct!r}")
+            raise InvalidInput(f"{type(self).__name__}: direct= must be a bool, got {direct!r}")
         if transport == "cuda_ipc" and not cuda_ipc.ipc_available():
             raise InvalidInput("transport='cuda_ipc' needs a CUDA GPU and the CUDA driver in the sender")
         self.endpoint = endpoint
@@ -212,7 +217,8 @@ class BucketedWeightSender:
         self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
         self._owner: int | None = None  # the thread running the current session
         self._stop: StopRequest | None = None  # stops the current session (close() from another thread)
-        self._closed = False
+        self.state = ChannelState.OPEN
+        self._pid = os.getpid()
         self.last_timings_s: dict[str, float] = {}  # per-phase seconds of the last session, for benchmarks
         self._waiting = WaitingReceivers()  # hellos that arrived during a session, for the next ones
         shm.remove_stale_segments()
@@ -243,7 +249,13 @@ class BucketedWeightSender:
                 f"close() on {self.endpoint!r} was called from inside its own running send() (the weights "
                 "iterator?); close the sender after send() returns"
             )
-        self._closed = True
+        if self.state is ChannelState.CLOSED:
+            return
+        if os.getpid() != self._pid:  # a forked child: the socket, context and file are the parent's to close
+            self.state = ChannelState.CLOSED
+            self._socket = self._watch = self._context = None
+            return
+        self.state = ChannelState.CLOSED
         stop = self._stop
         if stop is not None:
             stop.stop("the sender was closed (close())")
@@ -268,7 +280,7 @@ class BucketedWeightSender:
             self._context = None
             remove_socket_file(self.path, self._bound)  # libzmq leaves the file; a closed sender should not look stale
 
-    def __enter__(self) -> BucketedWeightSender:
+    def __enter__(self) -> SenderChannel:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -357,8 +369,13 @@ class BucketedWeightSender:
         self._owner = threading.get_ident()
         self._stop = cancel = cancel if cancel is not None else StopRequest()
         try:
-            if self._closed or self._socket is None:
-                raise TransferError(f"sender on {self.endpoint!r} is closed")
+            if os.getpid() != self._pid:
+                raise ChannelClosed(
+                    f"the sender channel on {self.endpoint!r} was opened in process {self._pid}; this is process "
+                    f"{os.getpid()} (a fork?): open a channel of its own here"
+                )
+            if self.state is ChannelState.CLOSED or self._socket is None:
+                raise ChannelClosed(f"sender on {self.endpoint!r} is closed; open a new channel")
             _raise_if_cancelled(cancel, "before its session started")
             try:
                 pull, listed, all_cuda, held, fresh = prepare()
@@ -434,6 +451,7 @@ class BucketedWeightSender:
         self.last_timings_s = run.timings
         self.last_split = None
         self._walk = None
+        self.state = self.state.to(ChannelState.EXCHANGING)
         try:
             stats = run.run()
         except BaseException as exc:  # also KeyboardInterrupt / SystemExit from the caller's iterator
@@ -444,6 +462,8 @@ class BucketedWeightSender:
             raise
         finally:
             run.watch.unfollow()  # the socket stays: what its receiver sends from now on is stale
+            if self.state is ChannelState.EXCHANGING:
+                self.state = self.state.to(ChannelState.OPEN)
         run.free()
         self.last_split = run.split()
         self._walk = run.walk_made()
@@ -456,6 +476,11 @@ class BucketedWeightSender:
             run.free()
         except Exception as late:
             log.error("sender on %r could not free the bucket after %r: %s", self.endpoint, exc, late)
+
+
+class BucketedWeightSender(SenderChannel):
+    """The sender's documented name and signature, kept: a ``SenderChannel`` (binds ``endpoint`` and sends weights
+    to one receiver per ``send()``)."""
 
 
 # -- One ``send()`` session of a ``BucketedWeightSender``: handshake, streaming, draining, release ---
@@ -568,6 +593,7 @@ class _SendSession:
         self.state = SendState.AWAITING_HELLO
         self.peer: bytes | None = None
         self.peer_pid: int | None = None  # as its hello says (for messages)
+        self.peer_exchange: Any = None  # its hello's token, echoed by the setup or abort that answers it
         self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
         self.bell: doorbell.Doorbell | None = None
         self.packer: BucketPacker | None = None
@@ -1000,6 +1026,7 @@ class _SendSession:
         self._send(
             encode(
                 "setup",
+                exchange=self.peer_exchange,
                 session=self.session,
                 transport=transport,
                 half_bytes=half,
@@ -1216,11 +1243,12 @@ class _SendSession:
     def _take_hello(self, peer: bytes, frame: dict[str, Any]) -> bool:
         """Make ``peer`` this session's receiver, unless its hello is stale: its session was served already, or its
         connection closed since it said hello (it gave up or died)."""
-        if self.waiting.served(peer) or self.watch.left(peer):
+        if self.waiting.served(peer, frame) or self.watch.left(peer):
             log.debug("sender on %r dropped a hello whose receiver is gone", self.endpoint)
             return False
-        self.waiting.serve(peer)
+        self.waiting.serve(peer, frame)
         self.peer = peer
+        self.peer_exchange = frame.get("exchange")  # echoed by the setup or abort that answers it
         pid = frame.get("pid")
         self.peer_pid = pid if type(pid) is int else None
         self.watch.follow(peer, self._peer_name())
@@ -1274,11 +1302,19 @@ class _SendSession:
                 self._handle(*got)
 
     def _handle(self, peer: bytes, frame: dict[str, Any]) -> None:
-        if peer != self.peer:
-            if frame["kind"] == "hello":  # the next receiver (it waits, bounded by its own timeout_s)
-                self.waiting.add(peer, frame)
-            else:  # a well-formed frame from an earlier session's peer, or from another process of our uid
-                log.debug("sender on %r dropped a %s frame that is not its receiver's", self.endpoint, frame["kind"])
+        if frame["kind"] == "hello":
+            if peer == self.peer and self.waiting.served(peer, frame):  # a real receiver says each hello once
+                raise ProtocolError(f"expected a ready/done/released frame, got 'hello' again from {self._peer_name()}")
+            self.waiting.add(peer, frame)  # the next sync's receiver (it waits, bounded by its own timeout_s)
+            if peer == self.peer:  # this session's receiver says hello again only once it has left this session
+                raise PeerGone(
+                    f"{self.state.phase.value}: {self._peer_name()} started its next sync before this one ended (it "
+                    f"gave up on this one; {self.seq} buckets sent); its new hello is served by the next send()"
+                )
+            return
+        if peer != self.peer or frame.get("session") != self.session:
+            # a well-formed frame of an earlier session (its receiver's late words), or from another process of ours
+            log.debug("sender on %r dropped a %s frame that is not this session's", self.endpoint, frame["kind"])
             return
         if frame["kind"] == "error":
             message = str(frame.get("message"))
@@ -1322,7 +1358,7 @@ class _SendSession:
             return  # no receiver yet
         try:
             reason = str(exc) if isinstance(exc, _Cancelled) else repr(exc)  # (the stop's own words, not its class)
-            frame = encode("abort", session=self.session, reason=reason)
+            frame = encode("abort", session=self.session, reason=reason, exchange=self.peer_exchange)
             self.sock.send_multipart([self.peer, frame], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return
