@@ -377,7 +377,7 @@ def looping_receiver_main(endpoint: str, syncs: int, timeout_s: float, conn: Any
 def garbage_main(path: str, conn: Any) -> None:
     """A third process of our uid that connects to a sender's socket at ``path`` and sends it frames that are not
     a receiver's: bytes that are no msgpack, another wire version, a well-formed frame of a session it never had,
-    a three-part message; then waits to be told to close."""
+    a three-part message, once told to go (it says "ready" when connected); then waits to be told to close."""
     import msgpack
     import zmq
 
@@ -387,6 +387,9 @@ def garbage_main(path: str, conn: Any) -> None:
     rogue = context.socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 0)
     rogue.connect(f"ipc://{path}")
+    conn.send("ready")
+    if not conn.poll(60) or conn.recv() != "go":
+        return
     rogue.send(b"\x93garbage!")
     rogue.send(msgpack.packb({"v": WIRE_VERSION + 1, "kind": "done", "session": "x", "seq": 0}))
     rogue.send(msgpack.packb({"v": WIRE_VERSION, "kind": "done", "session": "not-yours", "seq": 0}))

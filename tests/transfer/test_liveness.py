@@ -190,12 +190,14 @@ def test_frames_from_a_third_process_do_not_abort_a_running_send(receiver_server
     Before: the first of them raised ProtocolError in send() and aborted the receiver."""
     weights = stream(8)
     with sender_on(endpoint, "shm", 10.0) as sender:
-        receiver_server.start_session(endpoint, timeout_s=10.0, mode="stall", arg=0.5)  # a slow first bucket
         rogue, conn = spawn(garbage_main, sender.path)
+        assert conn.poll(60) and conn.recv() == "ready"  # (started before the sync: a spawn can take seconds)
+        receiver_server.start_session(endpoint, timeout_s=10.0, mode="stall", arg=0.5)  # a slow first bucket
 
         def paced():
             yield weights[0]
-            assert conn.poll(60) and conn.recv() == "sent"  # they are on their way while the sender waits
+            conn.send("go")
+            assert conn.poll(10) and conn.recv() == "sent"  # they are on their way while the sender waits
             yield from weights[1:]
 
         try:
