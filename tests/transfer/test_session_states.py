@@ -7,6 +7,7 @@ import pytest
 
 from refitkit.errors import TransferError
 from refitkit.transfer._ipc.receiver import ReceiveState
+from refitkit.transfer._ipc.sender import BucketState
 
 
 def test_a_receiving_session_names_the_phase_the_sender_knows_it_in():
@@ -49,3 +50,26 @@ def test_a_receiving_session_goes_one_way(path):
 def test_a_receiving_session_refuses_an_impossible_move(start, new):
     with pytest.raises(TransferError, match=rf"receive session cannot go from '{start.lower()}' to '{new.lower()}'"):
         ReceiveState[start].to(ReceiveState[new])
+
+
+def test_a_sending_sessions_bucket_comes_with_the_setup_or_once_a_tensor_needs_it():
+    later = BucketState.LATER.to(BucketState.EARLY)  # the last sync's allocations exported ahead of the stream
+    assert later.later and later.to(BucketState.LATE_PENDING).to(BucketState.ANNOUNCED) is BucketState.ANNOUNCED
+    assert BucketState.EARLY.to(BucketState.LATER).later  # the set-up met another device: exports dropped
+    assert not BucketState.EARLY.to(BucketState.WITH_SETUP).later  # the set-up chose shm: bucket with the setup
+    for done in (BucketState.WITH_SETUP, BucketState.LATE_PENDING, BucketState.ANNOUNCED):
+        assert not done.later
+
+
+@pytest.mark.parametrize(
+    "start, new",
+    [
+        ("WITH_SETUP", "LATE_PENDING"),  # a bucket allocated by the set-up is never allocated again
+        ("ANNOUNCED", "LATE_PENDING"),
+        ("LATE_PENDING", "EARLY"),
+        ("WITH_SETUP", "EARLY"),
+    ],
+)
+def test_a_sending_sessions_bucket_refuses_an_impossible_move(start, new):
+    with pytest.raises(TransferError, match=rf"bucket cannot go from '{BucketState[start].value}'"):
+        BucketState[start].to(BucketState[new])
