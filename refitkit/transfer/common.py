@@ -120,7 +120,7 @@ class DirectSplit:
     # exported address, each exported anew (so counted in ``allocations`` twice)
     replaced_allocations: int = 0
     # tensors of a source that holds them (a list, a module's parameters, ``HeldWeights``) found as the sender's last
-    # session left them: their checks, location and wire entries were taken from it
+    # session left them: their allocation and wire entry were taken from its memo (each was checked as any item)
     walked_tensors: int = 0
 
 

@@ -532,7 +532,13 @@ def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_di
         weights[20] = (weights[20][0], weights[20][1].view(torch.float16))  # the same bytes seen as another dtype
         return weights
 
-    # each session against the one before it: (what it sends, how many items follow the last session's walk)
+    def reshaped() -> list:
+        weights = retyped()
+        weights[25] = (weights[25][0], weights[25][1].reshape(-1))  # the same bytes seen in another shape
+        return weights
+
+    # each session against the one before it: (what it sends, how many items were placed as the last session's
+    # memo says)
     sessions = [
         (lambda: _laid_out(segments), 0),  # nothing to follow yet
         (lambda: _laid_out(segments), 50),  # new values where they lay: all of it
@@ -542,6 +548,7 @@ def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_di
         (renamed, 10),
         (retyped, 20),
         (lambda: [list(item) for item in retyped()], 48),  # items as [name, tensor] lists: followed all the way
+        (reshaped, 25),
     ]
     setups = []  # how many allocations each setup frame exported ahead of the stream
     encode = sender_module.encode
@@ -570,7 +577,7 @@ def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_di
     # each session after the first exported the last one's allocations with its setup (mapped while it walked)
     assert setups == [0, *exported[:-1]] and min(exported) > 0, (setups, exported)
     plans = [session["plans"] for session in result["sessions"]]
-    assert plans[1] == plans[0]  # the walk sent the buckets as they went before: the receiver's plans fit them
+    assert plans[1] == plans[0]  # the buckets went as they went before: the receiver's plans fit them
     assert result["segments_after"] == []
 
 
@@ -627,3 +634,80 @@ def test_a_followed_walk_exports_an_allocation_made_anew_at_its_address(receiver
     result = receiver_server.result()
     assert result["ok"], result
     assert result["sessions"][1]["digests"] == _digests(weights)
+
+
+def _moved(segments: list[torch.Tensor]) -> list:  # item 34, layer 8's up projection, lies elsewhere
+    return _laid_out(segments, moved=8)
+
+
+def _reshaped(segments: list[torch.Tensor]) -> list:  # item 20, layer 5's q, the same bytes seen in another shape
+    weights = _laid_out(segments)
+    weights[20] = (weights[20][0], weights[20][1].reshape(-1))
+    return weights
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("change, differs_at", [(_moved, 34), (_reshaped, 20)], ids=["moved", "reshaped"])
+def test_a_bad_item_after_the_item_where_the_memo_stopped_is_refused_naming_it(
+    receiver_server, endpoint, change, differs_at
+):
+    exportable_memory()
+    segments = _segments()
+    with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=3)
+        walked = []
+        for make in (_laid_out, change, _laid_out):
+            sender.send(HeldWeights(iter(make(segments))))
+            walked.append(sender.last_split.walked_tensors)
+        assert walked == [0, differs_at, differs_at]  # each against the last: the memo stops where they differ
+        assert receiver_server.result()["ok"]
+        # the changed stream again, against the memo of the layout before it, with item 40 named as item 3 (placed
+        # from the memo) was: refused as in any sync
+        weights = change(segments)
+        assert weights[3][0] == "layers.0.norm" and differs_at < 40
+        weights[40] = ("layers.0.norm", weights[40][1])
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="copy")
+        with pytest.raises(InvalidInput, match=r"duplicate tensor name 'layers.0.norm'"):
+            sender.send(HeldWeights(iter(weights)))
+        assert sender.last_split is None
+        result = receiver_server.result()
+        assert not result["ok"] and "aborted the session" in result["message"], result
+        assert result["segments_after"] == []
+        weights = change(segments)  # and the next sync lands whole
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="copy")
+        sender.send(HeldWeights(iter(weights)))
+        result = receiver_server.result()
+        assert result["ok"] and result["digests"] == _digests(weights), result
+
+
+@pytest.mark.cuda
+def test_a_tensor_through_the_bucket_stops_the_memo_there_and_leaves_none_for_the_next_sync(receiver_server, endpoint):
+    exportable_memory()
+    segments = _segments()
+
+    def strided() -> list:  # item 12 as a transposed view: not contiguous, so it goes through the bucket
+        weights = _laid_out(segments)
+        weights[12] = (weights[12][0], weights[12][1].t())
+        return weights
+
+    # (what each sync sends, tensors placed as the last one's memo says, tensors through the bucket)
+    sessions = [
+        (lambda: _laid_out(segments), 0, 0),
+        (strided, 12, 1),  # the memo stops at item 12 (the rest located anew) and this sync leaves none
+        (lambda: _laid_out(segments), 0, 0),
+        (lambda: _laid_out(segments), 50, 0),
+    ]
+    with BucketedWeightSender(endpoint, bucket_bytes=4 * MIB, transport="cuda_ipc", timeout_s=20.0) as sender:
+        receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=len(sessions))
+        expected, splits = [], []
+        for make, _, _ in sessions:
+            weights = make()
+            expected.append(_digests(weights))
+            sender.send(HeldWeights(iter(weights)))
+            split = sender.last_split
+            splits.append((split.walked_tensors, split.bucket_tensors, split.direct_tensors + split.bucket_tensors))
+    result = receiver_server.result()
+    assert result["ok"], result
+    assert [session["digests"] for session in result["sessions"]] == expected  # bit-exact every time
+    assert splits == [(walked, through, 50) for _, walked, through in sessions]
+    assert result["segments_after"] == []

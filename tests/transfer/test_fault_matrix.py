@@ -127,6 +127,8 @@ def test_receiver_raises_in_cleanup(receiver_server, endpoint, case):
     receiver_server.start_session(endpoint, device=case.receiver_device, timeout_s=TIMEOUT_S, mode="keep_view")
     error = send_expecting(endpoint, TransferError, "still referenced", transport=case.transport, weights=weights)
     assert "valid only until the next one" in error.remote_message
+    # the phase it failed in, not the state its release left
+    assert re.search(r"failed \(draining; \d+ buckets sent\): receiver release: ", str(error)), error
     result = receiver_server.result()
     assert not result["ok"] and "still referenced" in result["message"]
     assert result["segments_after"] == []  # the kept views died with the session: the mapping went with them

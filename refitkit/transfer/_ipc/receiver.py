@@ -33,6 +33,7 @@ ProtocolError; the session releases and reports it.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import secrets
@@ -328,6 +329,59 @@ def _without_locals(exc: BaseException) -> BaseException:
 log = logging.getLogger("refitkit.transfer._ipc.receiver")  # one logger for the receiver side (tests filter on it)
 
 
+class ReceiveState(enum.Enum):
+    """Where one receiving session stands (one state, changed only by ``to``)."""
+
+    HANDSHAKE = "handshake"  # hello sent: waiting for the setup, mapping what it offers
+    STREAMING = "streaming"  # ready sent: buckets are handed out
+    DRAINING = "draining"  # the last bucket was consumed: releasing before the final ACK
+    RELEASED = "released"  # every view and mapping let go (or found kept); the sender not answered yet
+    ACKED = "acked"  # the final ACK went out: the session ended as it should
+    FAILED = "failed"  # released, then the error reported to the sender (best effort)
+    ABORTED = "aborted"  # the sender refused or aborted the session; released, and the abort answered
+
+    @property
+    def phase(self) -> SessionPhase:
+        """The protocol phase this state belongs to, as messages name it."""
+        return _RECEIVE_PHASE_OF[self]
+
+    @property
+    def released(self) -> bool:
+        """Whether the session's views and mappings were let go (nothing left to release)."""
+        return self in (ReceiveState.RELEASED, ReceiveState.ACKED, ReceiveState.FAILED, ReceiveState.ABORTED)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the sender was given the session's last word (final ACK, error, or the abort's answer)."""
+        return self in (ReceiveState.ACKED, ReceiveState.FAILED, ReceiveState.ABORTED)
+
+    def to(self, new: ReceiveState) -> ReceiveState:
+        """``new``, if this state may become it; else TransferError (a bug in refitkit)."""
+        if new not in _RECEIVE_NEXT[self]:
+            raise TransferError(f"receive session cannot go from {self.value!r} to {new.value!r}")
+        return new
+
+
+_RECEIVE_PHASE_OF = {
+    ReceiveState.HANDSHAKE: SessionPhase.HANDSHAKE,
+    ReceiveState.STREAMING: SessionPhase.STREAMING,
+    ReceiveState.DRAINING: SessionPhase.DRAINING,
+    ReceiveState.RELEASED: SessionPhase.DRAINING,  # (for the sender the session drains until it is answered)
+    ReceiveState.ACKED: SessionPhase.RELEASED,
+    ReceiveState.FAILED: SessionPhase.RELEASED,
+    ReceiveState.ABORTED: SessionPhase.RELEASED,
+}
+_RECEIVE_NEXT: dict[ReceiveState, frozenset[ReceiveState]] = {
+    ReceiveState.HANDSHAKE: frozenset({ReceiveState.STREAMING, ReceiveState.RELEASED, ReceiveState.ABORTED}),
+    ReceiveState.STREAMING: frozenset({ReceiveState.DRAINING, ReceiveState.RELEASED}),
+    ReceiveState.DRAINING: frozenset({ReceiveState.RELEASED}),
+    ReceiveState.RELEASED: frozenset({ReceiveState.ACKED, ReceiveState.FAILED, ReceiveState.ABORTED}),
+    ReceiveState.ACKED: frozenset(),
+    ReceiveState.FAILED: frozenset(),
+    ReceiveState.ABORTED: frozenset(),
+}
+
+
 class _ReceiveSession:
     """State of one sync on a ``ReceiverChannel``: mapping, sequence numbers, partly assembled tensors. The socket
     and its watch are the channel's: used here, closed there."""
@@ -346,7 +400,7 @@ class _ReceiveSession:
         self.endpoint, self.timeout_s, self.max_sync_s = endpoint, timeout_s, max_sync_s
         self.plans = plans  # the channel's direct buckets as laid out last time, by sequence number
         self.device = device
-        self.phase = SessionPhase.HANDSHAKE
+        self.state = ReceiveState.HANDSHAKE
         self.sock: zmq.Socket | None = sock  # (None once the sync ended: nothing more goes out for it)
         self.watch = watch  # the socket's connection: whether the sender is still there
         self.exchange = secrets.token_hex(8)  # this sync's hello: answers to others' (earlier syncs') are dropped
@@ -382,8 +436,11 @@ class _ReceiveSession:
         self.wait_s = 0.0
         self.bytes = 0
         self.tensors = 0
-        self.released = False
-        self.acked = False  # the final ACK went out: the session ended as it should
+
+    @property
+    def phase(self) -> SessionPhase:
+        """The protocol phase the session is in, as messages name it."""
+        return self.state.phase
 
     # -- handshake --------------------------------------------------------------------------------
 
@@ -409,7 +466,7 @@ class _ReceiveSession:
         self.sock.send(encode("hello", **hello))
         setup = self._bounded(self._await_setup)
         if setup["kind"] == "abort":
-            self.phase = SessionPhase.RELEASED
+            self.state = self.state.to(ReceiveState.ABORTED)  # (nothing was mapped)
             raise TransferError(f"sender on {self.endpoint!r} refused the session: {setup.get('reason')}")
         expect(setup, "setup")
         if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
@@ -439,7 +496,7 @@ class _ReceiveSession:
             self.fail(f"could not map the bucket: {exc}")
             raise
         self.sock.send(encode("ready", session=self.session))
-        self.phase = SessionPhase.STREAMING
+        self.state = self.state.to(ReceiveState.STREAMING)
 
     def _await_setup(self, timeout_s: float) -> dict[str, Any]:
         """The setup (or refusal) that answers this sync's hello, within ``timeout_s``. Frames left on the channel's
@@ -658,7 +715,7 @@ class _ReceiveSession:
             reason = str(frame.get("reason"))
             self._release()
             self._send(encode("released", session=self.session, seq=self.seq), quiet=True)
-            self.phase = SessionPhase.RELEASED
+            self.state = self.state.to(ReceiveState.ABORTED)
             raise TransferError(
                 f"sender on {self.endpoint!r} aborted the session at bucket {self.seq} ({self._applied()}): {reason}"
             )
@@ -792,15 +849,14 @@ class _ReceiveSession:
                 self._announce_consumed()
             self.seq += 1
             return
-        self.phase = SessionPhase.DRAINING
+        self.state = self.state.to(ReceiveState.DRAINING)
         try:
             self._release(final=True)
         except TransferError as exc:
             self.fail(str(exc))
             raise
         self._send(encode("released", session=self.session, seq=self.seq))
-        self.phase = SessionPhase.RELEASED
-        self.acked = True
+        self.state = self.state.to(ReceiveState.ACKED)
 
     def _reads_stream(self) -> Any:
         """The current CUDA stream, made to wait for the loader's streams (wait_on); None on the CPU."""
@@ -816,9 +872,9 @@ class _ReceiveSession:
     def _release(self, final: bool = False) -> None:
         """Drop views and the mapping; ``final`` (the last bucket was consumed): then also ring the
         doorbell once more, the final ACK's early twin (the ``released`` frame follows)."""
-        if self.released:
+        if self.state.released:
             return
-        self.released = True
+        self.state = self.state.to(ReceiveState.RELEASED)
         began = time.perf_counter()
         self.partial = None
         self.assembled.clear()
@@ -859,17 +915,18 @@ class _ReceiveSession:
     def fail(self, message: str, *, cause: BaseException | None = None) -> None:
         """Release, then tell the sender why this session failed, with ``cause``'s type, message and last frames
         as data (best effort; once per session)."""
-        if self.phase is SessionPhase.RELEASED:
+        if self.state.ended:
             return
+        phase = self.phase  # where it failed (the release below moves on)
         try:
             self._release()
         except TransferError as exc:
             message = f"{message}; and then {exc}"
         if self.session is not None:
             fields = failure_fields(cause) if cause is not None else {}
-            frame = encode("error", session=self.session, phase=self.phase.value, message=message, **fields)
+            frame = encode("error", session=self.session, phase=phase.value, message=message, **fields)
             self._send(frame, quiet=True)
-        self.phase = SessionPhase.RELEASED
+        self.state = self.state.to(ReceiveState.FAILED)
 
     def stats(self) -> TransferStats:
         return TransferStats(

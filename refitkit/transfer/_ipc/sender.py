@@ -74,7 +74,6 @@ from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_fra
 from refitkit.transfer.common import ChannelState, DirectSplit, SessionPhase, TransferStats, checked_knobs
 from refitkit.transfer.packing import (
     BOTH_HALVES,
-    PLAIN_TENSOR_TYPES,
     BucketPacker,
     CheckedItem,
     check_item,
@@ -146,6 +145,38 @@ _NEXT: dict[SendState, frozenset[SendState]] = {
     SendState.ABORTED: frozenset(),
 }
 
+
+class BucketState(enum.Enum):
+    """How one session's memory reaches the receiver (one state, changed only by ``to``): the bucket with the setup,
+    or in a direct session over CUDA IPC only once a tensor needs it (most syncs of a held model need none)."""
+
+    WITH_SETUP = "with the setup"  # the bucket, if the session has one, is allocated by the set-up and offered in it
+    LATER = "later"  # a direct session: no bucket until a tensor must go through one (the setup says so)
+    EARLY = "exports early"  # as LATER, and the last session's allocations were exported ahead of the stream
+    LATE_PENDING = "allocated late"  # a tensor needed the bucket: its handle goes with the next packed bucket's frame
+    ANNOUNCED = "announced"  # that frame went out
+
+    @property
+    def later(self) -> bool:
+        """Whether the bucket is still to be allocated, should a tensor need it."""
+        return self in (BucketState.LATER, BucketState.EARLY)
+
+    def to(self, new: BucketState) -> BucketState:
+        """``new``, if this state may become it; else TransferError (a bug in refitkit)."""
+        if new not in _BUCKET_NEXT[self]:
+            raise TransferError(f"send session's bucket cannot go from {self.value!r} to {new.value!r}")
+        return new
+
+
+_BUCKET_NEXT: dict[BucketState, frozenset[BucketState]] = {
+    BucketState.WITH_SETUP: frozenset(),
+    # (EARLY -> LATER or WITH_SETUP: the set-up met a receiver or a first item the early exports do not serve)
+    BucketState.LATER: frozenset({BucketState.EARLY, BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
+    BucketState.EARLY: frozenset({BucketState.LATER, BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
+    BucketState.LATE_PENDING: frozenset({BucketState.ANNOUNCED}),
+    BucketState.ANNOUNCED: frozenset(),
+}
+
 # pull, a list's checked items, all on CUDA, whether the items stay as they are during the session (``held_unchanged``),
 # whether each is made for the sender (``fresh_each``)
 _Prepared = tuple[Callable[[], Any], list[CheckedItem] | None, bool, bool, bool]
@@ -213,7 +244,7 @@ class SenderChannel:
         self.timeout_s = timeout_s
         self.direct = direct
         self.last_split: DirectSplit | None = None  # with direct=True: how the last session split (direct / bucket)
-        self._walk: _DirectWalk | None = None  # the last session's items and direct buckets, when it went all direct
+        self._walk: _DirectMemo | None = None  # what the last session placed where, when every tensor went direct
         self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
         self._owner: int | None = None  # the thread running the current session
         self._stop: StopRequest | None = None  # stops the current session (close() from another thread)
@@ -532,24 +563,25 @@ def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
         raise _Cancelled(f"{cancel.reason} {where}")
 
 
-class _DirectWalk:
-    """One session of a source whose tensors stay where they lie (a list, a module's parameters, ``HeldWeights``),
-    every tensor direct, as the next session may take it again: each item's name and where its tensor lay, the
-    direct buckets shipped and the allocations exported.
+# What ``_take_direct`` found of one item: name, data pointer, dtype, shape, bytes -> the index of the allocation it
+# lies in, and the wire entry built for it (with its byte offset in that allocation)
+_Placed = tuple[str, int, torch.dtype, torch.Size, int, int, list[Any]]
 
-    The next session on the same device follows it item by item while the stream yields the same names with plain,
-    dense, contiguous tensors at the same addresses, dtypes and shapes: what ``check_item`` and ``_take_direct``
-    found of an item then holds for it again (the names, unique then, come in the same order), so the recorded
-    entries ship as they are, and the receiver finds its own plans for them. Each allocation is exported anew (the
-    driver must still have it at its start, of its size). From the first item that differs, the session goes on as
-    any other. It holds no tensor: names, numbers and wire entries only."""
+
+class _DirectMemo:
+    """What ``_take_direct`` found of each item of one session whose every tensor went direct, from a source whose
+    tensors stay where they lie (a list, a module's parameters, ``HeldWeights``), and the allocations it exported.
+
+    The next session on the same device exports those allocations again while it awaits the hello (the driver must
+    still have each at its start, of its size: then each keeps its index), and ``_take_direct`` consults the memo
+    for item i once ``check_item`` and its own cheap tests passed: the same name, data pointer, dtype, shape and
+    size as item i then means the same allocation, offset and wire entry. From the first item that differs the
+    memo is not consulted again in that session. Bucket boundaries come from the same thresholds either way, so the
+    receiver finds its plans for the buckets. It holds no tensor: names, numbers and wire entries only."""
 
     def __init__(self, device: torch.device | None) -> None:
         self.device = device
-        self.items: list[tuple[str, int, torch.dtype, torch.Size, int]] = []  # name, data pointer, dtype, shape, bytes
-        # per direct bucket: the number of items up to its last, its entries and allocation indices as sent, and the
-        # number of exports announced once it went
-        self.buckets: list[tuple[int, list[Any], list[int], int]] = []
+        self.items: list[_Placed] = []  # by item position
         self.allocations: list[tuple[int, int]] = []  # the exported allocations' (start, size), in index order
 
 
@@ -572,7 +604,7 @@ class _SendSession:
         half_bytes: int,
         direct: bool = False,
         fresh: bool = False,
-        walk: _DirectWalk | None = None,
+        walk: _DirectMemo | None = None,
         on_hello: Callable[[], Any] | None = None,
     ) -> None:
         self.watch = watch  # the socket's connections: it follows this session's receiver's
@@ -624,21 +656,21 @@ class _SendSession:
             min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
         )
         self.direct_ship_tensors = DIRECT_MAX_TENSORS  # (set when the session's direct taker is made)
-        self.walk = walk  # the last session's, followed while the stream yields what it yielded then
-        self.adopted = False  # the walk's allocations were exported while the hello was awaited (_export_early)
-        self.record: _DirectWalk | None = None  # this session's, while it may still become the next one's walk
-        self.walked = 0  # tensors that followed the walk
+        # the last session's memo, consulted while every item so far matched it (and its allocations were exported
+        # again); this session's, while every tensor went direct
+        self.memo = walk
+        self.record: _DirectMemo | None = None
+        self.walked = 0  # tensors placed as the memo says (while it is consulted: the position of the next item)
         self.direct_tensors = 0
         self.direct_bytes = 0
         self.bucket_reasons: dict[str, int] = {}
         self.bucket_tensors = 0
         self.bucket_bytes = 0
-        # A direct session over CUDA IPC allocates its bucket only when a tensor must go through it (most syncs of
-        # a reloaded model need none); its handle then travels with the first bucket that uses it.
-        self.bucket_later = direct and (held or fresh) and transport != "shm"
+        self.bucket_state = (
+            BucketState.LATER if direct and (held or fresh) and transport != "shm" else BucketState.WITH_SETUP
+        )
         self.session_transport = "none"
         self.session_device: torch.device | None = None
-        self.announce_bucket = False
 
     def run(self) -> TransferStats:
         start = time.perf_counter()
@@ -666,11 +698,7 @@ class _SendSession:
             take_direct = self._direct_taker()
             self.span = _bucket_range(self.seq)  # a profiler range per bucket, packing to shipping
             try:
-                item: CheckedItem | None = first
-                if self.walk is not None and self.record is not None:
-                    item, total_bytes = self._follow_walk(first)
-                if item is not None:
-                    total_bytes += self._stream(item, take_direct)
+                total_bytes = self._stream(first, take_direct)
             finally:
                 if self.span is not None:  # the stream stopped before its last bucket shipped
                     self.span.__exit__(None, None, None)
@@ -717,6 +745,8 @@ class _SendSession:
         its reason counted); None when this session packs everything (no direct mode asked for)."""
         if not self.direct:
             return None
+        if self.bucket_state is not BucketState.EARLY:
+            self.memo = None  # its allocation indices hold only where its allocations were exported again, first
         if self.session_transport != "cuda_ipc" or self.session_device is None:
             self.direct_refusal = "the session's transport is not cuda_ipc"
         elif not (self.batch or self.fresh):
@@ -725,12 +755,12 @@ class _SendSession:
                 "or an adapter's HeldWeights / FreshWeights)"
             )
         else:
-            if self.exports is None:  # (else the walk's, exported while the hello was awaited and sent with the setup)
+            if self.exports is None:  # (else the memo's, exported while the hello was awaited and sent with the setup)
                 self.exports = cuda_ipc.AllocationExports(
                     self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
-                )
-            if self.batch:  # tensors that stay where they lie: the next session may follow this one's walk
-                self.record = _DirectWalk(self.session_device)
+                )  # fmt: skip
+            if self.batch:  # tensors that stay where they lie: the next session may consult this one's memo
+                self.record = _DirectMemo(self.session_device)
         self.direct_ship_tensors = min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS)
         return self._take_direct
 
@@ -751,33 +781,56 @@ class _SendSession:
         if pointer % ALIGN_BYTES:
             self._through_bucket(f"its bytes are not {ALIGN_BYTES}-byte aligned (a view into a larger tensor)", nbytes)
             return False
-        located = exports.locate(pointer, nbytes)
-        if isinstance(located, str):
-            self._through_bucket(located, nbytes)
-            return False
-        index, offset = located
+        placed = self._as_memo_says(name, pointer, tensor, nbytes) if self.memo is not None else None
+        if placed is None:
+            located = exports.locate(pointer, nbytes)
+            if isinstance(located, str):
+                self._through_bucket(located, nbytes)
+                return False
+            index, offset = located
+            shape = tensor.shape
+            placed = (name, pointer, tensor.dtype, shape, nbytes, index, entry_to_wire(name, wire_dtype, shape, offset))
         if len(self.direct_entries) >= self.direct_ship_tensors or self.direct_pending_bytes >= self.direct_ship_bytes:
             self._ship_direct()  # a full one ships when the next comes: the stream's last is never an empty bucket
-        shape = tensor.shape
         if self.record is not None:
-            self.record.items.append((name, pointer, tensor.dtype, shape, nbytes))
-        self.direct_entries.append(entry_to_wire(name, wire_dtype, shape, offset))
+            self.record.items.append(placed)
+        index, entry = placed[5], placed[6]
         self.direct_allocs.append(index)
+        self.direct_entries.append(entry)
         self.direct_held.append(tensor)
         self.direct_tensors += 1
         self.direct_bytes += nbytes
         self.direct_pending_bytes += nbytes
         return True
 
+    def _as_memo_says(self, name: str, pointer: int, tensor: torch.Tensor, nbytes: int) -> _Placed | None:
+        """The memo's placement of the item at this position (its allocation's index, its wire entry) when the item
+        is as it was then; else None, and the memo is not consulted again this session."""
+        items, at = self.memo.items, self.walked  # type: ignore[union-attr]  # (every item so far matched it)
+        if at < len(items):
+            placed = items[at]
+            was_name, was_pointer, dtype, shape, was_nbytes, _, _ = placed
+            if (
+                was_pointer == pointer
+                and was_name == name
+                and dtype is tensor.dtype
+                and shape == tensor.shape
+                and was_nbytes == nbytes
+            ):
+                self.walked = at + 1
+                return placed
+        self.memo = None
+        return None
+
     def _late_packer(self) -> BucketPacker:
         """The packer of a session whose bucket waited until a tensor needed it: allocate the bucket now (its
         handle goes out with the first bucket frame that uses it)."""
-        if not self.bucket_later or self.session_device is None or self.bucket is not None:
+        if not self.bucket_state.later or self.session_device is None or self.bucket is not None:
             raise TransferError("sender: a tensor to pack in a session without a bucket (a bug in refitkit)")
         began = time.perf_counter()
         self.bucket = self._new_bucket(self.session_device)
         self._mark("late_bucket", began)
-        self.announce_bucket = True
+        self.bucket_state = self.bucket_state.to(BucketState.LATE_PENDING)
         self.packer = BucketPacker(
             self.bucket.tensor,
             self.half_bytes,
@@ -788,7 +841,7 @@ class _SendSession:
         return self.packer
 
     def _through_bucket(self, reason: str, nbytes: int) -> None:
-        self.record = None  # a walk is of sessions whose every tensor went direct
+        self.record = self.memo = None  # a memo is of sessions whose every tensor went direct
         self.bucket_reasons[reason] = self.bucket_reasons.get(reason, 0) + 1
         self.bucket_tensors += 1
         self.bucket_bytes += nbytes
@@ -802,15 +855,13 @@ class _SendSession:
         entries, allocs = self.direct_entries, self.direct_allocs
         self.direct_entries, self.direct_allocs, self.direct_pending_bytes = [], [], 0
         self._send_direct(entries, allocs, last=last)
-        if self.record is not None:
-            self.record.buckets.append((self.direct_tensors, entries, allocs, self.exports.announced))
         if self.fresh:  # kept until the receiver consumed this bucket (_retire_consumed), not to the session's end
             self.direct_shipped.append((self.seq - 1, self.direct_held))
             self.direct_held = []
 
-    def _send_direct(self, entries: list[Any], allocs: list[int], *, last: bool, announce: int | None = None) -> None:
-        """Send one direct bucket with the exports not announced yet (up to index ``announce``), once fewer than
-        ``DIRECT_IN_FLIGHT`` direct buckets await the receiver."""
+    def _send_direct(self, entries: list[Any], allocs: list[int], *, last: bool) -> None:
+        """Send one direct bucket with the exports not announced yet, once fewer than ``DIRECT_IN_FLIGHT`` direct
+        buckets await the receiver."""
 
         def room() -> bool:
             self._retire_consumed()
@@ -818,111 +869,17 @@ class _SendSession:
 
         if not room():
             self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
-        direct: dict[str, Any] = {"exports": self.exports.take_new(announce), "allocs": allocs}  # type: ignore[union-attr]
+        direct: dict[str, Any] = {"exports": self.exports.take_new(), "allocs": allocs}  # type: ignore[union-attr]
         if not self.fresh:  # held until the session ends: the receiver may say it is done once its reads are issued
             direct["kept"] = True
         self._send_bucket(0, True, entries, last, direct=direct)
 
-    def _follow_walk(self, first: CheckedItem) -> tuple[CheckedItem | None, int]:
-        """Ship the last session's direct buckets again while the stream yields its items as they were then
-        (``_DirectWalk``). Returns the first item that differs, checked, for ``_stream`` to go on from (None: the
-        stream ended and its last bucket went out), and the bytes of the items before it."""
-        walk, exports = self.walk, self.exports
-        if walk is None or exports is None or walk.device != self.session_device:
-            return first, 0
-        if not (self.adopted or exports.adopt(walk.allocations)):
-            return first, 0
-        items, buckets, count = walk.items, walk.buckets, len(walk.items)
-        pull, cancel, unpacked, held, device_index = (
-            self.pull,
-            self.cancel,
-            self.unpacked,
-            self.direct_held,
-            exports.index,
-        )
-        plain, strided, listed = PLAIN_TENSOR_TYPES, torch.strided, self.checked
-        at = bucket = 0
-        end = buckets[0][0]  # the item after the bucket's last: it ships the bucket, as in _take_direct
-        item: Any = first
-        # (once per tensor on the sender's critical path: the tests that make an item what _take_direct took, and
-        # every check of check_item, hold for one of the plain tensor types at the same address, dtype and shape)
-        while at < count:
-            name, pointer, dtype, shape, _ = items[at]
-            if type(item) is not tuple and type(item) is not list or len(item) != (3 if listed or not at else 2):
-                break
-            named, tensor = item[0], item[1]
-            if (
-                named is not name
-                and (type(named) is not str or named != name)
-                or type(tensor) not in plain
-                or tensor.layout is not strided
-                or tensor.is_nested
-                or tensor.data_ptr() != pointer
-                or tensor.dtype is not dtype
-                or tensor.shape != shape
-                or tensor.get_device() != device_index
-                or not tensor.is_contiguous()
-                or tensor.is_conj()
-                or tensor.is_neg()
-            ):
-                break
-            if at == end:
-                _, entries, allocs, announce = buckets[bucket]
-                self._send_direct(entries, allocs, last=False, announce=announce)
-                bucket += 1
-                end = buckets[bucket][0]
-            held.append(tensor)
-            at += 1
-            if unpacked:  # announce finished buckets now, not when the next one is full
-                self._announce_packed()
-            if cancel is not None and cancel.is_set():
-                raise _Cancelled(f"{cancel.reason} after {at} items")
-            item = pull()
-            if item is END:
-                break
-        return self._leave_walk(item, at, bucket)
-
-    def _leave_walk(self, item: Any, at: int, bucket: int) -> tuple[CheckedItem | None, int]:
-        """Where the stream left the walk: at the walk's item number ``at``, in its bucket ``bucket``, with ``item``
-        (END at the stream's end). The session's counts are what ``_take_direct`` would have left, that bucket's
-        entries so far are pending and ``item`` is checked; at the stream's end its last bucket ships."""
-        walk, record = self.walk, self.record
-        if walk is None or record is None:
-            raise TransferError("sender: left a walk it did not follow (a bug in refitkit)")
-        items = walk.items
-        start = walk.buckets[bucket - 1][0] if bucket else 0
-        _, entries, allocs, announce = walk.buckets[bucket]
-        walked_bytes = sum(nbytes for *_, nbytes in items[:at])
-        self.walked = self.direct_tensors = at
-        self.direct_bytes = walked_bytes
-        if at == len(items) and item is END:  # the stream as walked: the walk stays the next session's
-            self.items = at
-            self.record = walk
-            self._send_direct(entries, allocs, last=True, announce=announce)
-            return None, walked_bytes
-        record.items, record.buckets = items[:at], walk.buckets[:bucket]
-        if not at:
-            return item, 0  # the first item differs (it was checked and counted before the set-up)
-        self.direct_entries, self.direct_allocs = entries[: at - start], allocs[: at - start]
-        self.direct_pending_bytes = sum(nbytes for *_, nbytes in items[start:at])
-        self.items = at
-        if not self.checked:
-            self.seen.update(name for name, *_ in items[:at])
-        if item is END:  # a shorter stream: it ends here
-            self._ship_direct(last=True)
-            return None, walked_bytes
-        if not self.checked:
-            item = check_item(self.items, item, self.seen, need_cuda=self.need_cuda, detach=False)
-        self.items += 1
-        return item, walked_bytes
-
-    def walk_made(self) -> _DirectWalk | None:
-        """This session's walk, for the next session to follow: when every tensor went direct (else None)."""
+    def walk_made(self) -> _DirectMemo | None:
+        """This session's memo, for the next session to consult: when every tensor went direct (else None)."""
         record = self.record
-        if record is None or self.exports is None or not record.buckets or self.bucket_tensors:
+        if record is None or self.exports is None or not record.items or self.bucket_tensors:
             return None
-        if record is not self.walk:
-            record.allocations = self.exports.ranges()
+        record.allocations = self.exports.ranges()
         return record
 
     def split(self) -> DirectSplit | None:
@@ -962,7 +919,7 @@ class _SendSession:
         ``transport='cuda_ipc'`` (a list's device, else the current one) or a list of CUDA tensors under ``auto``.
         The set-up keeps it when the hello and the first item agree, else frees it; a failure here (out of
         memory, say) is left to the set-up, which meets it again and then tells the receiver."""
-        if self.bucket_later:
+        if self.bucket_state is not BucketState.WITH_SETUP:
             return  # a direct session: most likely no tensor needs the bucket
         if self.transport == "cuda_ipc":
             device = self.first_device or torch.device("cuda", torch.cuda.current_device())
@@ -979,17 +936,19 @@ class _SendSession:
         self._mark("early_bucket", began)
 
     def _export_early(self) -> None:
-        """While the receiver starts up, for a session that may follow the last one's walk: export that walk's
-        allocations again (``AllocationExports.adopt``), so that the setup carries them and the receiver maps them
-        while the first items are walked. The set-up keeps them only when the first item lies on the walk's device
-        in a cuda_ipc session, else lets them go (an export holds nothing)."""
-        walk = self.walk
-        if walk is None or not self.direct or not self.batch or walk.device is None or self.transport == "shm":
+        """While the receiver starts up, for a direct session of a held source with the last session's memo: export
+        the memo's allocations again (``AllocationExports.adopt``), so that the setup carries them and the receiver
+        maps them while the first items stream, and the memo's allocation indices hold. The set-up keeps them only
+        when the first item lies on the memo's device in a cuda_ipc session, else lets them go (an export holds
+        nothing)."""
+        memo = self.memo
+        if memo is None or memo.device is None or not self.batch or self.bucket_state is not BucketState.LATER:
             return
         began = time.perf_counter()
-        exports = cuda_ipc.AllocationExports(walk.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
-        if exports.adopt(walk.allocations):
-            self.exports, self.adopted = exports, True
+        exports = cuda_ipc.AllocationExports(memo.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
+        if exports.adopt(memo.allocations):
+            self.exports = exports
+            self.bucket_state = self.bucket_state.to(BucketState.EARLY)
         self._mark("early_exports", began)
 
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
@@ -1002,10 +961,11 @@ class _SendSession:
             self.free()
         self.session_transport = transport
         self.session_device = first[1].device if first is not None else None
-        self.bucket_later = self.bucket_later and transport == "cuda_ipc"
+        if self.bucket_state.later and transport != "cuda_ipc":
+            self.bucket_state = self.bucket_state.to(BucketState.WITH_SETUP)
         if transport == "shm":
             self.bucket = self._new_bucket(None, peer_pidns=hello.get("pidns"))
-        elif transport == "cuda_ipc" and first is not None and self.bucket is None and not self.bucket_later:
+        elif transport == "cuda_ipc" and first is not None and self.bucket is None and not self.bucket_state.later:
             self.bucket = self._new_bucket(first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         control = None
@@ -1016,13 +976,15 @@ class _SendSession:
                 control = self.bell.handle()
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
                 log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.endpoint, exc)
-        extra: dict[str, Any] = {"bucket_later": True} if self.bucket_later else {}
-        if self.exports is not None:  # the walk's allocations, exported early: mapped by the receiver now
+        extra: dict[str, Any] = {"bucket_later": True} if self.bucket_state.later else {}
+        if self.exports is not None:  # the memo's allocations, exported early: mapped by the receiver now
             if transport == "cuda_ipc" and self.exports.device == self.session_device:
                 extra["exports"] = list(self.exports.handles)  # (all of them again, should this hello's peer be gone)
                 self.exports.take_new()
             else:
-                self.exports, self.adopted = None, False
+                self.exports = None
+                if self.bucket_state is BucketState.EARLY:
+                    self.bucket_state = self.bucket_state.to(BucketState.LATER)
         self._send(
             encode(
                 "setup",
@@ -1090,9 +1052,9 @@ class _SendSession:
             else:
                 self.unpacked.append((self.seq, doorbell.event_after(stream)))
         extra: dict[str, Any] = {} if direct is None else {"direct": direct}
-        if direct is None and self.announce_bucket:  # the first bucket packed into a bucket allocated late
+        if direct is None and self.bucket_state is BucketState.LATE_PENDING:  # the first packed into a late bucket
             extra["handle"] = self.bucket.handle()  # type: ignore[union-attr]
-            self.announce_bucket = False
+            self.bucket_state = self.bucket_state.to(BucketState.ANNOUNCED)
         self._send(
             encode(
                 "bucket", session=self.session, seq=self.seq, half=half, wide=wide, last=last, entries=entries, **extra
