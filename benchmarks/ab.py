@@ -267,7 +267,10 @@ def run_one(
         seconds = time.monotonic() - began
         if rc != 0:
             print(f"[ab] {run.label} ended with rc {rc}; its last lines:\n" + "".join(tail[-30:]), flush=True)
-        raw = json.loads(json_path.read_text()) if json_path.exists() else None
+        try:
+            raw = json.loads(json_path.read_text())
+        except (OSError, ValueError):  # none written, or cut off by the kill
+            raw = None
     return rc, seconds, raw, used
 
 
