@@ -15,6 +15,9 @@ run: the flat pinned D2H rate (``benchmarks/limits.py``), against which the refi
 ``refit / (trainer state bytes / D2H rate)``.
 
     VLLM_WORKER_MULTIPROC_METHOD=spawn python benchmarks/colocated_loop.py --models 0.6b,8b --steps 4
+
+``--checkpoint DIR`` keeps each model's checkpoint in ``DIR/qwen3-<model>`` and reuses it in later runs (the same
+seed gives the same weights; 8B is 16 GB to write): what ``benchmarks/ab.py`` passes to every run of an A/B.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -132,6 +136,54 @@ def hf_model(config: DecoderConfig) -> torch.nn.Module:
     return model
 
 
+# the fields of a saved config.json that must match for a checkpoint to be reused
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+)
+
+
+def checkpoint_of(model: torch.nn.Module, key: str, reuse_in: str | None) -> str:
+    """The directory vLLM loads ``model`` from: a fresh temporary one, or ``reuse_in/qwen3-<key>``, written there once
+    and reused by later runs (``hf_model`` seeds its weights, so a reused checkpoint holds the same ones)."""
+    if reuse_in is None:
+        path = tempfile.mkdtemp(prefix=f"rk-colocated-{key}-")
+        model.save_pretrained(path, safe_serialization=True)
+        return path
+    root = Path(reuse_in)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"qwen3-{key}"
+    if path.is_dir():
+        saved = json.loads((path / "config.json").read_text())
+        wanted = model.config.to_dict()
+        differ = [field for field in SHAPE_FIELDS if saved.get(field) != wanted.get(field)]
+        if differ:
+            raise SystemExit(
+                f"--checkpoint {reuse_in}: {path} holds another shape ({', '.join(differ)} differ from {key}'s); "
+                "remove it or pass another directory"
+            )
+        return str(path)
+    for stale in root.glob(f".qwen3-{key}-*"):  # what a killed run was writing (8B: up to 16 GB each)
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = tempfile.mkdtemp(prefix=f".qwen3-{key}-", dir=root)
+    model.save_pretrained(staging, safe_serialization=True)
+    os.rename(staging, path)  # whole or absent: a run killed while writing leaves nothing to reuse
+    return str(path)
+
+
+def rank_reports(push) -> list[dict]:
+    """Each engine rank's report of a push: ``PushStats.ranks``, or ``workers`` in refitkit before 802a45b (the
+    A/B's base, 35ec2da, runs these same scripts)."""
+    return push.ranks if hasattr(push, "ranks") else push.workers
+
+
 def generate_ms(llm) -> float:
     from vllm import SamplingParams
 
@@ -168,6 +220,7 @@ def bench_model(
     direct: bool = True,
     push_paths: list[str] | None = None,
     trace: str | None = None,
+    checkpoint_in: str | None = None,
 ) -> dict:
     from vllm import LLM
 
@@ -178,8 +231,7 @@ def bench_model(
 
     config = MODELS[key]
     model = hf_model(config)
-    checkpoint = tempfile.mkdtemp(prefix=f"rk-colocated-{key}-")
-    model.save_pretrained(checkpoint, safe_serialization=True)
+    checkpoint = checkpoint_of(model, key, checkpoint_in)
     llm = LLM(
         model=checkpoint,
         dtype="bfloat16",
@@ -264,7 +316,7 @@ def bench_model(
                 after = llm.collective_rpc("refit_memory")[0]
                 row["kv_cache_back_gib"] = after["resident"].get("kv_cache", 0) / 2**30
                 row["kv_cache_was_asleep_gib"] = kv_asleep / 2**30
-                worker = link.last_push.ranks[0] if link.last_push else {}
+                worker = rank_reports(link.last_push)[0] if link.last_push else {}
                 row["load_path"] = worker.get("load_path")
                 row.update(worker_split(worker))
                 row["split"] = sender.last_split.__dict__ if sender.last_split else None
@@ -354,7 +406,7 @@ def live_pushes(
             Path(profile).mkdir(parents=True, exist_ok=True)
             _write_profile(trainer_profile, Path(profile) / "trainer_push.txt")
             llm.collective_rpc(_worker_profile_stop, args=(str(Path(profile).resolve() / "worker_push.txt"),))
-        row = {"push": index, "path": path, "sync_ms": wall_ms, **worker_split(link.last_push.ranks[0])}
+        row = {"push": index, "path": path, "sync_ms": wall_ms, **worker_split(rank_reports(link.last_push)[0])}
         row["sender_ms"] = {phase: round(seconds * 1e3, 2) for phase, seconds in link.sender.last_timings_s.items()}
         row["split"] = link.sender.last_split.__dict__ if link.sender.last_split else None
         reset_s = link.last_push.reset_s  # the reset queued behind the push: from the stream's end until it came back
@@ -476,8 +528,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="profile the last step's refit (CUDA activity) into this directory and print where "
         "the trainer's D2H copies ran against the phases; that step is left out of the medians",
     )
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="keep each model's checkpoint in DIR/qwen3-<model>: written on the first run, reused after "
+        "(default: a fresh temporary directory every run)",
+    )
+    parser.add_argument("--json", help="write the results here (rewritten after each model)")
     args = parser.parse_args(argv)
+    import refitkit
+
     if args.push_paths and not set(args.push_paths.split(",")) <= {"direct", "bucket"}:
         parser.error(f"--push-paths {args.push_paths!r}: a comma list of direct and bucket")
     if args.profile:  # collective_rpc of a function (the profiler's start and stop) needs vLLM's pickle path
@@ -502,12 +562,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             push_paths=(args.push_paths or args.path).split(","),
             profile=args.profile,
             trace=args.trace,
+            checkpoint_in=args.checkpoint,
         )
+        result["refitkit"] = str(Path(refitkit.__file__).resolve().parent)  # which refitkit ran (an A/B has two)
         print_summary(result)
         results.append(result)
         torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        if args.json:  # after each model: a run that dies in the next keeps this one's figures
+            Path(args.json).write_text(json.dumps(results, indent=1))
     return results
 
 

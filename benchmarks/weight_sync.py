@@ -35,6 +35,7 @@ microseconds per tensor of a whole sync; the intercept is the fixed cost of a se
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -206,6 +207,7 @@ def bench_model(
         "intact": intact,
         "median_ms": statistics.median(steady),
         "min_ms": min(steady),
+        "steady_ms": steady,
         "gbps": total / (statistics.median(steady) / 1e3) / 1e9,
         "ack_wait_ms": statistics.median(ack_ms[warmup:]),
         "retained_reserved_mib": max(retained_reserved) / 2**20,
@@ -283,7 +285,7 @@ def cpu_overhead(counts: list[int], rounds: int, warmup: int = 3) -> None:
         print(f"  {label:<13} {slope_ms * 1e3:6.2f} us/tensor   {intercept_ms:6.3f} ms/session")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="0.6b,8b")
     parser.add_argument("--loaders", default="foreach,per-tensor,none", help="what the receiver does with each bucket")
@@ -327,7 +329,10 @@ def main() -> None:
     )
     parser.add_argument("--cpu-overhead", action="store_true", help="per-tensor CPU cost on each side, no GPU needed")
     parser.add_argument("--tensors", default="64,1024", help="--cpu-overhead: the two stream lengths")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--json", metavar="PATH", help="write every row (and the GPU, its D2D rate, which refitkit ran) here as JSON"
+    )
+    args = parser.parse_args(argv)
     if args.cpu_overhead:
         cpu_overhead([int(n) for n in args.tensors.split(",")], args.rounds or 30)
         return
@@ -360,6 +365,14 @@ def main() -> None:
         f"{'ack ms':>7} {'floor ms':>8} {'floor/t':>7} {'reserved MiB':>12} {'device MiB':>10} target"
     )
     print(header)
+    import refitkit
+
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "d2d_gbps": copy_gbps,
+        "refitkit": str(Path(refitkit.__file__).resolve().parent),  # which refitkit ran (an A/B has two)
+        "rows": [],
+    }
     for model in args.models.split(","):
         runs = [
             (s, lo, p) for p in args.paths.split(",") for s in args.sources.split(",") for lo in args.loaders.split(",")
@@ -390,6 +403,9 @@ def main() -> None:
                 f"{r['retained_reserved_mib']:12.1f} {r['retained_device_mib']:10.1f} <= {target_ms} ms {verdict}",
                 flush=True,
             )
+            report["rows"].append({**r, "loader": loader, "floor_ms": floor_ms, "target_ms": target_ms})
+            if args.json:  # after each row: a run that dies later keeps the rows before
+                Path(args.json).write_text(json.dumps(report, indent=1))
             if r["split"] is not None:
                 print(f"{'':>6} split: {r['split']}", flush=True)
             print("        sender phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
