@@ -39,6 +39,7 @@ from refitkit.rollout._push import RPC_SLACK_S, EngineCall, PushStats, drive, ra
 from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
+    HelperThreads,
     SyncProgress,
     bounded_call,
     checked_first_rank,
@@ -432,6 +433,24 @@ def push_weights(
     reset = renamed_knob(
         "reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache
     )
+    with HelperThreads("SGLang push_weights") as helpers:
+        return push_weights_with(
+            helpers, engine, sender, weights, version=version, timeout_s=timeout_s, reset_prefix_cache=reset
+        )
+
+
+def push_weights_with(
+    helpers: HelperThreads,
+    engine: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int | None,
+    timeout_s: float | None,
+    reset_prefix_cache: bool,
+) -> PushStats:
+    """``push_weights`` with the engine's calls on ``helpers`` (a link's threads, kept across its pushes)."""
+    reset = reset_prefix_cache
     tp_size = checked_engine(engine, "push_weights")["tp_size"]
     if tp_size != 1:
         raise InvalidInput(
@@ -443,7 +462,8 @@ def push_weights(
     weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     request = encode_request("receive", endpoint=f"ipc://{sender.path}", timeout_s=timeout_s, version=number)
     call = _receive_call(engine, request, reset=reset)
-    pushed = drive(call, lambda on_hello: sender.send(weights), timeout_s=timeout_s, version=number)
+    send = lambda on_hello: sender.send(weights)  # noqa: E731
+    pushed = drive(call, send, timeout_s=timeout_s, version=number, helpers=helpers)
     return _checked_push(pushed, call, reset=reset)
 
 
@@ -466,6 +486,34 @@ def push_weights_broadcast(
     reset = renamed_knob(
         "reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache
     )
+    with HelperThreads("SGLang push_weights_broadcast") as helpers:
+        return push_weights_broadcast_with(
+            helpers,
+            engine,
+            sender,
+            weights,
+            secret=secret,
+            version=version,
+            first_rank=first_rank,
+            timeout_s=timeout_s,
+            reset_prefix_cache=reset,
+        )
+
+
+def push_weights_broadcast_with(
+    helpers: HelperThreads,
+    engine: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    secret: str | bytes,
+    version: int,
+    first_rank: int,
+    timeout_s: float | None,
+    reset_prefix_cache: bool,
+) -> PushStats:
+    """``push_weights_broadcast`` with the engine's calls on ``helpers`` (a link's threads, kept across its pushes)."""
+    reset = reset_prefix_cache
     first_rank = checked_first_rank(first_rank)
     tp_size = checked_engine(engine, "push_weights_broadcast")["tp_size"]
     checked_broadcast_ranks(tp_size, first_rank, getattr(sender, "receivers", None), "push_weights_broadcast")
@@ -481,7 +529,8 @@ def push_weights_broadcast(
         backend=sender.backend,
     )
     call = _receive_call(engine, request, reset=reset)
-    pushed = drive(call, lambda on_hello: sender.send(weights, version=number), timeout_s=timeout_s, version=number)
+    send = lambda on_hello: sender.send(weights, version=number)  # noqa: E731
+    pushed = drive(call, send, timeout_s=timeout_s, version=number, helpers=helpers)
     return _checked_push(pushed, call, reset=reset)
 
 
