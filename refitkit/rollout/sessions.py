@@ -1,6 +1,6 @@
 """One refitkit session received in place into a live engine's model: what every engine's side of a push shares.
 
-An engine rank (a vLLM worker, an SGLang scheduler) opens a receiver per sync, lands each bucket's
+An engine rank (a vLLM worker, an SGLang scheduler) keeps a receiver for its sender's endpoint, lands each bucket's
 views straight into its parameters through ``DirectLoads`` (one copy on arrival), then records what
 the sync covered in its ``EngineWeights``. What differs per engine (its model, its loader, its
 post-processing, whether its weights are released) is handed in by the caller. The driving side shares the checks of a push's arguments
@@ -409,3 +409,18 @@ class HelperThreads:
 def _threads_named(prefix: str) -> list[threading.Thread]:
     """The live threads of one pool (``ThreadPoolExecutor`` names them ``<prefix>_<n>``)."""
     return [thread for thread in threading.enumerate() if thread.name.startswith(f"{prefix}_")]
+
+
+def close_receiver(receiver: Any, where: str) -> None:
+    """Close a kept ``BucketedWeightReceiver`` (its connection) where it has a ``close()`` (the transfer layer's
+    receivers gain one with their channel; until then dropping it is all there is). A failure is logged, not raised:
+    releasing an old connection must not fail the sync or the shutdown that replaces it."""
+    close = getattr(receiver, "close", None)
+    if receiver is None or not callable(close):
+        return
+    try:
+        close()
+    except Exception:
+        log.warning(
+            "%s: closing its kept receiver of %s failed", where, getattr(receiver, "endpoint", "?"), exc_info=True
+        )

@@ -52,6 +52,7 @@ from refitkit.rollout.sessions import (
     checked_first_rank,
     checked_timeout,
     checked_weights,
+    close_receiver,
     land_in_place,
     record_landing,
     refuse_session,
@@ -120,6 +121,7 @@ class WorkerReceiver:
         endpoint = endpoint.replace("{rank}", str(self.rank))
         receiver = self._receiver
         if receiver is None or receiver.endpoint != endpoint or receiver.timeout_s != timeout_s:
+            close_receiver(receiver, f"vLLM worker {self.rank}")
             receiver = self._receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
         began = time.perf_counter()
         layerwise = lambda progress: self._layerwise_from(receiver, endpoint, progress)  # noqa: E731
@@ -160,6 +162,16 @@ class WorkerReceiver:
     def discarded(self) -> None:
         """The engine slept at level 2: its weights are garbage until a full sync lands (reported incomplete)."""
         self.weights.failed(self.weights.next_version(), touched=True)
+
+    def close(self) -> None:
+        """Close the receiver kept for the next sync (the weight versions stay); a later sync opens a new one."""
+        receiver, self._receiver = self._receiver, None
+        close_receiver(receiver, f"vLLM worker {self.rank}")
+
+    @property
+    def kept_endpoint(self) -> str | None:
+        """The endpoint of the receiver kept for the next sync (None: none kept)."""
+        return None if self._receiver is None else self._receiver.endpoint
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -348,6 +360,15 @@ class RefitWorkerExtension:
         receiver.discarded()
         return receiver.weights.as_dict()
 
+    def refit_close(self) -> None:
+        """Close the receiver this worker keeps between syncs (its connection to the trainer's sender); the next
+        ``refit_receive`` opens a new one. vLLM gives an extension no shutdown hook: call it before the sender goes."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        shared = getattr(engine, "refit_receiver", None)
+        for receiver in (shared, self._refit_own):
+            if isinstance(receiver, WorkerReceiver):
+                receiver.close()
+
     def refit_memory(self) -> dict[str, Any]:
         """Sleep-mode bytes per tag (resident, asleep) and the device's free and total bytes now (plain values)."""
         state = internals.sleep_state()
@@ -359,7 +380,8 @@ class RefitWorkerExtension:
         return {**state, "free_bytes": int(free_bytes), "total_bytes": int(total_bytes)}
 
     def refit_worker_info(self) -> dict[str, Any]:
-        """This worker's pid, rank, device, load path, and whether its weights are clean (plain values)."""
+        """This worker's pid, rank, device, load path, whether its weights are clean, and the endpoint of the receiver
+        it keeps for the next sync (None: none kept) (plain values)."""
         receiver = self._refit_receiver()
         return {
             "pid": os.getpid(),
@@ -367,6 +389,7 @@ class RefitWorkerExtension:
             "device": str(receiver.device),
             "weights_consistent": receiver.weights.version.clean,
             "load_path": receiver.load_path,
+            "kept_endpoint": receiver.kept_endpoint,
         }
 
     def refit_checksums(self, names: list[str] | None = None) -> dict[str, str]:
