@@ -42,7 +42,8 @@ def main(model_path: str, steps: int = 2) -> None:
 
     with (
         BucketedWeightSender("quickstart", transport="auto") as sender,
-        RefitCycle(FSDPAdapter(model, optimizer), VllmLink(llm, sender)) as cycle,
+        VllmLink(llm, sender) as link,  # owns the threads its engine calls run on; closed on leaving
+        RefitCycle(FSDPAdapter(model, optimizer), link) as cycle,
     ):
         for step in range(steps):
             model(input_ids=batch, labels=batch).loss.backward()  # a train step

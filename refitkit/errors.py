@@ -158,6 +158,11 @@ class EngineTimeout(EngineError, TimeoutError):
     """A call into the engine (sleep, wake-up, an rpc) did not return within its bound."""
 
 
+class LinkClosed(RefitError):
+    """An engine link (``VllmLink``, ``SglangLink``, ``BroadcastLink``) was used after its ``close()``, or in a process
+    other than the one that made it (a forked child has none of the link's helper threads): make a new link there."""
+
+
 class OffloadedStateError(RefitError):
     """A call that reads or saves training state ran while that state is offloaded (0-byte device storages):
     a forward, ``state_dict()`` or an optimizer step would crash the process or save garbage. Reload first."""

@@ -1,7 +1,8 @@
 """Rules the whole library keeps, read from its source: no runtime assert (they vanish under
 ``python -O``), no ``gc.collect()`` call outside the watchdog's opt-in audit, and nothing imported or
-converted through numpy that setup.cfg's ``install_requires`` does not declare, and no API newer than the
-Python that ``setup.cfg`` declares."""
+converted through numpy that setup.cfg's ``install_requires`` does not declare, no API newer than the
+Python that ``setup.cfg`` declares, and no module-level mutable state in ``transfer/`` and ``rollout/``
+beyond the one registry an engine's plug-in point forces."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import configparser
 import re
 import sys
 from pathlib import Path
+
+import pytest
 
 import refitkit
 
@@ -256,3 +259,211 @@ def test_python_requires_is_the_lowest_python_classifier_and_the_readme_names_no
     )
     named = sorted({(3, int(minor)) for minor in re.findall(r"Python 3\.(\d+)", (ROOT / "README.md").read_text())})
     assert set(named) <= set(classifiers), f"README.md names Python {named}, setup.cfg's classifiers {classifiers}"
+
+
+# --- no process-wide mutable state in transfer/ and rollout/ ------------------------------------------------------
+# What one sync leaves for the next belongs to the object that owns that lifetime (a channel, a link, a worker's
+# receiver), opened and closed by its user: a module-level cache is a sign that owner is missing, and it survives a
+# fork silently. Module-level names whose value is not a plain constant must be listed here, each with its reason.
+
+STATE_FREE_PACKAGES = ("refitkit/transfer", "refitkit/rollout")
+
+ALLOWED_MODULE_STATE = {
+    ("refitkit/rollout/sglang.py", "_SCHEDULER_RECEIVERS"): (
+        "the one process-wide registry (SchedulerReceivers): SGLang's only plug-in point is a class-level hook and its "
+        "updater a slots dataclass that cannot carry our state; locked, entries stamped with their pid"
+    ),
+    ("refitkit/transfer/protocol.py", "_brief_repr"): "a reprlib.Repr configured once at import, then only read",
+}
+
+# Tables written once at import and only read after (a dict of constants): allowed while the module never writes them.
+READ_ONLY_TABLES = {
+    ("refitkit/rollout/sglang.py", "REQUEST_FIELDS"): "each request op's fields and their types",
+    ("refitkit/transfer/_ipc/sender.py", "_PHASE_OF"): "each send state's session phase",
+    ("refitkit/transfer/_ipc/sender.py", "_NEXT"): "each send state's allowed next states",
+    ("refitkit/transfer/protocol.py", "SUPPORTED_DTYPES"): "dtype names on the wire and their torch dtypes",
+    ("refitkit/transfer/protocol.py", "WIRE_DTYPE_NAMES"): "the reverse of SUPPORTED_DTYPES",
+}
+
+# Being replaced by the channel (one owner per lifetime); the branch that removes them empties this list at its merge.
+
+# Calls whose result is immutable, or a logger or a compiled pattern: fine at module level.
+IMMUTABLE_RESULTS = {
+    "frozenset",
+    "tuple",
+    "bytes",
+    "str",
+    "int",
+    "float",
+    "bool",
+    "type",
+    "object",  # a sentinel
+    "logging.getLogger",
+    "re.compile",
+    "TypeVar",
+    "typing.TypeVar",
+    "NewType",
+    "typing.NewType",
+    "ParamSpec",
+    "struct.Struct",
+}
+MUTATING_METHODS = frozenset(
+    "append extend insert pop popitem remove clear update setdefault add discard move_to_end appendleft extendleft "
+    "popleft rotate sort reverse".split()
+)
+
+
+def _dotted(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def _mutable_kind(value: ast.expr) -> str | None:
+    """What is mutable about a module-level value (None: a constant, an alias, a logger, a pattern, a type alias)."""
+    if isinstance(value, (ast.Dict, ast.DictComp)):
+        return "a dict"
+    if isinstance(value, (ast.List, ast.ListComp)):
+        return "a list"
+    if isinstance(value, (ast.Set, ast.SetComp)):
+        return "a set"
+    if isinstance(value, ast.Tuple):
+        return next(filter(None, map(_mutable_kind, value.elts)), None)
+    if isinstance(value, ast.Call):
+        name = _dotted(value.func)
+        return None if name in IMMUTABLE_RESULTS else f"the result of {name or ast.unparse(value.func)}()"
+    if isinstance(value, ast.IfExp):
+        return _mutable_kind(value.body) or _mutable_kind(value.orelse)
+    if isinstance(value, ast.BinOp):
+        return _mutable_kind(value.left) or _mutable_kind(value.right)
+    # constants, names and attributes (aliases: checked where defined), subscripts (type aliases), lambdas, f-strings
+    return None
+
+
+def _module_assignments(tree: ast.Module) -> list[tuple[str, int, ast.expr]]:
+    """(name, line, value) of each name bound at module level (branches and try blocks included, not functions or
+    classes)."""
+    found: list[tuple[str, int, ast.expr]] = []
+
+    def names(target: ast.expr) -> list[str]:
+        if isinstance(target, ast.Name):
+            return [target.id]
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return [name for element in target.elts for name in names(element)]
+        return []  # an attribute or item set at import: its object is checked where it is bound
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                        found.extend(
+                            (name, node.lineno, value)
+                            for element, value in zip(target.elts, node.value.elts)
+                            for name in names(element)
+                        )
+                    else:
+                        found.extend((name, node.lineno, node.value) for name in names(target))
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+                found.extend((name, node.lineno, node.value) for name in names(node.target))
+            elif isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody, *(handler.body for handler in node.handlers)):
+                    visit(block)
+            elif isinstance(node, ast.With):
+                visit(node.body)
+
+    visit(tree.body)
+    return found
+
+
+def _written(tree: ast.Module, name: str) -> list[int]:
+    """Lines where the module writes into ``name`` (an item stored or deleted, a mutating method called)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            if _dotted(node.value) == name:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in MUTATING_METHODS and _dotted(node.func.value) == name:
+                lines.append(node.lineno)
+    return lines
+
+
+def _state_modules() -> list[tuple[str, ast.Module]]:
+    return [(name, tree) for name, tree in _modules() if name.startswith(STATE_FREE_PACKAGES)]
+
+
+def module_state_violations(modules: list[tuple[str, ast.Module]]) -> list[str]:
+    """Each module-level mutable object and each ``global`` statement not allowed above, as a message."""
+    allowed = ALLOWED_MODULE_STATE
+    found = []
+    for path, tree in modules:
+        for name, line, value in _module_assignments(tree):
+            kind = _mutable_kind(value)
+            if kind is None or name == "__all__" or (path, name) in allowed:
+                continue
+            if (path, name) in READ_ONLY_TABLES:
+                found.extend(
+                    f"{path}:{written} writes into the read-only table {name} (defined at line {line}): build it whole "
+                    "at import, or give what changes an owner"
+                    for written in _written(tree, name)
+                )
+                continue
+            found.append(
+                f"{path}:{line} {name} is {kind}, module-level state shared by the whole process and inherited by a "
+                "fork: keep it on the object that owns its lifetime (a channel, a link, a worker's receiver), or make "
+                "it a constant (tuple, frozenset); a registry an engine's plug-in point forces goes in "
+                "ALLOWED_MODULE_STATE with its reason"
+            )
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                for name in node.names:
+                    if (path, name) not in allowed:
+                        found.append(
+                            f"{path}:{node.lineno} `global {name}` rebinds module-level state: keep it on the object "
+                            "that owns its lifetime"
+                        )
+    return found
+
+
+def test_transfer_and_rollout_keep_no_module_level_mutable_state():
+    modules = _state_modules()
+    assert len(modules) > 20, f"the rule reads transfer/ and rollout/: it found {len(modules)} modules"
+    found = module_state_violations(modules)
+    assert found == [], "\n".join(found)
+
+
+def test_every_allowed_module_state_entry_still_exists():
+    bound = {(path, name) for path, tree in _state_modules() for name, _, _ in _module_assignments(tree)}
+    listed = {**ALLOWED_MODULE_STATE, **READ_ONLY_TABLES}
+    stale = sorted(f"{path}: {name}" for path, name in listed if (path, name) not in bound)
+    assert stale == [], f"these are gone: take them off the lists in tests/test_library_rules.py: {stale}"
+
+
+@pytest.mark.parametrize(
+    "planted, expected",
+    [
+        ("_cache = {}\n", "refitkit/rollout/planted.py:3 _cache is a dict, module-level state shared"),
+        ("_lock = threading.Lock()\n", "refitkit/rollout/planted.py:3 _lock is the result of threading.Lock()"),
+        ("_by = weakref.WeakKeyDictionary()\n", "_by is the result of weakref.WeakKeyDictionary()"),
+        ("_seen: set[str] = set()\n", "refitkit/rollout/planted.py:3 _seen is the result of set()"),
+        (
+            "_count = 0\n\n\ndef bump():\n    global _count\n    _count += 1\n",
+            "refitkit/rollout/planted.py:7 `global _count` rebinds module-level state",
+        ),
+        ("REQUEST_FIELDS = {}\n", "REQUEST_FIELDS is a dict"),  # read-only tables are listed per module
+    ],
+)
+def test_the_module_state_rule_catches_a_planted_cache(planted, expected):
+    tree = ast.parse(f"import threading\nimport weakref\n{planted}")
+    found = module_state_violations([("refitkit/rollout/planted.py", tree)])
+    assert len(found) == 1, found
+    if expected is not None:
+        assert expected in found[0]
+    clean = ast.parse('import logging, re\nlog = logging.getLogger(__name__)\n_NAME = re.compile("x")\nA = (1, "b")\n')
+    assert module_state_violations([("refitkit/rollout/planted.py", clean)]) == []

@@ -34,7 +34,7 @@ from refitkit.errors import (
     WeightRejected,
     error_from_record,
 )
-from refitkit.rollout.sessions import bounded_result, helper_threads
+from refitkit.rollout.sessions import HelperThreads, bounded_result
 from refitkit.rollout.versions import MISSING_SHOWN
 from refitkit.transfer import TransferStats
 from refitkit.transfer.protocol import remote_failure
@@ -88,9 +88,10 @@ def drive(
     *,
     timeout_s: float,
     version: int | None,
+    helpers: HelperThreads,
     then: Callable[[], Any] | None = None,
 ) -> PushStats:
-    """Run ``engine.call`` in a helper thread while ``send(on_hello)`` runs here, both bounded (``timeout_s`` +
+    """Run ``engine.call`` in one of ``helpers`` while ``send(on_hello)`` runs here, both bounded (``timeout_s`` +
     ``RPC_SLACK_S`` for the engine). ``then`` (an engine call: the prefix-cache reset) is asked for once the engine's
     receiver said hello (``on_hello``), else once ``send`` returned: an engine that runs calls in the order they came is
     inside ``engine.call`` by then, so ``then`` runs right after it and both replies come back together.
@@ -101,14 +102,14 @@ def drive(
     is a ``PartialPush`` from the stream's error; a rank that reports a failure after the sender finished raises it.
     ``version``: the push's version where the trainer named it (None: each rank numbered it)."""
     rpc_timeout_s = timeout_s + RPC_SLACK_S
-    with helper_threads() as pool:  # (a stuck call ends on its own timeout; nothing waits past ours)
+    with helpers.use() as submit:  # (a stuck call ends on its own timeout; nothing waits past ours)
         calling = threading.Event()
 
         def call() -> Any:
             calling.set()
             return engine.call()
 
-        future = pool.submit(call)
+        future = submit(call)
         # Let the helper take the interpreter first: the sender only waits for the engine's hello, which waits for this
         # call (a sender spinning for the hello kept the helper from making vLLM's rpc for 0.2 ms)
         calling.wait(RPC_SLACK_S)
@@ -116,7 +117,7 @@ def drive(
 
         def ask_then() -> None:
             if then is not None and not queued:
-                queued.append(pool.submit(then))
+                queued.append(submit(then))
 
         try:
             sent = send(ask_then)

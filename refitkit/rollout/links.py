@@ -18,15 +18,15 @@ from enum import Enum
 from typing import Any, ClassVar
 
 from refitkit._knobs import checked_seconds, renamed_knob
-from refitkit.errors import EngineError, InvalidInput, KVCacheWontFit
+from refitkit.errors import EngineError, InvalidInput, KVCacheWontFit, LinkClosed
 from refitkit.rollout import _sglang_internals as sglang_internals
 from refitkit.rollout import _vllm_internals as internals
 from refitkit.rollout._push import PushStats
-from refitkit.rollout.sessions import bounded_call, checked_first_rank
+from refitkit.rollout.sessions import HelperThreads, bounded_call, checked_first_rank
 from refitkit.rollout.sglang import checked_broadcast_ranks, checked_engine, engine_state, weights_discarded
-from refitkit.rollout.sglang import push_weights as sglang_push_weights
-from refitkit.rollout.sglang import push_weights_broadcast as sglang_push_weights_broadcast
-from refitkit.rollout.vllm import push_weights, push_weights_broadcast
+from refitkit.rollout.sglang import push_weights_broadcast_with as sglang_push_weights_broadcast_with
+from refitkit.rollout.sglang import push_weights_with as sglang_push_weights_with
+from refitkit.rollout.vllm import push_weights_broadcast_with, push_weights_with
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender, TransferStats
 from refitkit.transfer.common import checked_version
 
@@ -41,11 +41,15 @@ class EngineMemory(Enum):
 
 class _EngineLink:
     """What every engine's link shares: the sender (same host, or a broadcast whose ``secret`` is the job's secret and
-    whose engine ranks join as ``first_rank``..), the versions, ``send``, and the bounded engine calls; the memory steps
-    (``wake_for_sync``, ``wake_for_rollout``, ``sleep_for_training``) are each engine's."""
+    whose engine ranks join as ``first_rank``..), the versions, ``send``, the bounded engine calls and the helper
+    threads they run on (the link's own, kept for its life: ``close()`` or ``with`` ends them; the sender and the
+    engine stay the caller's); the memory steps (``wake_for_sync``, ``wake_for_rollout``, ``sleep_for_training``) are
+    each engine's. A closed link, or one used in another process than the one that made it (a forked child), raises
+    ``LinkClosed``."""
 
     engine_name: ClassVar[str]  # in messages
-    push: ClassVar[Callable[..., PushStats]]  # the engine's two pushes (their knobs are the same on every engine)
+    # the engine's two pushes, on the link's helper threads (their knobs are the same on every engine)
+    push: ClassVar[Callable[..., PushStats]]
     push_broadcast: ClassVar[Callable[..., PushStats]]
 
     def __init__(
@@ -92,6 +96,18 @@ class _EngineLink:
         self.call_seconds: dict[
             str, float
         ] = {}  # each engine call's latest duration, e.g. "wake_up(tags=['kv_cache'])"
+        self._helpers = HelperThreads(link)  # made last: a refused argument leaves nothing to close
+
+    def close(self) -> None:
+        """End the link's helper threads (an engine call stuck past its bound is logged and left to end on its own);
+        the sender and the engine stay as they are. Closing twice is fine; a closed link raises ``LinkClosed``."""
+        self._helpers.close()
+
+    def __enter__(self) -> _EngineLink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def drives_memory(self) -> bool:
@@ -105,11 +121,13 @@ class _EngineLink:
         Weights the link put to sleep are woken first; a push into weights put to sleep by hand is refused
         (``EngineAsleep``) before any byte lands. The prefix cache is reset after the push while the KV cache is
         resident (a sleep emptied it already)."""
+        self._helpers.check_usable()
         self.wake_for_sync()
         version, self.next_version = self.next_version, self.next_version + 1
         reset = self.memory is EngineMemory.SERVING  # cached KV of the old weights is stale (queued behind the push)
         if self.broadcast:
             pushed = self.push_broadcast(
+                self._helpers,
                 self._engine,
                 self.sender,
                 weights,
@@ -121,6 +139,7 @@ class _EngineLink:
             )
         else:
             pushed = self.push(
+                self._helpers,
                 self._engine,
                 self.sender,
                 weights,
@@ -143,6 +162,7 @@ class _EngineLink:
             timeout_s=self.engine_timeout_s,
             memory=self.memory,
             call_seconds=self.call_seconds,
+            helpers=self._helpers,
         )
 
     def _kv_cache_fits(self, needed: int, free: int, *, what: str, knob: str, kept: str) -> None:
@@ -177,8 +197,8 @@ class VllmLink(_EngineLink):
     """
 
     engine_name = "vLLM"
-    push = staticmethod(push_weights)
-    push_broadcast = staticmethod(push_weights_broadcast)
+    push = staticmethod(push_weights_with)
+    push_broadcast = staticmethod(push_weights_broadcast_with)
 
     def __init__(
         self,
@@ -274,8 +294,8 @@ class SglangLink(_EngineLink):
     """
 
     engine_name = "SGLang"
-    push = staticmethod(sglang_push_weights)
-    push_broadcast = staticmethod(sglang_push_weights_broadcast)
+    push = staticmethod(sglang_push_weights_with)
+    push_broadcast = staticmethod(sglang_push_weights_broadcast_with)
 
     def __init__(
         self,
@@ -395,11 +415,24 @@ class BroadcastLink:
             raise InvalidInput(f"BroadcastLink: sender must be a BroadcastWeightSender, got a {type(sender).__name__}")
         self.sender = sender
         self.next_version = checked_version(first_version)
+        self.closed = False
 
     def send(self, weights: Any) -> TransferStats:
         """Broadcast ``weights`` as version ``next_version``; returns once every receiver loaded them."""
+        if self.closed:
+            raise LinkClosed("BroadcastLink is closed: make a new BroadcastLink to send again")
         version, self.next_version = self.next_version, self.next_version + 1
         return self.sender.send(weights, version=version)
+
+    def close(self) -> None:
+        """Refuse further sends (``LinkClosed``); the sender stays the caller's. Closing twice is fine."""
+        self.closed = True
+
+    def __enter__(self) -> BroadcastLink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def bounded_engine_call(
@@ -410,8 +443,9 @@ def bounded_engine_call(
     timeout_s: float,
     memory: EngineMemory,
     call_seconds: dict[str, float],
+    helpers: HelperThreads,
 ) -> Any:
-    """``call()`` in a helper thread, at most ``timeout_s`` (``engine_timeout_s``); its duration goes into
+    """``call()`` in one of ``helpers``, at most ``timeout_s`` (``engine_timeout_s``); its duration goes into
     ``call_seconds[what]``; an engine's error becomes an ``EngineError`` naming it and the engine's ``memory``."""
     began = time.perf_counter()
     result = bounded_call(
@@ -420,6 +454,7 @@ def bounded_engine_call(
         what=f"{engine}'s {what}",
         context=f" (engine memory: {memory.value})",
         within=f"engine_timeout_s={timeout_s:g} (raise it if the engine is only slow)",
+        helpers=helpers,
     )
     call_seconds[what] = time.perf_counter() - began
     return result

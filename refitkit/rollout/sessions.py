@@ -1,6 +1,6 @@
 """One refitkit session received in place into a live engine's model: what every engine's side of a push shares.
 
-An engine rank (a vLLM worker, an SGLang scheduler) opens a receiver per sync, lands each bucket's
+An engine rank (a vLLM worker, an SGLang scheduler) keeps a receiver for its sender's endpoint, lands each bucket's
 views straight into its parameters through ``DirectLoads`` (one copy on arrival), then records what
 the sync covered in its ``EngineWeights``. What differs per engine (its model, its loader, its
 post-processing, whether its weights are released) is handed in by the caller. The driving side shares the checks of a push's arguments
@@ -25,6 +25,7 @@ from refitkit.errors import (
     EngineError,
     EngineTimeout,
     InvalidInput,
+    LinkClosed,
     RefitError,
     TransferError,
     UnknownWeight,
@@ -275,65 +276,151 @@ def bounded_result(
         raise EngineError(f"{what} failed{context}: {type(exc).__name__}: {exc}") from exc
 
 
-def bounded_call(call: Callable[[], Any], *, timeout_s: float, what: str, within: str, context: str = "") -> Any:
+def bounded_call(
+    call: Callable[[], Any],
+    *,
+    timeout_s: float,
+    what: str,
+    within: str,
+    context: str = "",
+    helpers: HelperThreads | None = None,
+) -> Any:
     """``call()`` in a helper thread, its result as ``bounded_result`` gives it; a call still stuck when the bound
-    passed ends on its own (nothing waits for it)."""
-    with helper_threads() as helpers:
-        return bounded_result(helpers.submit(call), timeout_s=timeout_s, what=what, within=within, context=context)
+    passed ends on its own (nothing waits for it). ``helpers``: the caller's threads (a link's, kept across its calls);
+    None: threads of this call's own, ended before it returns."""
+    if helpers is None:
+        with HelperThreads(what) as own:
+            return bounded_call(call, timeout_s=timeout_s, what=what, within=within, context=context, helpers=own)
+    with helpers.use() as submit:
+        return bounded_result(submit(call), timeout_s=timeout_s, what=what, within=within, context=context)
+
+
+HELPER_THREAD_PREFIX = "refitkit-engine-call"  # the name of every helper thread starts so
+HELPER_THREADS = 2  # per owner: a push runs the engine's receive and its prefix-cache reset side by side
+CLOSE_JOIN_S = 5.0  # how long close() waits for its idle threads to end (they end at once unless the machine stalls)
 
 
 class HelperThreads:
-    """Two threads that run an engine's blocking calls (an rpc, a cache reset) while the caller sends or waits,
-    bounded by the caller; what ``helper_threads()`` hands out."""
+    """The threads that run an engine's blocking calls (an rpc, a cache reset) while the caller sends or waits, each
+    call bounded by its caller; owned by what makes the calls: a link for its life, a one-shot push for itself.
 
-    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
-        self.pool = pool
-        self.futures: list[concurrent.futures.Future] = []
+    Made lazily at the first call and kept between calls. A call still running when its caller gave up (stuck past
+    its bound) retires the threads it ran on: the next call gets fresh ones, never queued behind it, and the stuck
+    one is reported, never waited for. ``close()`` ends them (``with`` closes too). Used from another process than
+    the one that made them (a forked child, which has none of these threads) or after ``close()``, they raise
+    ``LinkClosed`` naming ``owner``."""
 
-    def submit(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        future = self.pool.submit(call, *args, **kwargs)
-        self.futures.append(future)
-        return future
-
-
-HELPERS_KEPT = 2  # idle pools of helper threads kept warm per process
-
-
-class _IdleHelpers:
-    """Pools of helper threads kept between engine calls while idle: a call starts 0.1-0.2 ms sooner on a thread that
-    exists than on a new one (a push's rpc to the engine waits on it). A pool with a call still running (stuck past
-    its caller's bound) is never kept; nor is one from before a fork (its threads are not in the child)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[concurrent.futures.ThreadPoolExecutor] = []
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # in messages: "VllmLink", "vLLM push_weights"
         self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._prefix = ""  # the current pool's thread names start with it
+        self._pools_made = 0
+        self._retired: list[str] = []  # the thread-name prefixes of pools left to a stuck call
+        self._closed = False
 
-    def take(self) -> concurrent.futures.ThreadPoolExecutor:
+    def check_usable(self) -> None:
+        """``LinkClosed`` unless calls may run here: not closed, and in the process that made the threads."""
+        if os.getpid() != self._pid:
+            raise LinkClosed(
+                f"{self.owner} was made in process {self._pid} and is used in process {os.getpid()} (a forked child): "
+                f"its helper threads exist only in the process that made it; make a new {self.owner} in this process"
+            )
+        if self._closed:
+            raise LinkClosed(
+                f"{self.owner} is closed: its helper threads are gone; make a new {self.owner} to push again"
+            )
+
+    @contextmanager
+    def use(self) -> Iterator[Callable[..., concurrent.futures.Future]]:
+        """``submit(call, *args)`` for the calls of one push or one engine call; a call of theirs still running at the
+        end (its caller gave up on it) retires these threads."""
+        self.check_usable()  # (before the lock: in a forked child it may be held by a thread that is not there)
         with self._lock:
-            if self._pid != os.getpid():
-                self._idle, self._pid = [], os.getpid()
-            if self._idle:
-                return self._idle.pop()
-        return concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="refitkit-engine-call")
+            self.check_usable()  # (closed meanwhile)
+            if self._pool is None:
+                self._prefix = f"{HELPER_THREAD_PREFIX}-{self._pid}-{id(self):x}-{self._pools_made}"
+                self._pool = concurrent.futures.ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix=self._prefix)
+                self._pools_made += 1
+            pool, prefix = self._pool, self._prefix
+        futures: list[concurrent.futures.Future] = []
 
-    def give_back(self, helpers: HelperThreads) -> None:
-        if all(future.done() for future in helpers.futures):
-            with self._lock:
-                if self._pid == os.getpid() and len(self._idle) < HELPERS_KEPT:
-                    self._idle.append(helpers.pool)
-                    return
-        helpers.pool.shutdown(wait=False)  # a stuck call ends on its own timeout; nothing waits for it
+        def submit(call: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+            future = pool.submit(call, *args)
+            futures.append(future)
+            return future
+
+        try:
+            yield submit
+        finally:
+            if not all(future.done() for future in futures):
+                self._retire(pool, prefix)
+
+    def close(self) -> None:
+        """End the threads: idle ones are joined (at most ``CLOSE_JOIN_S`` in all); one still in a call that its caller
+        gave up on is logged and left to end on its own. Closing twice is fine; in a forked child it only drops the
+        parent's threads (they are not in this process)."""
+        if os.getpid() != self._pid:  # (the lock too may be a copy held by a thread that is not here)
+            self._closed, self._pool = True, None
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, prefix, self._pool = self._pool, self._prefix, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        left = []
+        for thread in _threads_named(prefix) if pool is not None else []:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                left.append(thread.name)
+        stuck = [thread.name for retired in self._retired for thread in _threads_named(retired)]
+        if left or stuck:
+            log.warning(
+                "%s closed with helper threads still running engine calls its callers gave up on: %s; they end when "
+                "those calls return (nothing waits for them)",
+                self.owner,
+                ", ".join(stuck + left),
+            )
+
+    def _retire(self, pool: concurrent.futures.ThreadPoolExecutor, prefix: str) -> None:
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None
+            self._retired.append(prefix)
+        pool.shutdown(wait=False, cancel_futures=True)  # its idle thread ends now, the stuck one when its call returns
+        log.warning(
+            "%s: an engine call still runs in a helper thread after its caller gave up on it; its threads are not used "
+            "again (%s)",
+            self.owner,
+            ", ".join(thread.name for thread in _threads_named(prefix)),
+        )
+
+    def __enter__(self) -> HelperThreads:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
-_HELPERS = _IdleHelpers()
+def _threads_named(prefix: str) -> list[threading.Thread]:
+    """The live threads of one pool (``ThreadPoolExecutor`` names them ``<prefix>_<n>``)."""
+    return [thread for thread in threading.enumerate() if thread.name.startswith(f"{prefix}_")]
 
 
-@contextmanager
-def helper_threads() -> Iterator[HelperThreads]:
-    """Helper threads for the engine calls of one push or call; kept for the next while no call of theirs still runs."""
-    helpers = HelperThreads(_HELPERS.take())
+def close_receiver(receiver: Any, where: str) -> None:
+    """Close a kept receiver channel (``BucketedWeightReceiver``, ``BroadcastWeightReceiver`` where it has a
+    ``close()``). A failure is logged, not raised: releasing an old connection must not fail the sync or the shutdown
+    that replaces it."""
+    close = getattr(receiver, "close", None)
+    if receiver is None or not callable(close):
+        return
     try:
-        yield helpers
-    finally:
-        _HELPERS.give_back(helpers)
+        close()
+    except Exception:
+        log.warning(
+            "%s: closing its kept receiver of %s failed", where, getattr(receiver, "endpoint", "?"), exc_info=True
+        )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -39,11 +40,13 @@ from refitkit.rollout._push import RPC_SLACK_S, EngineCall, PushStats, drive, ra
 from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
+    HelperThreads,
     SyncProgress,
     bounded_call,
     checked_first_rank,
     checked_timeout,
     checked_weights,
+    close_receiver,
     land_in_place,
     record_landing,
     refuse_session,
@@ -51,7 +54,13 @@ from refitkit.rollout.sessions import (
 )
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, coverage_of, weight_version_of
 from refitkit.rollout.vllm import tensor_fingerprint
-from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
+from refitkit.transfer import (
+    BroadcastWeightReceiver,
+    BucketedWeightReceiver,
+    ChannelState,
+    TransferStats,
+    WeightVersion,
+)
 from refitkit.transfer.common import checked_version
 from refitkit.transfer.protocol import failure_fields
 
@@ -177,13 +186,23 @@ class SchedulerReceiver:
         self.weights = EngineWeights()
         self.direct = DirectLoads(model, model.load_weights)
         self._expected: Any = _UNREAD
+        self._receiver: BucketedWeightReceiver | None = None  # the last sync's, for the next on its endpoint
 
     def receive(
         self, endpoint: str, timeout_s: float, version: int | None, *, weights_released: bool
     ) -> dict[str, Any]:
         """One session from the ``BucketedWeightSender`` on ``endpoint`` (``{rank}`` is this TP rank) as ``version``."""
         number = self.weights.next_version() if version is None else checked_version(version)
-        receiver = BucketedWeightReceiver(endpoint.replace("{rank}", str(self.rank)), self.device, timeout_s=timeout_s)
+        endpoint = endpoint.replace("{rank}", str(self.rank))
+        receiver = self._receiver
+        if (
+            receiver is None
+            or receiver.state is ChannelState.CLOSED
+            or receiver.endpoint != endpoint
+            or receiver.timeout_s != timeout_s
+        ):
+            close_receiver(receiver, f"SGLang scheduler (TP rank {self.rank})")
+            receiver = self._receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
         if weights_released:
             refuse_session(receiver, self._asleep())
         return self._land(receiver.receive, lambda: number)
@@ -213,6 +232,11 @@ class SchedulerReceiver:
     def discarded(self) -> None:
         """The weights were released without a host backup: garbage until a full sync lands (reported incomplete)."""
         self.weights.failed(self.weights.next_version(), touched=True)
+
+    def close(self) -> None:
+        """Close the receiver kept for the next sync (the weight versions stay); a later sync opens a new one."""
+        receiver, self._receiver = self._receiver, None
+        close_receiver(receiver, f"SGLang scheduler (TP rank {self.rank})")
 
     def _land(
         self, receive: Callable[[Callable[..., Any]], TransferStats], number: Callable[[], int]
@@ -245,23 +269,58 @@ class SchedulerReceiver:
         )
 
 
-_receivers: weakref.WeakKeyDictionary[torch.nn.Module, SchedulerReceiver] = weakref.WeakKeyDictionary()
+class SchedulerReceivers:
+    """Each SGLang scheduler's ``SchedulerReceiver``, by the model it serves: refitkit's one process-wide registry.
+
+    SGLang forces it. Its only plug-in point for a weight update is a class-level hook on the scheduler's
+    ``update_weights_from_ipc`` (``_sglang_internals.register_update_hook``), called with SGLang's own updater, a slots
+    dataclass that cannot carry an attribute of ours (``docs/dev/sglang-internals.md``); so what a scheduler keeps from
+    one sync to the next (its weight versions, its plan of direct copies, its receiver) lives here, keyed by the model
+    (held weakly: a reload from disk that replaces the model starts a fresh entry). Locked (nothing here assumes the
+    scheduler's one thread); each entry is stamped with the process that made it, so a forked child sees none of its
+    parent's (their connections and mappings are the parent's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_model: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, SchedulerReceiver]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def get(self, model: torch.nn.Module) -> SchedulerReceiver | None:
+        """The receiver of ``model`` made in this process, if any."""
+        with self._lock:
+            entry = self._by_model.get(model)
+        return entry[1] if entry is not None and entry[0] == os.getpid() else None
+
+    def get_or_make(self, model: torch.nn.Module, make: Callable[[], SchedulerReceiver]) -> SchedulerReceiver:
+        """The receiver of ``model`` made in this process, or ``make()``'s, kept (a parent's entry is dropped, never
+        closed: what it holds is the parent's)."""
+        with self._lock:
+            entry = self._by_model.get(model)
+            if entry is not None and entry[0] == os.getpid():
+                return entry[1]
+            receiver = make()
+            self._by_model[model] = (os.getpid(), receiver)
+            return receiver
+
+
+_SCHEDULER_RECEIVERS = SchedulerReceivers()
 
 
 def scheduler_receiver(updater: Any) -> SchedulerReceiver:
-    """The receiver of this scheduler's current model (SGLang's updater is a slots dataclass: nothing added to it)."""
+    """The receiver of this scheduler's current model (``SchedulerReceivers`` says why it is kept there)."""
     model = internals.scheduler_model(updater)
-    receiver = _receivers.get(model)
-    if receiver is None:
+
+    def make() -> SchedulerReceiver:
         rank, _ = internals.tp_rank_and_size(updater)
-        receiver = SchedulerReceiver(
+        return SchedulerReceiver(
             model=model,
             device=internals.scheduler_device(updater),
             rank=rank,
             checkpoint=internals.checkpoint_of(updater),
         )
-        _receivers[model] = receiver
-    return receiver
+
+    return _SCHEDULER_RECEIVERS.get_or_make(model, make)
 
 
 def handle_update(original: Callable[[Any, Any], Any], updater: Any, recv_req: Any) -> Any:
@@ -387,7 +446,7 @@ def _state(
 def _weight_state(updater: Any) -> dict[str, Any] | None:
     """The scheduler's weight state for a failure's reply (None where no sync ran yet or the model is unreadable)."""
     try:
-        receiver = _receivers.get(internals.scheduler_model(updater))
+        receiver = _SCHEDULER_RECEIVERS.get(internals.scheduler_model(updater))
     except Exception:  # (the reply must go out whatever the updater holds)
         return None
     return None if receiver is None else receiver.weights.as_dict()
@@ -432,6 +491,24 @@ def push_weights(
     reset = renamed_knob(
         "reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache
     )
+    with HelperThreads("SGLang push_weights") as helpers:
+        return push_weights_with(
+            helpers, engine, sender, weights, version=version, timeout_s=timeout_s, reset_prefix_cache=reset
+        )
+
+
+def push_weights_with(
+    helpers: HelperThreads,
+    engine: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int | None,
+    timeout_s: float | None,
+    reset_prefix_cache: bool,
+) -> PushStats:
+    """``push_weights`` with the engine's calls on ``helpers`` (a link's threads, kept across its pushes)."""
+    reset = reset_prefix_cache
     tp_size = checked_engine(engine, "push_weights")["tp_size"]
     if tp_size != 1:
         raise InvalidInput(
@@ -443,7 +520,8 @@ def push_weights(
     weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
     request = encode_request("receive", endpoint=f"ipc://{sender.path}", timeout_s=timeout_s, version=number)
     call = _receive_call(engine, request, reset=reset)
-    pushed = drive(call, lambda on_hello: sender.send(weights), timeout_s=timeout_s, version=number)
+    send = lambda on_hello: sender.send(weights)  # noqa: E731
+    pushed = drive(call, send, timeout_s=timeout_s, version=number, helpers=helpers)
     return _checked_push(pushed, call, reset=reset)
 
 
@@ -466,6 +544,34 @@ def push_weights_broadcast(
     reset = renamed_knob(
         "reset_prefix_cache", reset_prefix_cache, default=True, old="flush_cache", old_value=flush_cache
     )
+    with HelperThreads("SGLang push_weights_broadcast") as helpers:
+        return push_weights_broadcast_with(
+            helpers,
+            engine,
+            sender,
+            weights,
+            secret=secret,
+            version=version,
+            first_rank=first_rank,
+            timeout_s=timeout_s,
+            reset_prefix_cache=reset,
+        )
+
+
+def push_weights_broadcast_with(
+    helpers: HelperThreads,
+    engine: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    secret: str | bytes,
+    version: int,
+    first_rank: int,
+    timeout_s: float | None,
+    reset_prefix_cache: bool,
+) -> PushStats:
+    """``push_weights_broadcast`` with the engine's calls on ``helpers`` (a link's threads, kept across its pushes)."""
+    reset = reset_prefix_cache
     first_rank = checked_first_rank(first_rank)
     tp_size = checked_engine(engine, "push_weights_broadcast")["tp_size"]
     checked_broadcast_ranks(tp_size, first_rank, getattr(sender, "receivers", None), "push_weights_broadcast")
@@ -481,7 +587,8 @@ def push_weights_broadcast(
         backend=sender.backend,
     )
     call = _receive_call(engine, request, reset=reset)
-    pushed = drive(call, lambda on_hello: sender.send(weights, version=number), timeout_s=timeout_s, version=number)
+    send = lambda on_hello: sender.send(weights, version=number)  # noqa: E731
+    pushed = drive(call, send, timeout_s=timeout_s, version=number, helpers=helpers)
     return _checked_push(pushed, call, reset=reset)
 
 

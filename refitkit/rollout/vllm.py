@@ -45,19 +45,27 @@ from refitkit.rollout._push import RPC_SLACK_S, EngineCall, PushStats, drive, pa
 from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
+    HelperThreads,
     SyncProgress,
     WeightCheck,
     bounded_call,
     checked_first_rank,
     checked_timeout,
     checked_weights,
+    close_receiver,
     land_in_place,
     record_landing,
     refuse_session,
     sync_report,
 )
 from refitkit.rollout.versions import EngineWeights, SyncCoverage, coverage_of, weight_version_of
-from refitkit.transfer import BroadcastWeightReceiver, BucketedWeightReceiver, TransferStats, WeightVersion
+from refitkit.transfer import (
+    BroadcastWeightReceiver,
+    BucketedWeightReceiver,
+    ChannelState,
+    TransferStats,
+    WeightVersion,
+)
 from refitkit.transfer.common import checked_version
 from refitkit.transfer.protocol import failure_fields
 
@@ -118,7 +126,13 @@ class WorkerReceiver:
         number = self.weights.next_version() if version is None else checked_version(version)
         endpoint = endpoint.replace("{rank}", str(self.rank))
         receiver = self._receiver
-        if receiver is None or receiver.endpoint != endpoint or receiver.timeout_s != timeout_s:
+        if (
+            receiver is None
+            or receiver.state is ChannelState.CLOSED
+            or receiver.endpoint != endpoint
+            or receiver.timeout_s != timeout_s
+        ):
+            close_receiver(receiver, f"vLLM worker {self.rank}")
             receiver = self._receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
         began = time.perf_counter()
         layerwise = lambda progress: self._layerwise_from(receiver, endpoint, progress)  # noqa: E731
@@ -159,6 +173,16 @@ class WorkerReceiver:
     def discarded(self) -> None:
         """The engine slept at level 2: its weights are garbage until a full sync lands (reported incomplete)."""
         self.weights.failed(self.weights.next_version(), touched=True)
+
+    def close(self) -> None:
+        """Close the receiver kept for the next sync (the weight versions stay); a later sync opens a new one."""
+        receiver, self._receiver = self._receiver, None
+        close_receiver(receiver, f"vLLM worker {self.rank}")
+
+    @property
+    def kept_endpoint(self) -> str | None:
+        """The endpoint of the receiver kept for the next sync (None: none kept)."""
+        return None if self._receiver is None else self._receiver.endpoint
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -347,6 +371,15 @@ class RefitWorkerExtension:
         receiver.discarded()
         return receiver.weights.as_dict()
 
+    def refit_close(self) -> None:
+        """Close the receiver this worker keeps between syncs (its connection to the trainer's sender); the next
+        ``refit_receive`` opens a new one. vLLM gives an extension no shutdown hook: call it before the sender goes."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        shared = getattr(engine, "refit_receiver", None)
+        for receiver in (shared, self._refit_own):
+            if isinstance(receiver, WorkerReceiver):
+                receiver.close()
+
     def refit_memory(self) -> dict[str, Any]:
         """Sleep-mode bytes per tag (resident, asleep) and the device's free and total bytes now (plain values)."""
         state = internals.sleep_state()
@@ -358,7 +391,8 @@ class RefitWorkerExtension:
         return {**state, "free_bytes": int(free_bytes), "total_bytes": int(total_bytes)}
 
     def refit_worker_info(self) -> dict[str, Any]:
-        """This worker's pid, rank, device, load path, and whether its weights are clean (plain values)."""
+        """This worker's pid, rank, device, load path, whether its weights are clean, and the endpoint of the receiver
+        it keeps for the next sync (None: none kept) (plain values)."""
         receiver = self._refit_receiver()
         return {
             "pid": os.getpid(),
@@ -366,6 +400,7 @@ class RefitWorkerExtension:
             "device": str(receiver.device),
             "weights_consistent": receiver.weights.version.clean,
             "load_path": receiver.load_path,
+            "kept_endpoint": receiver.kept_endpoint,
         }
 
     def refit_checksums(self, names: list[str] | None = None) -> dict[str, str]:
@@ -453,6 +488,23 @@ def push_weights(
     (``llm.reset_prefix_cache()``), the engine runs without prefix caching, or it slept since its last request
     (vLLM's sleep empties the cache; ``VllmLink`` skips the reset then).
     """
+    with HelperThreads("vLLM push_weights") as helpers:
+        return push_weights_with(
+            helpers, llm, sender, weights, version=version, timeout_s=timeout_s, reset_prefix_cache=reset_prefix_cache
+        )
+
+
+def push_weights_with(
+    helpers: HelperThreads,
+    llm: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int | None,
+    timeout_s: float | None,
+    reset_prefix_cache: bool,
+) -> PushStats:
+    """``push_weights`` with the engine's calls on ``helpers`` (a link's threads, kept across its pushes)."""
     number = None if version is None else checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=getattr(sender, "transport", None) == "cuda_ipc")
@@ -461,10 +513,10 @@ def push_weights(
     if _route(llm) == "weight_transfer":
         info = {"endpoint": endpoint, "timeout_s": timeout_s, "version": number}
         send_as = lambda weights, on_hello: sender.send(weights, on_hello=on_hello)  # noqa: E731
-        return _push_through_weight_transfer(llm, info, send_as, weights, timeout_s, number, reset)
+        return _push_through_weight_transfer(llm, info, send_as, weights, timeout_s, number, reset, helpers)
     call = _extension_call(llm, "refit_receive", (endpoint, timeout_s, number, True), timeout_s)
     send = lambda on_hello: sender.send(weights, on_hello=on_hello)  # noqa: E731
-    return _checked_push(drive(call, send, timeout_s=timeout_s, version=number, then=reset), call)
+    return _checked_push(drive(call, send, timeout_s=timeout_s, version=number, helpers=helpers, then=reset), call)
 
 
 def push_weights_broadcast(
@@ -485,6 +537,33 @@ def push_weights_broadcast(
     sender's), ``timeout_s`` and ``reset_prefix_cache`` as in ``push_weights``; failures and partial
     pushes raise as there.
     """
+    with HelperThreads("vLLM push_weights_broadcast") as helpers:
+        return push_weights_broadcast_with(
+            helpers,
+            llm,
+            sender,
+            weights,
+            secret=secret,
+            version=version,
+            first_rank=first_rank,
+            timeout_s=timeout_s,
+            reset_prefix_cache=reset_prefix_cache,
+        )
+
+
+def push_weights_broadcast_with(
+    helpers: HelperThreads,
+    llm: Any,
+    sender: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    secret: str | bytes,
+    version: int,
+    first_rank: int,
+    timeout_s: float | None,
+    reset_prefix_cache: bool,
+) -> PushStats:
+    """``push_weights_broadcast`` with the engine's calls on ``helpers`` (a link's threads, kept across its pushes)."""
     number = checked_version(version)
     timeout_s = checked_timeout(sender, timeout_s)
     weights = checked_weights(weights, need_cuda=False)
@@ -500,11 +579,11 @@ def push_weights_broadcast(
             "backend": sender.backend,
         }
         send_as = lambda weights, on_hello: sender.send(weights, version=number)  # noqa: E731
-        return _push_through_weight_transfer(llm, info, send_as, weights, timeout_s, number, reset)
+        return _push_through_weight_transfer(llm, info, send_as, weights, timeout_s, number, reset, helpers)
     args = (rendezvous, secret, timeout_s, first_rank, sender.backend, True)
     call = _extension_call(llm, "refit_receive_broadcast", args, timeout_s)
     send = lambda on_hello: sender.send(weights, version=number)  # noqa: E731  # (its receivers join as ranks: no hello)
-    return _checked_push(drive(call, send, timeout_s=timeout_s, version=number, then=reset), call)
+    return _checked_push(drive(call, send, timeout_s=timeout_s, version=number, helpers=helpers, then=reset), call)
 
 
 def weight_versions(llm: Any) -> list[WeightVersion]:
@@ -688,6 +767,7 @@ def _push_through_weight_transfer(
     timeout_s: float,
     version: int | None,
     reset: Callable[[], bool | None] | None,
+    helpers: HelperThreads,
 ) -> PushStats:
     """A sync through vLLM's weight-transfer API: start, ``update_weights`` (the session) while ``send`` runs, finish;
     then the prefix-cache reset, bounded like the rpcs.
@@ -705,7 +785,8 @@ def _push_through_weight_transfer(
     )
     llm.collective_rpc("start_weight_update", timeout=bounded)
     try:  # (a failure ends vLLM's update session: no finish then)
-        pushed = drive(call, lambda on_hello: send(sent.stream, on_hello), timeout_s=timeout_s, version=version)
+        stream = lambda on_hello: send(sent.stream, on_hello)  # noqa: E731
+        pushed = drive(call, stream, timeout_s=timeout_s, version=version, helpers=helpers)
     except Exception as exc:
         partial = sent.partial(internals.engine_checkpoint_names(llm), version, exc)
         if partial is None:
@@ -717,7 +798,7 @@ def _push_through_weight_transfer(
         began = time.perf_counter()
         within = f"{bounded:.0f} s (the push's timeout_s + RPC_SLACK_S)"
         what = "vLLM's reset_prefix_cache after the weight update"
-        answer = bounded_call(reset, timeout_s=bounded, what=what, within=within)
+        answer = bounded_call(reset, timeout_s=bounded, what=what, within=within, helpers=helpers)
         reset_s = time.perf_counter() - began
     return _checked_push(PushStats(sender=pushed.sender, ranks=[], reset_s=reset_s, prefix_cache_reset=answer), call)
 

@@ -1,19 +1,37 @@
 """What every engine's side of a push shares (``refitkit.rollout.sessions``): the driving side's helper threads for an
-engine's blocking calls and the check of pushed weights against the engine's checkpoint."""
+engine's blocking calls (owned by their caller, gone once it is closed, never used across a fork) and the check of
+pushed weights against the engine's checkpoint."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
+import logging
+import os
 import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from refitkit.errors import EngineTimeout, TransferError, UnknownWeight, WeightRejected, WeightShapeMismatch
+from refitkit.errors import (
+    EngineError,
+    EngineTimeout,
+    LinkClosed,
+    TransferError,
+    UnknownWeight,
+    WeightRejected,
+    WeightShapeMismatch,
+)
 from refitkit.rollout.load_plan import DirectLoads
-from refitkit.rollout.sessions import SyncProgress, WeightCheck, bounded_call, land_in_place
+from refitkit.rollout.sessions import (
+    HELPER_THREAD_PREFIX,
+    HelperThreads,
+    SyncProgress,
+    WeightCheck,
+    bounded_call,
+    land_in_place,
+)
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,41 +41,91 @@ def _caller_thread() -> int:
     return threading.get_ident()
 
 
-def test_engine_calls_reuse_an_idle_helper_thread_and_never_one_whose_call_is_stuck():
-    first = bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s")
-    assert bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s") == first  # the warm thread again
+def helper_threads_alive() -> list[str]:
+    """The names of refitkit's helper threads alive in this process."""
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith(HELPER_THREAD_PREFIX)]
 
+
+def test_a_one_shot_engine_call_leaves_no_helper_thread_alive():
+    assert bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s") != threading.get_ident()
+    assert helper_threads_alive() == []
+    with pytest.raises(EngineError, match=r"a failing call failed: ZeroDivisionError: division by zero"):
+        bounded_call(lambda: 1 / 0, timeout_s=5, what="a failing call", within="5 s")
+    assert helper_threads_alive() == []
+
+
+def test_an_owners_helper_threads_are_reused_never_one_whose_call_is_stuck_and_closing_waits_for_none(caplog):
     release, stuck_on = threading.Event(), []
 
     def stuck() -> None:
-        stuck_on.append(threading.get_ident())
+        stuck_on.append(threading.current_thread())
         release.wait(30)
 
+    helpers = HelperThreads("a link")
     try:
+        first = bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s", helpers=helpers)
+        assert bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s", helpers=helpers) == first
+        assert len(helper_threads_alive()) == 1  # kept between calls while the owner lives
+
         with pytest.raises(EngineTimeout, match=r"a stuck call did not return within 0\.2 s"):
-            bounded_call(stuck, timeout_s=0.2, what="a stuck call", within="0.2 s")
-        # the next calls run at once, never queued behind the stuck one
-        later = {bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s") for _ in range(3)}
-        assert stuck_on and stuck_on[0] not in later
+            bounded_call(stuck, timeout_s=0.2, what="a stuck call", within="0.2 s", helpers=helpers)
+        # the next calls run at once on fresh threads, never queued behind the stuck one
+        later = {
+            bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s", helpers=helpers) for _ in range(3)
+        }
+        assert stuck_on and stuck_on[0].ident not in later and first not in later
+
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="refitkit.rollout.sessions"):
+            helpers.close()
+        assert time.monotonic() - began < 2.0  # the stuck thread was reported, not waited for
+        assert helper_threads_alive() == [stuck_on[0].name]
+        assert (
+            f"a link closed with helper threads still running engine calls its callers gave up on: {stuck_on[0].name}"
+            in caplog.text
+        )
     finally:
         release.set()
+        helpers.close()  # (twice is fine)
+    stuck_on[0].join(5)
+    assert helper_threads_alive() == []
 
 
-def _call_in_child(results: multiprocessing.Queue) -> None:
-    results.put(bounded_call(lambda: "ran", timeout_s=5, what="a call in the child", within="5 s"))
+def test_closed_helper_threads_refuse_calls_naming_their_owner():
+    helpers = HelperThreads("VllmLink")
+    bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s", helpers=helpers)
+    helpers.close()
+    helpers.close()
+    assert helper_threads_alive() == []
+    with pytest.raises(LinkClosed, match=r"^VllmLink is closed: its helper threads are gone; make a new VllmLink"):
+        bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s", helpers=helpers)
 
 
-def test_a_forked_child_gets_helper_threads_of_its_own():
-    bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s")  # an idle pool in the parent
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    child = context.Process(target=_call_in_child, args=(results,))
-    child.start()
-    try:
-        assert results.get(timeout=20) == "ran"  # the parent's pool has no threads in the child: it must not be used
-    finally:
-        child.join(20)
-    assert child.exitcode == 0
+def test_a_forked_child_is_refused_the_parents_helper_threads():
+    with HelperThreads("SglangLink") as helpers:
+        bounded_call(_caller_thread, timeout_s=5, what="a call", within="5 s", helpers=helpers)  # threads in the parent
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its copy of the pool has no threads behind it
+            try:
+                bounded_call(lambda: "ran", timeout_s=5, what="a call in the child", within="5 s", helpers=helpers)
+                said = "ran on the parent's helper threads"
+            except BaseException as exc:
+                said = f"{type(exc).__name__}: {exc}"
+            helpers.close()  # drops the parent's threads, touches nothing
+            os.write(write, said.encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            said = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert said == (
+            f"LinkClosed: SglangLink was made in process {os.getpid()} and is used in process {pid} (a forked child): "
+            "its helper threads exist only in the process that made it; make a new SglangLink in this process"
+        )
+        assert bounded_call(lambda: "ran", timeout_s=5, what="a call", within="5 s", helpers=helpers) == "ran"
+    assert helper_threads_alive() == []
 
 
 class TwoParams(nn.Module):

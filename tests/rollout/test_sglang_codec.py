@@ -1,15 +1,23 @@
-"""Without SGLang: the JSON requests and replies that cross SGLang's update_weights_from_ipc, and SglangLink's checks."""
+"""Without SGLang: the JSON requests and replies that cross SGLang's update_weights_from_ipc, SglangLink's checks, and
+what a scheduler keeps between syncs (its receiver, in the one locked, pid-stamped registry)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
+import threading
+import time
 
 import pytest
+import torch
 
-from refitkit.errors import EngineAsleep, EngineError, InvalidInput, WeightShapeMismatch
+from refitkit.errors import EngineAsleep, EngineError, InvalidInput, LinkClosed, WeightShapeMismatch
 from refitkit.rollout.links import SglangLink
 from refitkit.rollout.sglang import (
     PROTOCOL,
+    SchedulerReceiver,
+    SchedulerReceivers,
     call_engine,
     decode_reply,
     decode_request,
@@ -310,3 +318,83 @@ def test_the_hook_answers_for_every_tp_rank_through_rank_0():
         match=r"TP rank 0 in SGLang's receive raised InvalidInput: refitkit request op 'nope'.*; SGLang's TP rank 1: InvalidInput: refitkit request is not JSON.*; SGLang's TP rank 2: InvalidInput: .*unknown fields \['code'\]",
     ):
         decode_reply(success, message, what="receive")
+
+
+def test_a_closed_sglang_link_refuses_to_send_naming_itself():
+    with BucketedWeightSender("sglang-codec", transport="shm", timeout_s=5.0) as sender:
+        with SglangLink(FakeEngine(), sender) as link:
+            pass
+        link.close()  # twice is fine
+        with pytest.raises(
+            LinkClosed, match=r"^SglangLink is closed: its helper threads are gone; make a new SglangLink"
+        ):
+            link.send([("w", torch.zeros(2))])  # refused before the engine is asked anything
+        assert link.next_version == 0
+
+
+class Linear(torch.nn.Module):
+    """Loads by attribute name, as a scheduler's model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 4))
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            getattr(self, name).data.copy_(tensor)
+
+
+def test_a_scheduler_keeps_one_receiver_for_its_endpoint_across_syncs(tmp_path):
+    model = Linear()
+    scheduler = SchedulerReceiver(
+        model=model, device=torch.device("cpu"), rank=0, checkpoint=(str(tmp_path), None, False)
+    )
+    kept = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        for version, endpoint in [(1, "sglang-keep"), (2, "sglang-keep"), (3, "sglang-keep-other")]:
+            weights = [("weight", torch.full((4, 4), float(version))), ("bias", torch.arange(4.0) + version)]
+            with BucketedWeightSender(endpoint, bucket_bytes=1 << 16, transport="shm", timeout_s=10.0) as sender:
+                landing = pool.submit(scheduler.receive, f"ipc://{sender.path}", 10.0, version, weights_released=False)
+                sender.send(weights)
+                assert landing.result(timeout=10.0)["version"] == version
+            assert torch.equal(model.weight, weights[0][1]) and torch.equal(model.bias, weights[1][1])
+            kept.append(scheduler._receiver)
+    assert kept[0] is kept[1]  # the same endpoint: the same receiver, not one per sync
+    assert kept[2] is not kept[1] and kept[2].endpoint.endswith("/sglang-keep-other.sock")  # replaced
+    scheduler.close()
+    assert scheduler._receiver is None
+    assert scheduler.weights.version.version == 3
+
+
+def test_the_registry_makes_one_receiver_per_model_under_its_lock_and_a_forked_child_sees_none():
+    registry, model, made = SchedulerReceivers(), Linear(), []
+
+    def make() -> object:
+        made.append(threading.get_ident())
+        time.sleep(0.05)  # a slow make: threads arriving meanwhile must get this one, not make their own
+        return object()
+
+    start = threading.Barrier(4)
+
+    def get() -> object:
+        start.wait(5)
+        return registry.get_or_make(model, make)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        got = [future.result(timeout=10) for future in [pool.submit(get) for _ in range(4)]]
+    assert len(made) == 1 and all(receiver is got[0] for receiver in got)
+    assert registry.get(model) is got[0] and registry.get(Linear()) is None
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's entry (its connections and mappings) is not its own
+        said = f"{registry.get(model) is None} {registry.get_or_make(model, lambda: 'fresh')}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert said == "True fresh"
+    assert registry.get(model) is got[0]  # the parent's entry stands

@@ -1,15 +1,20 @@
-"""RefitCycle drives a live vLLM engine through a VllmLink (shm or broadcast): refit() pushes, vLLM serves the result."""
+"""RefitCycle drives a live vLLM engine through a VllmLink (shm or broadcast): refit() pushes, vLLM serves the result.
+The link owns the helper threads its engine calls run on, for its life: none outlives a push or a closed link."""
 
 from __future__ import annotations
+
+import os
+import threading
 
 import pytest
 import torch
 
 from examples.tiny_llama import random_llama
 from refitkit.engines.fsdp import FSDPAdapter
-from refitkit.errors import InvalidInput
+from refitkit.errors import InvalidInput, LinkClosed, WeightShapeMismatch
 from refitkit.refit import RefitCycle
-from refitkit.rollout import VllmLink, clean_weight_version
+from refitkit.rollout import VllmLink, clean_weight_version, push_weights
+from refitkit.rollout.sessions import HELPER_THREAD_PREFIX
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender
 from tests.engines.vllm.vllm_checks import (
     LOGPROB_TOLERANCE,
@@ -92,3 +97,67 @@ def test_a_link_drives_memory_only_on_a_sleep_mode_engine(engine):
         link.sleep_for_training()
         link.wake_for_rollout()  # both no-ops without sleep_level: the engine kept serving
         assert len(prompt_logprobs(engine.llm)) == len(PROMPT) - 1
+
+
+def helper_threads_alive() -> list[str]:
+    """The names of refitkit's helper threads alive in this (the trainer's) process."""
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith(HELPER_THREAD_PREFIX)]
+
+
+def checkpoint_weights(engine) -> list:
+    return [(name, param.detach()) for name, param in engine.original.named_parameters()]
+
+
+def test_no_helper_thread_outlives_a_push_or_a_closed_link(engine):
+    weights = checkpoint_weights(engine)
+    with BucketedWeightSender(
+        "vllm-link-threads", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S
+    ) as sender:
+        push_weights(engine.llm, sender, weights, version=500)
+        assert helper_threads_alive() == []  # a one-shot push ends its own, after success ...
+        name, tensor = weights[0]
+        with pytest.raises(WeightShapeMismatch, match=f"refused weight '{name}'"):
+            push_weights(engine.llm, sender, [(name, tensor[:-1])], version=501)
+        assert helper_threads_alive() == []  # ... and after a failure that came back from the engine
+
+        with VllmLink(engine.llm, sender, first_version=502) as link:
+            link.send(weights)
+            kept = helper_threads_alive()
+            assert kept  # the link keeps its threads between pushes
+            link.send(weights)
+            assert set(helper_threads_alive()) <= set(kept)
+        assert helper_threads_alive() == []
+        with pytest.raises(LinkClosed, match=r"^VllmLink is closed: its helper threads are gone; make a new VllmLink"):
+            link.send(weights)
+        link.close()  # twice is fine
+    assert clean_weight_version(engine.llm) == 503
+
+
+def test_a_link_used_in_a_forked_child_is_refused_before_it_reaches_the_engine(engine):
+    weights = checkpoint_weights(engine)
+    with BucketedWeightSender(
+        "vllm-link-fork", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S
+    ) as sender:
+        with VllmLink(engine.llm, sender, first_version=600) as link:
+            link.send(weights)  # the link's threads run in this process
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: a copy of the link whose threads are not here
+                try:
+                    link.send(weights)
+                    said = "sent from the child"
+                except BaseException as exc:
+                    said = f"{type(exc).__name__}: {exc}"
+                os.write(write, said.encode())
+                os._exit(0)
+            os.close(write)
+            with os.fdopen(read, "rb") as pipe:
+                said = pipe.read().decode()
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert said == (
+                f"LinkClosed: VllmLink was made in process {os.getpid()} and is used in process {pid} (a forked "
+                "child): its helper threads exist only in the process that made it; make a new VllmLink in this process"
+            )
+            link.send(weights)  # the parent's link still works
+    assert clean_weight_version(engine.llm) == 601

