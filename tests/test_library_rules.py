@@ -281,11 +281,13 @@ READ_ONLY_TABLES = {
     ("refitkit/rollout/sglang.py", "REQUEST_FIELDS"): "each request op's fields and their types",
     ("refitkit/transfer/_ipc/sender.py", "_PHASE_OF"): "each send state's session phase",
     ("refitkit/transfer/_ipc/sender.py", "_NEXT"): "each send state's allowed next states",
+    ("refitkit/transfer/_ipc/sender.py", "_BUCKET_NEXT"): "each bucket state's allowed next states",
+    ("refitkit/transfer/_ipc/receiver.py", "_RECEIVE_PHASE_OF"): "each receive state's session phase",
+    ("refitkit/transfer/_ipc/receiver.py", "_RECEIVE_NEXT"): "each receive state's allowed next states",
+    ("refitkit/transfer/common.py", "_CHANNEL_NEXT"): "each channel state's allowed next states",
     ("refitkit/transfer/protocol.py", "SUPPORTED_DTYPES"): "dtype names on the wire and their torch dtypes",
     ("refitkit/transfer/protocol.py", "WIRE_DTYPE_NAMES"): "the reverse of SUPPORTED_DTYPES",
 }
-
-# Being replaced by the channel (one owner per lifetime); the branch that removes them empties this list at its merge.
 
 # Calls whose result is immutable, or a logger or a compiled pattern: fine at module level.
 IMMUTABLE_RESULTS = {
