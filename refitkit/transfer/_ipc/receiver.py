@@ -293,10 +293,9 @@ class _ReceiveSession:
                 raise ProtocolError(f"unknown transport {brief(transport)} in setup")
             exports = setup_exports(setup, transport)  # (a cuda_ipc session's: this receiver is on CUDA)
             if control is not None:
-                self.bell = doorbell.Doorbell.open(control)
-            for path in (self.bell.path if self.bell else None, handle.get("path") if transport == "shm" else None):
-                if path is not None:  # both sides hold mappings now: no crash can leak the names
-                    shm.unlink_quietly(path)
+                self.bell = doorbell.Doorbell.open(control)  # (which unlinks their names)
+            if transport == "shm":  # both sides hold mappings now: no crash can leak the name
+                shm.unlink_quietly(handle.get("path"))
             if self.mapping is not None:
                 self._check_halves_fit()
             self._map_exports(exports)  # the walk's allocations: mapped while the sender walks its first items
@@ -402,9 +401,8 @@ class _ReceiveSession:
         self.timings["map"] += time.perf_counter() - began
 
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
-        """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
+        """The next frame of the stream, blocking on the socket; finished reads are announced while waiting."""
         began = time.perf_counter()
-        deadline = began + self.timeout_s
 
         def ready() -> bool:
             self._announce_consumed()
@@ -412,11 +410,11 @@ class _ReceiveSession:
                 self._take(self._recv_now())
             return bool(self.inbox)
 
-        def look(sleepy: bool) -> None:
-            if sleepy:  # one slice while reads wait to be announced, else nothing but the socket: block on it
-                wait_s = doorbell.WAIT_SLICE_S if self.unconsumed else deadline - time.perf_counter()
-                if self.sock.poll(max(1, int(wait_s * 1000)), zmq.POLLIN):  # type: ignore[union-attr]
-                    self._take(self._recv_now())
+        def look(left_s: float) -> None:
+            # one short slice while our reads wait to be announced (the fallback), else the socket until the deadline
+            wait_s = min(left_s, doorbell.EVENT_SLICE_S) if self.unconsumed else left_s
+            if self.sock.poll(doorbell.poll_ms(wait_s), zmq.POLLIN):  # type: ignore[union-attr]
+                self._take(self._recv_now())
 
         try:
             doorbell.wait_until(
@@ -430,7 +428,8 @@ class _ReceiveSession:
             self.timings["frames"] += waited
 
     def _wait_packed(self) -> None:
-        """Wait until the sender announced this bucket's bytes as complete (spin, then sleep in short slices)."""
+        """Wait until the sender announced this bucket's bytes as complete, blocking on the PACKED semaphore (in slices
+        between which the socket is looked at for an abort) or, without one, on the socket."""
         target = self.seq + 1
         if self._count_packed() >= target:
             return
@@ -439,12 +438,14 @@ class _ReceiveSession:
             self._announce_consumed()
             return self._count_packed() >= target
 
-        def look(sleepy: bool) -> None:
-            if sleepy and self.bell is not None:
-                if self.bell.take(doorbell.PACKED, doorbell.WAIT_SLICE_S):
-                    self.packed += 1
-            elif sleepy and self.sock.poll(int(doorbell.WAIT_SLICE_S * 1000), zmq.POLLIN):  # type: ignore[union-attr]
-                self._take(self._recv_now())
+        def look(left_s: float) -> None:
+            if self.bell is not None:
+                if self.bell.take(doorbell.PACKED, min(left_s, doorbell.SEM_SLICE_S)):
+                    self.packed += 1  # (ready() refuses a count beyond what may be in flight)
+            else:
+                wait_s = min(left_s, doorbell.EVENT_SLICE_S) if self.unconsumed else left_s
+                if self.sock.poll(doorbell.poll_ms(wait_s), zmq.POLLIN):  # type: ignore[union-attr]
+                    self._take(self._recv_now())
             while self.sock.poll(0, zmq.POLLIN):  # type: ignore[union-attr]  # an abort, or early frames
                 self._take(self._recv_now())
 
@@ -472,8 +473,8 @@ class _ReceiveSession:
                 self.packed += 1
             if self.packed > most:
                 raise ProtocolError(
-                    f"control segment {self.bell.path}: {self.packed} buckets announced packed, at most {most} can be "
-                    f"(bucket {self.seq} is the next to read); the segment was written over"
+                    f"semaphore {self.bell.names[doorbell.PACKED]}: {self.packed} buckets announced packed, at most "
+                    f"{most} can be (bucket {self.seq} is the next to read); posted by a process other than the sender?"
                 )
         return self.packed
 

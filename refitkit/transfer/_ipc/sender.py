@@ -938,10 +938,10 @@ class _SendSession:
         shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
         if transport != "none" and shared_shm and doorbell.available():
             try:
-                self.bell = doorbell.Doorbell.create(self.session, peer_pidns=hello.get("pidns"))
-                control = self.bell.handle()
+                self.bell = doorbell.Doorbell.create()
+                control = self.bell.control()
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
-                log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.endpoint, exc)
+                log.warning("sender on %r: no named semaphores (%s); hand-offs travel as frames", self.endpoint, exc)
         extra: dict[str, Any] = {"bucket_later": True} if self.bucket_later else {}
         if self.exports is not None:  # the walk's allocations, exported early: mapped by the receiver now
             if transport == "cuda_ipc" and self.exports.device == self.session_device:
@@ -1046,12 +1046,13 @@ class _SendSession:
         loop over whatever a peer wrote into the counter."""
         bell = self.bell
         if bell is None:
-            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without a control segment")
+            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without semaphores")
         while self.consumed <= self.seq and bell.take(doorbell.CONSUMED):
             self.consumed += 1
         if self.consumed > self.seq:
             raise ProtocolError(
-                f"control segment {bell.path}: the receiver announced {self.consumed} buckets done; only {self.seq} were sent"
+                f"semaphore {bell.names[doorbell.CONSUMED]}: {self.consumed} buckets announced done; only {self.seq} "
+                "were sent (posted by a process other than the receiver?)"
             )
 
     def _released(self) -> bool:
@@ -1083,25 +1084,26 @@ class _SendSession:
             self.direct_shipped.popleft()  # the receiver's reads of these ran: the trainer may free or reuse them
 
     def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
-        """Until ``condition()``: spin a little, then sleep in short slices (on the CONSUMED semaphore when
-        ``counter``, else on the socket), reading frames between looks.
-
-        Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once.
+        """Until ``condition()``: block in the kernel (on the CONSUMED semaphore when ``counter``, in slices between
+        which frames are read; else on the socket), bounded by ``timeout_s``; an error frame from the receiver
+        raises TransferError once read (within ``doorbell.SEM_SLICE_S``).
         """
 
         def ready() -> bool:
             self._announce_packed()
             return condition()
 
-        def look(sleepy: bool) -> None:
-            if self.cancel is not None and self.cancel.is_set():
-                raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
-            if sleepy and counter and self.bell is not None:
-                if self.bell.take(doorbell.CONSUMED, doorbell.WAIT_SLICE_S):
-                    self.consumed += 1
+        def look(left_s: float) -> None:
+            if self.cancel is not None:
+                if self.cancel.is_set():
+                    raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
+                left_s = min(left_s, CANCEL_SLICE_S)
+            if counter and self.bell is not None:
+                if self.bell.take(doorbell.CONSUMED, min(left_s, doorbell.SEM_SLICE_S)):
+                    self.consumed += 1  # (ready() refuses a count beyond the buckets sent)
                 self._read_frames(0)
-            else:  # (frames, or our own copies' packed frames in the fallback: one slice at most)
-                self._read_frames(int(doorbell.WAIT_SLICE_S * 1000) if sleepy else 0)
+            else:  # frames; while our own copies wait to be announced (the fallback), one short slice at most
+                self._read_frames(doorbell.poll_ms(min(left_s, doorbell.EVENT_SLICE_S) if self.unpacked else left_s))
 
         began = time.perf_counter()
         try:
@@ -1202,6 +1204,8 @@ class _SendSession:
                 self.state = self.state.to(SendState.STREAMING)
             if self.bucket is not None:
                 self.bucket.receiver_mapped()
+            if self.bell is not None:
+                self.bell.unlink()  # the receiver opened (and unlinked) the semaphores: no name is left to reach them
             return
         if kind == "done" and self.bell is None and type(seq) is int and seq == self.consumed and seq < self.seq:
             self.consumed = seq + 1
