@@ -91,6 +91,26 @@ def test_open_refuses_names_that_are_not_this_uids_semaphores():
         shm.unlink_quietly(empty)
 
 
+@pytest.mark.cuda
+def test_a_cuda_stream_posts_the_named_semaphore_when_it_gets_there():
+    # cuLaunchHostFunc with sem_post as the host function and sem_open's sem_t * as its argument: the post
+    # happens when the stream reaches it (no Python), not when it is queued; close() waits for queued posts.
+    bell = doorbell.Doorbell.create()
+    stream = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1 << 28)  # GPU time ahead of the post (~0.1-0.2 s)
+        bell.post_when_done(doorbell.PACKED, stream)  # the stream is busy: queued behind the sleep
+        assert bell.take(doorbell.PACKED) is False and not stream.query()
+        assert bell.take(doorbell.PACKED, timeout_s=30) is True and stream.query()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1 << 26)
+        bell.post_after(doorbell.CONSUMED, stream)
+    finally:
+        bell.close()  # synchronizes the stream first: the queued post runs into a semaphore still open
+    assert stream.query()
+
+
 def own_semaphore_files(pid: int | None = None) -> list[str]:
     """This uid's hand-off semaphore files of process ``pid`` (None: of any process) in /dev/shm."""
     return sorted(glob.glob(f"/dev/shm/sem.{shm.segment_prefix()}{'*' if pid is None else pid}-*"))
