@@ -13,7 +13,7 @@ Kinds and their fields (R = receiver, S = sender):
                     ``handle`` (the transport's raw fields: a segment handle, see ``shm.Segment.handle``
                     — ``{"path", "nbytes"}`` for a named segment or ``{"memfd": {"pid", "fd", "pidns"},
                     "name", "nbytes"}`` for a sealed memfd — or the CUDA IPC handle bytes),
-                    ``control`` (the progress-counter segment's handle, the same two forms, see
+                    ``control`` (the names of the two hand-off semaphores, ``PACKED``'s then ``CONSUMED``'s, see
                     ``doorbell``; None when the hand-offs travel as ``packed`` / ``done`` frames instead)
 - ``ready``    R→S  ``session``: the bucket buffer is mapped (once for the whole session); the
                     sender does not wait for it before packing and queueing buckets
@@ -25,11 +25,11 @@ Kinds and their fields (R = receiver, S = sender):
                     Each entry is ``[name, dtype, shape, offset]`` for a whole tensor, or
                     ``[name, dtype, shape, offset, start, nbytes]`` for a byte range of a tensor
                     split across buckets; offsets are relative to the bucket and ``ALIGN_BYTES``-aligned
-- ``packed``   S→R  ``session``, ``seq``: bucket ``seq``'s bytes are complete (only without a control segment)
+- ``packed``   S→R  ``session``, ``seq``: bucket ``seq``'s bytes are complete (only without semaphores)
 - ``done``     R→S  ``session``, ``seq``: bucket ``seq`` consumed, its half (or both) may be reused
-                    (only without a control segment; with one, the ``CONSUMED`` counter says it)
+                    (only without semaphores; with them, the ``CONSUMED`` count says it)
 - ``released`` R→S  ``session``, ``seq``: final ACK, sent only after every view and the
-                    mapping were released (with a control segment, the receiver first posts one
+                    mapping were released (with semaphores, the receiver first posts one
                     ``CONSUMED`` more than the buckets before the last, after the same release:
                     the count reaching the number of buckets sent is the same ACK, seen sooner)
 - ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released); with the
@@ -60,7 +60,8 @@ from refitkit.transfer.common import SessionPhase
 # 2: short entries for whole tensors, wide buckets; 3: early bucket frames, progress counters;
 # 4: segment handles (sealed memfds or named), hello's pidns; 5: direct buckets (the sender's own allocations);
 # 6: a direct session's bucket announced with the first bucket that uses it (bucket_later), up to 4 buckets in flight;
-# 7: receiver channels: hello's exchange token, echoed by setup and abort
+# 7: receiver channels (hello's exchange token, echoed by setup and abort); setup's control names two semaphores
+# made by the C library (no counter segment)
 WIRE_VERSION = 7
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).

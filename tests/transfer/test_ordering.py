@@ -31,14 +31,11 @@ CUDA_IPC = Case("cuda_ipc", "cuda", "cuda")
 RELEASE_DELAY_S = 0.3  # the peer's release takes this long: ample for an early ACK to overtake it
 LATE_RELEASE_S = 1.0  # the rule-breaking peer releases this long after its ACK went out
 
-# doorbell.Doorbell.create's name: <prefix><pid>-<session>c. The receiver posts the final ACK's
-# doorbell twin from that 4 KiB segment of counters and unmaps it right after: it holds no bucket bytes.
-_CONTROL_SEGMENT = re.compile(r"-[0-9a-f]{16}c$")
-
 
 def bucket_segments(pid: int) -> list[str]:
-    """The shm bucket segments mapped in process ``pid`` (not the doorbell's counters)."""
-    return [path for path in mapped_segments(pid) if not _CONTROL_SEGMENT.search(path)]
+    """The shm bucket segments mapped in process ``pid``: not the hand-off semaphores, which the receiver posts
+    the final ACK's early twin on and closes right after (they hold no bucket bytes)."""
+    return [path for path in mapped_segments(pid) if not path.startswith("/dev/shm/sem.")]
 
 
 class _AtFinalAck(logging.Handler):

@@ -1,14 +1,13 @@
-"""Bucket hand-offs through process-shared semaphores, posted by the GPU stream itself.
+"""Bucket hand-offs through named POSIX semaphores, posted by the GPU stream itself.
 
 Each bucket needs two hand-offs: the sender says "its bytes are complete" and the receiver says
 "I am done reading it". Over ZMQ each one costs a wake-up of the peer's I/O thread and then of
-its user thread: 0.2-0.35 ms per message was measured inside a sync on the H200 machine (a
-microVM), most of the gap between a 2 GiB-bucket sync and its copy time. Worse, the side that
-announces must first notice that its own copies finished, which a Python thread only does when
-it looks (and not while it is inside the caller's loader).
+its user thread, and the side that announces must first notice that its own copies finished,
+which a Python thread only does when it looks (and not while it is inside the caller's loader).
 
-Here each hand-off is a POSIX semaphore in a 4 KiB shared-memory segment (``sem_init`` with
-``pshared=1``):
+Here each hand-off is a named POSIX semaphore that the C library makes, lays out and keeps in its own
+file (``sem_open``; glibc's ``/dev/shm/sem.<name>``). refitkit calls only the public ``sem_*`` functions
+and never reads or writes a semaphore's memory:
 
 - ``PACKED`` is posted once per bucket whose bytes are complete;
 - ``CONSUMED`` is posted once per bucket the receiver finished reading, except the last; for that
@@ -17,35 +16,36 @@ Here each hand-off is a POSIX semaphore in a 4 KiB shared-memory segment (``sem_
   number of buckets it sent.
 
 On CUDA the post is queued on the stream that did the copies (``cuLaunchHostFunc`` with
-``sem_post`` itself as the host function, so no Python and no GIL are involved): it happens the
-moment the GPU gets there, whatever the process's Python thread is doing. CPU copies are
-synchronous, so the CPU side posts directly. ``sem_post`` / ``sem_wait`` are full memory
-barriers, so the bytes written before a post are visible after the matching wait on any
-architecture.
+``sem_post`` itself as the host function and the ``sem_t *`` that ``sem_open`` returned as its
+argument, so no Python and no GIL are involved): it happens the moment the GPU gets there, whatever
+the process's Python thread is doing. CPU copies are synchronous, so the CPU side posts directly.
+``sem_post`` / ``sem_wait`` are full memory barriers, so the bytes written before a post are visible
+after the matching wait on any architecture.
 
-What can go wrong is bounded. A peer that dies simply stops posting: waits use
-``sem_timedwait`` in slices against the caller's deadline (a post ends a slice at once; slices
-grow from 1 ms to 50 ms, so a long wait costs next to no CPU), and look at the socket in between
-for error and abort frames and for the peer's connection (``liveness``): a dead peer ends the
-wait within a slice. A process never waits on anything its peer owns except
-these counters: no CUDA object crosses the process boundary, so a killed peer cannot leave one of
-our streams waiting forever. A host function posts into our own mapping, which is unmapped only
-after the stream that holds the host function was synchronized.
+Names and lifetime. The sender makes both semaphores (``O_EXCL``, mode 0600) under a fresh random name
+that carries its uid and pid (``refitkit-<uid>-<pid>-<32 hex>-packed`` / ``-consumed``) and holds an
+``flock`` on each file while the name exists. The receiver opens both names from the setup and unlinks
+them at once; the sender drops them at ``ready`` or when the session ends, whichever comes first. A
+sender SIGKILLed before that leaves the files behind: the next sender's sweep
+(``shm.remove_stale_segments``) removes this uid's whose lock is free.
 
-Only counters cross this segment: no pointers, no objects, nothing executable. Frames that
-carry meaning (setup, bucket metadata, errors, aborts, and the final ACK, whose count here is
-only its early twin) stay on the socket.
-What a same-uid peer can do: anyone running as our uid can open or map the segment (and the bucket)
-and write over it. It can always disrupt a session (post too often, never post, truncate the file);
-it must not make us loop unboundedly, crash, or touch memory outside our buffers. So every loop over
-a counter takes at most what the protocol allows (``PACKED``: ``MAX_IN_FLIGHT`` buckets beyond those
-consumed, the two halves and two direct buckets; ``CONSUMED``: one per bucket sent) and calls a count
-beyond it a ProtocolError, and before each call into glibc the semaphore's words are checked against what ``sem_init`` wrote
-(glibc's 64-bit layout: a value/waiters word, then ``private``): glibc aborts the process on a
-futex error caused by a garbage ``private``, and a value of 4e9 would be 4e9 turns. A post queued
-on a CUDA stream runs ``sem_post`` unchecked; a scribble landing in that window can still make
-glibc abort. Truncating the file makes the next access a SIGBUS (sealed memfds would prevent that;
-the segment is unlinked as soon as both sides mapped it, which narrows who can reach it).
+Waits block in the kernel (``sem_clockwait``) with the caller's deadline, in slices of ``SEM_SLICE_S``
+between which the socket is looked at for error and abort frames; nothing spins unless
+``REFITKIT_SPIN_US`` asks for it (``SPIN_S``). A peer that dies simply stops posting; its connection's end
+(``liveness``) is seen between two slices and ends the wait with ``PeerGone``. A process never waits on anything its peer owns except these counters: no CUDA
+object crosses the process boundary, so a killed peer cannot leave one of our streams waiting forever.
+A host function posts into our own mapping, which is closed only after the stream that holds the host
+function was synchronized.
+
+Only counts cross: no pointers, no objects, nothing executable. Frames that carry meaning (setup,
+bucket metadata, errors, aborts, and the final ACK, whose count here is only its early twin) stay
+on the socket. What a same-uid process can do: post too often (every loop over a count takes at most
+what the protocol allows, ``MAX_IN_FLIGHT`` buckets beyond those consumed for ``PACKED``, one per bucket
+sent for ``CONSUMED``, and calls a count beyond it a ProtocolError), never post (the wait times out), or,
+in the few milliseconds a name exists (from the sender's ``sem_open`` to the receiver's unlink), open
+the file and write over or truncate it: glibc may then abort the process in a wait, or the next access
+be a SIGBUS. That window is the price of never reading the C library's private layout. Other uids are
+kept out by the file mode.
 
 Without the C library's semaphores (``available()`` is False), or when the receiver does not see
 the sender's shared-memory filesystem (``shm_identity()`` differs), the hand-offs travel as
@@ -57,35 +57,56 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import functools
-import mmap
+import math
 import os
-import struct
-import sys
+import re
+import secrets
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from refitkit.errors import ProtocolError, TransferError
+from refitkit.errors import InvalidInput, ProtocolError, TransferError
 from refitkit.transfer._ipc import shm
 from refitkit.transfer.common import SessionPhase
 from refitkit.transfer.protocol import timeout_error
 
-MAGIC = 0x52454649544B4954  # "REFITKIT"
 PACKED = 0
 CONSUMED = 1
-CONTROL_BYTES = 4096
-_SEM_OFFSETS = (64, 128)  # sem_t is 32 bytes on x86-64 and 32 on aarch64 glibc; each gets a cache line
-SPIN_S = 0.002  # spin this long before a waiter sleeps in sem_timedwait slices
-WAIT_SLICE_S = 0.001  # the first sleeping look; the socket is looked at between slices
-# The longest one (each is twice the one before): a post or a frame ends a slice at once, so this only bounds how
-# late a wait looks at the socket (error and abort frames, the peer's connection) while nothing comes.
-MAX_WAIT_SLICE_S = 0.05
-# No semaphore has more announcements pending than a few (MAX_IN_FLIGHT buckets, then the final ACK):
-# a larger value is a peer writing over the segment, refused before glibc counts it down 4e9 times.
-MAX_PENDING = 16
-_NAMES = ("PACKED", "CONSUMED")
+_SUFFIXES = ("packed", "consumed")  # the two names of a session, in the order of PACKED and CONSUMED
+SPIN_ENV = "REFITKIT_SPIN_US"
+# A semaphore wait looks at the socket (error and abort frames) this often: a failure frame is noticed within 50 ms,
+# the bound a cancelled asend() has too, and a silent peer costs 20 wake-ups a second (each ~0.15 ms of CPU on the CPU
+# machine, where 10 ms slices cost 1.3-2 % of a core). A post wakes the wait at once: slices add no latency to a sync.
+SEM_SLICE_S = 0.05
+# A wait with our own CUDA copies still to announce (the frame fallback) looks at their events this often: the
+# announcement is at most 1 ms late, and the copies are ours, so the short slices last only while they run.
+EVENT_SLICE_S = 0.001
+_O_CREAT, _O_EXCL = os.O_CREAT, os.O_EXCL
+
+
+def _spin_s_from_env() -> float:
+    """``REFITKIT_SPIN_US`` in seconds: how long a wait looks without sleeping before it blocks (0, the default:
+    it blocks in the kernel at once)."""
+    raw = os.environ.get(SPIN_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        spin_us = int(raw)
+    except ValueError:
+        spin_us = -1
+    if not 0 <= spin_us <= 1_000_000:
+        raise InvalidInput(
+            f"{SPIN_ENV}={raw!r}; need an int of microseconds from 0 to 1000000 (how long a transfer wait spins "
+            "before it blocks; 0, the default, blocks at once)"
+        )
+    return spin_us / 1e6
+
+
+SPIN_S = _spin_s_from_env()  # opt-in: spinning takes a core from the engine and the peer while it lasts
 
 
 def event_after(stream: Any) -> Any:
@@ -111,35 +132,37 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
 
 
 def wait_until(
-    ready: Callable[[], bool],
-    look: Callable[[float], None],
-    *,
-    timeout_s: float,
-    phase: SessionPhase,
-    waiting_for: str,
-    peer: str,
-) -> None:
-    """Until ``ready()``: spin (yielding the core) for ``SPIN_S``, calling ``look(0.0)`` every 32 tries,
-    then ``look(slice_s)`` between tries, where ``look`` may sleep up to ``slice_s`` on a semaphore or
-    the socket (slices grow from ``WAIT_SLICE_S`` to ``MAX_WAIT_SLICE_S``); TransferTimeout (naming
-    ``phase``, ``waiting_for``, ``peer`` and the knob) once ``timeout_s`` has passed."""
-    began = time.perf_counter()
-    spin_until, deadline = began + SPIN_S, began + timeout_s
-    tries = 0
-    slice_s = WAIT_SLICE_S
-    while not ready():
-        now = time.perf_counter()
-        if now >= deadline:
-            raise timeout_error(phase, waiting_for, peer, timeout_s)
-        if now < spin_until:
+    ready: Callable[[], bool], look: Callable[[float], None], *, timeout_s: float, phase: SessionPhase,
+    waiting_for: str, peer: str,
+) -> None:  # fmt: skip
+    """Until ``ready()``: ``look(left_s)`` blocks in the kernel for at most ``left_s`` (the time left to the
+    deadline; it picks its own shorter slice where it must look at another source); TransferTimeout (naming
+    ``phase``, ``waiting_for``, ``peer`` and the knob) once ``timeout_s`` has passed. With ``REFITKIT_SPIN_US``
+    set, it first spins that long (yielding the core, ``look(0.0)`` every 32 tries)."""
+    began = time.monotonic()
+    deadline = began + timeout_s
+    if SPIN_S > 0.0:
+        spin_until, tries = began + min(SPIN_S, timeout_s), 0
+        while not ready():
             tries += 1
             if tries % 32:
                 os.sched_yield()  # spinning must not starve the peer or either side's ZMQ I/O thread of a core
+            elif time.monotonic() >= spin_until:
+                break
             else:
                 look(0.0)
-            continue
-        look(min(slice_s, deadline - now))
-        slice_s = min(2 * slice_s, MAX_WAIT_SLICE_S)
+        else:
+            return
+    while not ready():
+        left_s = deadline - time.monotonic()
+        if left_s <= 0.0:
+            raise timeout_error(phase, waiting_for, peer, timeout_s)
+        look(left_s)
+
+
+def poll_ms(wait_s: float) -> int:
+    """A ZMQ poll's timeout for ``wait_s`` seconds, rounded up (a poll of 0 ms for 0.4 ms left would spin)."""
+    return max(0, math.ceil(wait_s * 1000))
 
 
 class _Timespec(ctypes.Structure):
@@ -148,48 +171,42 @@ class _Timespec(ctypes.Structure):
 
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL | None:
+    """The C library with its named-semaphore functions (ctypes releases the GIL during each call)."""
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:
         lib = ctypes.CDLL(name, use_errno=True)
-        for fn in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
-            getattr(lib, fn).restype = ctypes.c_int
+        for fn in ("sem_open", "sem_close", "sem_unlink", "sem_post", "sem_trywait", "sem_timedwait"):
+            getattr(lib, fn)
     except (OSError, AttributeError):
         return None
-    lib.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
-    lib.sem_post.argtypes = [ctypes.c_void_p]
-    lib.sem_trywait.argtypes = [ctypes.c_void_p]
-    lib.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    lib.sem_open.restype = ctypes.c_void_p  # sem_t *, NULL (SEM_FAILED) on failure
+    lib.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint]
+    for fn, argtypes in (
+        ("sem_close", [ctypes.c_void_p]),
+        ("sem_unlink", [ctypes.c_char_p]),
+        ("sem_post", [ctypes.c_void_p]),
+        ("sem_trywait", [ctypes.c_void_p]),
+        ("sem_timedwait", [ctypes.c_void_p, ctypes.POINTER(_Timespec)]),
+    ):
+        getattr(lib, fn).restype = ctypes.c_int
+        getattr(lib, fn).argtypes = argtypes
     if hasattr(lib, "sem_clockwait"):  # glibc >= 2.30: a deadline on the monotonic clock
         lib.sem_clockwait.restype = ctypes.c_int
         lib.sem_clockwait.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Timespec)]
     return lib
 
 
-@functools.lru_cache(maxsize=1)
-def _sem_layout() -> tuple[int, int] | None:
-    """(value/waiters word, ``private`` word) of a fresh process-shared semaphore, as glibc's 64-bit
-    layout stores them, or None where that layout cannot be read (then no field checks)."""
-    lib = _libc()
-    if lib is None or sys.maxsize < 2**63 - 1 or sys.byteorder != "little":
-        return None
-    scratch = ctypes.create_string_buffer(64)
-    if lib.sem_init(scratch, 1, 0) != 0:
-        return None
-    word, private = struct.unpack_from("<QI", scratch.raw)
-    return (word, private) if word == 0 else None
-
-
 def available() -> bool:
-    """Whether process-shared semaphores (glibc's sem_* on Linux) can carry the hand-offs here."""
+    """Whether named POSIX semaphores (glibc's sem_open on Linux) can carry the hand-offs here."""
     return _libc() is not None and os.path.isdir(shm.SHM_DIR)
 
 
 def shm_identity() -> list[int] | None:
     """Which shared-memory filesystem this process sees (device and inode of its directory).
 
-    Two processes can share a semaphore segment only if they see the same one; containers that
-    share the trainer's socket directory but not its /dev/shm (the cuda_ipc transport needs no
-    /dev/shm otherwise) get the frame fallback instead of a segment they cannot open.
+    Two processes can share a named semaphore only if they see the same one; containers that share the
+    trainer's socket directory but not its /dev/shm (the cuda_ipc transport needs no /dev/shm otherwise)
+    get the frame fallback instead of names they cannot open.
     """
     try:
         info = os.stat(shm.SHM_DIR)
@@ -213,88 +230,100 @@ def _launch_host_func() -> tuple[Any, int]:
     return fn, ctypes.cast(libc.sem_post, ctypes.c_void_p).value  # type: ignore[return-value]
 
 
-class Doorbell:
-    """The two hand-off semaphores of one session, in a small shared-memory segment."""
+def _name_pattern() -> re.Pattern[str]:
+    """A session's semaphore names of this uid (read at each call: a process may drop privileges after import)."""
+    return re.compile(rf"/{re.escape(shm.segment_prefix())}\d+-[0-9a-f]{{32}}-(packed|consumed)")
 
-    def __init__(self, path: str, mapping: mmap.mmap, *, owner: bool) -> None:
-        self.path = path
-        self._mmap: mmap.mmap | None = mapping
-        self._anchor: Any = ctypes.c_char.from_buffer(mapping)  # pins the mapping while semaphores are in use
-        base = ctypes.addressof(self._anchor)
-        self._sems = tuple(base + offset for offset in _SEM_OFFSETS)
+
+def semaphore_file(name: str) -> str:
+    """Where glibc keeps the named semaphore ``name`` ("/x" lives in /dev/shm/sem.x)."""
+    return os.path.join(shm.SHM_DIR, "sem." + name[1:])
+
+
+def _error(call: str, name: str) -> TransferError:
+    return TransferError(f"{call} of semaphore {name} failed: {os.strerror(ctypes.get_errno())}")
+
+
+class Doorbell:
+    """The two hand-off semaphores of one session, named and laid out by the C library."""
+
+    def __init__(self, names: tuple[str, ...], *, owner: bool) -> None:
+        self.names = names
         self._owner = owner
         self._libc = _libc()
-        self._post_streams: dict[int, Any] = {}  # CUDA streams with a post queued: synchronized before unmapping
-        self._segment: shm.Segment | None = None  # the sender's: it holds the name (or memfd) until unlink()
+        self._sems: list[int] = []  # sem_t * from sem_open, in the order of names
+        self._locks: list[int] = []  # the sender's flocked descriptors, held while the names exist
+        self._post_streams: dict[int, Any] = {}  # CUDA streams with a post queued: synchronized before closing
 
     @classmethod
-    def create(cls, session: str, *, peer_pidns: Any = None) -> Doorbell:
-        """The sender's segment for ``session``: a sealed memfd when the receiver's hello gave our PID
-        namespace as ``peer_pidns``, else named (and swept like a bucket's if the sender dies)."""
+    def create(cls) -> Doorbell:
+        """The sender's two semaphores under a fresh random name, each file locked against the stale sweep."""
         libc = _libc()
         if libc is None:
-            raise TransferError("no process-shared semaphores: this process's C library lacks sem_init")
-        segment = shm.Segment(CONTROL_BYTES, name=f"{session}c", peer_pidns=peer_pidns)
-        bell = cls(segment.path or segment.name, segment.mapping, owner=True)
-        bell._segment = segment
-        for sem in bell._sems:
-            if libc.sem_init(sem, 1, 0) != 0:
-                bell.close()
-                raise TransferError(f"sem_init failed: {os.strerror(ctypes.get_errno())}")
-        segment.mapping[:8] = MAGIC.to_bytes(8, "little")
+            raise TransferError("no named semaphores: this process's C library lacks sem_open")
+        base = f"/{shm.segment_prefix()}{os.getpid()}-{secrets.token_hex(16)}"
+        bell = cls(tuple(f"{base}-{suffix}" for suffix in _SUFFIXES), owner=True)
+        try:
+            for name in bell.names:
+                sem = libc.sem_open(name.encode(), _O_CREAT | _O_EXCL, 0o600, 0)
+                if not sem:
+                    raise _error("sem_open", name)
+                bell._sems.append(sem)
+                bell._locks.append(_lock(semaphore_file(name)))
+        except BaseException:
+            bell.close()
+            raise
         return bell
 
     @classmethod
-    def open(cls, handle: Any) -> Doorbell:
-        """The receiver's view of the sender's segment, from the ``control`` field of setup."""
-        if _libc() is None:
-            raise TransferError("the sender uses shared semaphores, which this process's C library lacks")
-        if not isinstance(handle, dict) or handle.get("nbytes") != CONTROL_BYTES:
-            raise ProtocolError(f"setup: control segment {handle!r} is not a {CONTROL_BYTES}-byte segment handle")
-        mapping = shm.open_segment(handle, what="control segment")
-        path = handle.get("path")  # None for a memfd: nothing to unlink
-        bell = cls(path, mapping, owner=False)  # type: ignore[arg-type]
-        if int.from_bytes(mapping[:8], "little") != MAGIC:
+    def open(cls, control: Any) -> Doorbell:
+        """The receiver's view of the sender's semaphores, from the ``control`` field of setup; the names are
+        unlinked at once (both sides hold the semaphores now: no crash can leak them)."""
+        libc = _libc()
+        if libc is None:
+            raise TransferError("the sender uses named semaphores, which this process's C library lacks")
+        pattern = _name_pattern()
+        if not (
+            type(control) is list
+            and len(control) == len(_SUFFIXES)
+            and all(type(name) is str and (m := pattern.fullmatch(name)) and m.group(1) == suffix
+                    for name, suffix in zip(control, _SUFFIXES, strict=True))
+        ):  # fmt: skip
+            raise ProtocolError(
+                f"setup: control={control!r} is not this uid's two semaphore names "
+                f"(/{shm.segment_prefix()}<pid>-<32 hex>-packed, then -consumed)"
+            )
+        bell = cls(tuple(control), owner=False)
+        try:
+            for name in bell.names:
+                _check_file(semaphore_file(name))  # (an empty file would be a SIGBUS at the first wait)
+                sem = libc.sem_open(name.encode(), 0, 0, 0)
+                if not sem:
+                    raise _error("sem_open", name)
+                bell._sems.append(sem)
+        except BaseException:
             bell.close()
-            raise ProtocolError(f"setup: {path or handle.get('name')} is not a refitkit control segment")
+            raise
+        finally:
+            bell.unlink()
         return bell
 
-    def handle(self) -> dict[str, Any]:
-        if self._segment is None:
-            raise TransferError("only the sender's doorbell has a handle to give")
-        return self._segment.handle()
+    def control(self) -> list[str]:
+        """What the setup's ``control`` field carries: the two names, PACKED's first."""
+        return list(self.names)
 
     # -- posting ----------------------------------------------------------------------------------
 
-    def check(self, which: int) -> None:
-        """ProtocolError unless semaphore ``which`` still looks like what sem_init made: its ``private``
-        word unchanged, at most one waiter (the one process that waits on it) and at most
-        ``MAX_PENDING`` announcements pending. Called before every call into glibc."""
-        layout = _sem_layout()
-        if layout is None or self._mmap is None:
-            return
-        word, private = struct.unpack_from("<QI", self._mmap, _SEM_OFFSETS[which])
-        value, waiters = word & 0xFFFFFFFF, word >> 32
-        if private != layout[1] or waiters > 1 or value > MAX_PENDING:
-            raise ProtocolError(
-                f"control segment {self.path}: semaphore {_NAMES[which]} was written over (value {value}, "
-                f"waiters {waiters}, private {private:#x}; at most {MAX_PENDING} pending, 1 waiter, private "
-                f"{layout[1]:#x}): another process of this uid is interfering with the session"
-            )
-
     def post(self, which: int) -> None:
         """Announce one more bucket now (the data it stands for is complete)."""
-        if self._libc is None:
-            raise TransferError("the C library's semaphores are unavailable in this process")
-        self.check(which)
-        if self._libc.sem_post(self._sems[which]) != 0:
-            raise TransferError(f"sem_post failed: {os.strerror(ctypes.get_errno())}")
+        if self._libc.sem_post(self._sems[which]) != 0:  # type: ignore[union-attr]
+            raise _error("sem_post", self.names[which])
 
     def post_when_done(self, which: int, stream: Any) -> None:
         """Announce once the work queued on ``stream`` ran; at once when ``stream`` is None (CPU work is
         done) or has nothing pending (a query costs microseconds; a host function's run is noticed by
-        the driver's callback thread, 0.1-0.4 ms later on the H200 machine). A stream that is idle
-        has also run every post queued on it before, so announcements stay in order."""
+        the driver's callback thread some time later). A stream that is idle has also run every post
+        queued on it before, so announcements stay in order."""
         if stream is None or stream.query():
             self.post(which)
         else:
@@ -304,7 +333,6 @@ class Doorbell:
         """Announce one more bucket when ``stream`` (a torch.cuda.Stream) reaches this point."""
         import torch
 
-        self.check(which)
         launch, sem_post = _launch_host_func()
         self._post_streams.setdefault(stream.cuda_stream, stream)
         with torch.cuda.device(stream.device):  # the driver call uses the thread's current context
@@ -320,48 +348,78 @@ class Doorbell:
     # -- waiting ----------------------------------------------------------------------------------
 
     def take(self, which: int, timeout_s: float = 0.0) -> bool:
-        """Consume one announcement: at once when ``timeout_s`` is 0, else waiting up to ``timeout_s``."""
-        if self._libc is None:
-            raise TransferError("the C library's semaphores are unavailable in this process")
-        self.check(which)
-        sem = self._sems[which]
+        """Consume one announcement: at once when ``timeout_s`` is 0, else blocking up to ``timeout_s``."""
+        libc, sem = self._libc, self._sems[which]
         if timeout_s <= 0.0:
-            return self._libc.sem_trywait(sem) == 0
-        clockwait = getattr(self._libc, "sem_clockwait", None)
+            return libc.sem_trywait(sem) == 0  # type: ignore[union-attr]
+        clockwait = getattr(libc, "sem_clockwait", None)
         # The monotonic clock where the C library takes it (a wall-clock step cannot stretch the wait).
         deadline = (time.monotonic() if clockwait is not None else time.time()) + timeout_s
         spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
         while (
-            clockwait(sem, time.CLOCK_MONOTONIC, ctypes.byref(spec))
-            if clockwait is not None
-            else self._libc.sem_timedwait(sem, ctypes.byref(spec))
-        ) != 0:
+            clockwait(sem, time.CLOCK_MONOTONIC, ctypes.byref(spec)) if clockwait is not None
+            else libc.sem_timedwait(sem, ctypes.byref(spec))  # type: ignore[union-attr]
+        ) != 0:  # fmt: skip
             err = ctypes.get_errno()
             if err == errno.ETIMEDOUT:
                 return False
             if err != errno.EINTR:
-                raise TransferError(f"sem_timedwait failed: {os.strerror(err)}")
+                raise TransferError(f"waiting on semaphore {self.names[which]} failed: {os.strerror(err)}")
         return True
 
     # -- lifetime ---------------------------------------------------------------------------------
 
     def unlink(self) -> None:
-        """Drop the name or memfd descriptor (both sides keep their mapping); idempotent."""
-        if self._segment is not None:
-            self._segment.unlink()
+        """Drop both names (each side keeps its semaphores), then the sender's locks; idempotent."""
+        for name in self.names:
+            if self._libc is not None:
+                self._libc.sem_unlink(name.encode())  # (ENOENT: the peer or a sweep removed it first)
+        locks, self._locks = self._locks, []
+        for fd in locks:  # after the names went, so a live owner's name is never unlocked
+            os.close(fd)
 
     def close(self) -> None:
-        """Unmap (and, on the sender, unlink) once every queued post has run.
+        """Close both semaphores (and, on the sender, drop the names) once every queued post has run.
 
-        A post that could still run would write into unmapped memory: if the streams cannot be
-        synchronized, the 4 KiB mapping is left in place (and the error raised) rather than unmapped.
+        A post that could still run would write into a closed mapping: if the streams cannot be
+        synchronized, the semaphores are left open (and the error raised) rather than closed.
         """
         if self._owner:
             self.unlink()
-        if self._mmap is None:
+        if not self._sems:
             return
         self.synchronize_posts()
         self._post_streams.clear()
-        self._anchor = None
-        mapping, self._mmap = self._mmap, None
-        mapping.close()
+        sems, self._sems = self._sems, []
+        for sem in sems:
+            self._libc.sem_close(sem)  # type: ignore[union-attr]
+
+
+def _lock(path: str) -> int:
+    """A descriptor of the semaphore file ``path`` with an exclusive flock, held while the name exists (the stale
+    sweep leaves locked files alone); TransferError if a sweep removed the name before the lock was taken."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TransferError(f"cannot open the semaphore file {path} that sem_open made: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not os.path.samestat(os.fstat(fd), os.stat(path)):
+            raise FileNotFoundError(path)
+    except OSError as exc:  # a sweep held it (BlockingIOError) or removed it (FileNotFoundError)
+        os.close(fd)
+        raise TransferError(f"the semaphore file {path} was swept as stale before it was locked: {exc}") from exc
+    return fd
+
+
+def _check_file(path: str) -> None:
+    """ProtocolError unless ``path`` is a non-empty regular file of this uid (what sem_open makes)."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise TransferError(f"setup: cannot open the semaphore file {path}: {exc}") from exc
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size == 0:
+        raise ProtocolError(
+            f"setup: {path} is not a semaphore file of uid {os.getuid()} (mode {info.st_mode:o}, uid {info.st_uid}, "
+            f"{info.st_size} bytes)"
+        )

@@ -485,10 +485,9 @@ class _ReceiveSession:
                 raise ProtocolError(f"unknown transport {brief(transport)} in setup")
             exports = setup_exports(setup, transport)  # (a cuda_ipc session's: this receiver is on CUDA)
             if control is not None:
-                self.bell = doorbell.Doorbell.open(control)
-            for path in (self.bell.path if self.bell else None, handle.get("path") if transport == "shm" else None):
-                if path is not None:  # both sides hold mappings now: no crash can leak the names
-                    shm.unlink_quietly(path)
+                self.bell = doorbell.Doorbell.open(control)  # (which unlinks their names)
+            if transport == "shm":  # both sides hold mappings now: no crash can leak the name
+                shm.unlink_quietly(handle.get("path"))
             if self.mapping is not None:
                 self._check_halves_fit()
             self._map_exports(exports)  # the walk's allocations: mapped while the sender walks its first items
@@ -605,7 +604,7 @@ class _ReceiveSession:
         self.timings["map"] += time.perf_counter() - began
 
     def _next_frame(self, waiting_for: str) -> dict[str, Any]:
-        """The next frame of the stream; finished reads are announced while waiting (spin, then block)."""
+        """The next frame of the stream, blocking on the socket; finished reads are announced while waiting."""
         began = time.perf_counter()
         watch: PeerWatch = self.watch  # type: ignore[assignment]
 
@@ -616,15 +615,14 @@ class _ReceiveSession:
             return bool(self.inbox)
 
         def wait(timeout_s: float) -> None:
-            deadline = began + timeout_s
-
-            def look(slice_s: float) -> None:
+            def look(left_s: float) -> None:
                 if watch.lost:  # seen by an earlier look, and ready() found nothing since
                     raise self._gone(waiting_for)
-                if slice_s:  # one slice while reads wait to be announced, else nothing but the socket: block on it
-                    wait_s = doorbell.WAIT_SLICE_S if self.unconsumed else deadline - time.perf_counter()
-                    if watch.poll(max(1, int(wait_s * 1000))):
-                        self._take(self._recv_now())
+                # one short slice while our reads wait to be announced (the fallback), else the socket (and the
+                # sender's connection) until the deadline
+                wait_s = min(left_s, doorbell.EVENT_SLICE_S) if self.unconsumed else left_s
+                if watch.poll(doorbell.poll_ms(wait_s)):
+                    self._take(self._recv_now())
 
             doorbell.wait_until(
                 ready,
@@ -644,7 +642,8 @@ class _ReceiveSession:
             self.timings["frames"] += waited
 
     def _wait_packed(self) -> None:
-        """Wait until the sender announced this bucket's bytes as complete (spin, then sleep in short slices)."""
+        """Wait until the sender announced this bucket's bytes as complete, blocking on the PACKED semaphore (in slices
+        between which the socket is looked at for an abort) or, without one, on the socket."""
         target = self.seq + 1
         if self._count_packed() >= target:
             return
@@ -656,14 +655,15 @@ class _ReceiveSession:
         watch: PeerWatch = self.watch  # type: ignore[assignment]
         waiting_for = f"bucket {self.seq} from the sender (its frame came, its bytes never completed)"
 
-        def look(slice_s: float) -> None:
+        def look(left_s: float) -> None:
             if watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
-            if slice_s and self.bell is not None:
-                if self.bell.take(doorbell.PACKED, slice_s):
-                    self.packed += 1
-            elif slice_s:  # (while reads wait to be announced, the socket one WAIT_SLICE_S at a time)
-                if watch.poll(int(min(slice_s, doorbell.WAIT_SLICE_S if self.unconsumed else slice_s) * 1000)):
+            if self.bell is not None:
+                if self.bell.take(doorbell.PACKED, min(left_s, doorbell.SEM_SLICE_S)):
+                    self.packed += 1  # (ready() refuses a count beyond what may be in flight)
+            else:
+                wait_s = min(left_s, doorbell.EVENT_SLICE_S) if self.unconsumed else left_s
+                if watch.poll(doorbell.poll_ms(wait_s)):
                     self._take(self._recv_now())
             for _ in range(FRAMES_PER_LOOK):  # an abort, or early frames (a flood cannot hold the wait)
                 if not watch.poll(0):
@@ -700,8 +700,8 @@ class _ReceiveSession:
                 self.packed += 1
             if self.packed > most:
                 raise ProtocolError(
-                    f"control segment {self.bell.path}: {self.packed} buckets announced packed, at most {most} can be "
-                    f"(bucket {self.seq} is the next to read); the segment was written over"
+                    f"semaphore {self.bell.names[doorbell.PACKED]}: {self.packed} buckets announced packed, at most "
+                    f"{most} can be (bucket {self.seq} is the next to read); posted by a process other than the sender?"
                 )
         return self.packed
 

@@ -972,10 +972,10 @@ class _SendSession:
         shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
         if transport != "none" and shared_shm and doorbell.available():
             try:
-                self.bell = doorbell.Doorbell.create(self.session, peer_pidns=hello.get("pidns"))
-                control = self.bell.handle()
+                self.bell = doorbell.Doorbell.create()
+                control = self.bell.control()
             except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
-                log.warning("sender on %r: no semaphore segment (%s); hand-offs travel as frames", self.endpoint, exc)
+                log.warning("sender on %r: no named semaphores (%s); hand-offs travel as frames", self.endpoint, exc)
         extra: dict[str, Any] = {"bucket_later": True} if self.bucket_state.later else {}
         if self.exports is not None:  # the memo's allocations, exported early: mapped by the receiver now
             if transport == "cuda_ipc" and self.exports.device == self.session_device:
@@ -1083,12 +1083,13 @@ class _SendSession:
         loop over whatever a peer wrote into the counter."""
         bell = self.bell
         if bell is None:
-            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without a control segment")
+            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without semaphores")
         while self.consumed <= self.seq and bell.take(doorbell.CONSUMED):
             self.consumed += 1
         if self.consumed > self.seq:
             raise ProtocolError(
-                f"control segment {bell.path}: the receiver announced {self.consumed} buckets done; only {self.seq} were sent"
+                f"semaphore {bell.names[doorbell.CONSUMED]}: {self.consumed} buckets announced done; only {self.seq} "
+                "were sent (posted by a process other than the receiver?)"
             )
 
     def _released(self) -> bool:
@@ -1120,28 +1121,29 @@ class _SendSession:
             self.direct_shipped.popleft()  # the receiver's reads of these ran: the trainer may free or reuse them
 
     def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
-        """Until ``condition()``: spin a little, then sleep in slices (on the CONSUMED semaphore when ``counter``,
-        else on the socket), reading frames between looks.
-
-        Bounded by ``timeout_s``; an error frame from the receiver raises TransferError at once, the receiver's death
-        (its connection's end) PeerGone.
+        """Until ``condition()``: block in the kernel (on the CONSUMED semaphore when ``counter``, in slices between
+        which frames are read; else on the socket), bounded by ``timeout_s``; an error frame from the receiver
+        raises TransferError once read (within ``doorbell.SEM_SLICE_S``), the receiver's death (its connection's
+        end) PeerGone.
         """
 
         def ready() -> bool:
             self._announce_packed()
             return condition()
 
-        def look(slice_s: float) -> None:
-            if self.cancel is not None and self.cancel.is_set():
-                raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
+        def look(left_s: float) -> None:
+            if self.cancel is not None:
+                if self.cancel.is_set():
+                    raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
+                left_s = min(left_s, CANCEL_SLICE_S)
             if self.watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
-            if slice_s and counter and self.bell is not None:
-                if self.bell.take(doorbell.CONSUMED, slice_s):
-                    self.consumed += 1
+            if counter and self.bell is not None:
+                if self.bell.take(doorbell.CONSUMED, min(left_s, doorbell.SEM_SLICE_S)):
+                    self.consumed += 1  # (ready() refuses a count beyond the buckets sent)
                 self._read_frames(0)
-            else:  # frames; in the fallback our own copies' events are looked at every WAIT_SLICE_S
-                self._read_frames(int(min(slice_s, doorbell.WAIT_SLICE_S if self.unpacked else slice_s) * 1000))
+            else:  # frames; while our own copies wait to be announced (the fallback), one short slice at most
+                self._read_frames(doorbell.poll_ms(min(left_s, doorbell.EVENT_SLICE_S) if self.unpacked else left_s))
 
         began = time.perf_counter()
         try:
@@ -1299,6 +1301,8 @@ class _SendSession:
                 self.state = self.state.to(SendState.STREAMING)
             if self.bucket is not None:
                 self.bucket.receiver_mapped()
+            if self.bell is not None:
+                self.bell.unlink()  # the receiver opened (and unlinked) the semaphores: no name is left to reach them
             return
         if kind == "done" and self.bell is None and type(seq) is int and seq == self.consumed and seq < self.seq:
             self.consumed = seq + 1

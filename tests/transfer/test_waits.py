@@ -1,0 +1,215 @@
+"""Waits block in the kernel: a side waiting on a silent peer sleeps (it uses at most 2 % of a core), and
+spinning before a wait is an opt-in knob (``REFITKIT_SPIN_US``, off by default). Both sides are real processes
+over the shm transport, with the hand-off semaphores."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
+from refitkit.transfer._ipc import doorbell, shm
+from refitkit.transfer._ipc.endpoint import socket_path
+from refitkit.transfer.protocol import WIRE_VERSION
+from tests.helpers.world import child_env
+from tests.transfer.peers import digest, one_shot_receiver_main
+
+pytestmark = pytest.mark.timeout(120)
+
+SILENT_S = 3.0  # how long the peer stays silent
+MOST_OF_A_CORE = 0.02  # what a waiting side may use of one core meanwhile
+HALF = 4096
+WEIGHTS = [(f"w{i}", torch.full((1000,), float(i))) for i in range(6)]  # one 4000-byte tensor a half: 6 buckets
+
+
+def cpu_share(run: Any) -> tuple[Any, float, float]:
+    """``run()``'s result, its wall seconds and the share of one core this process (all its threads, ZMQ's I/O
+    thread included) used meanwhile."""
+    wall, cpu = time.monotonic(), time.process_time()
+    result = run()
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    return result, wall, cpu / wall
+
+
+def spawn(target, *args) -> tuple[Any, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(*args, child), daemon=True)
+    process.start()
+    return process, parent
+
+
+def report(process, conn, within_s: float) -> dict[str, Any]:
+    assert conn.poll(within_s), f"no report within {within_s} s (exit code {process.exitcode})"
+    result = conn.recv()
+    process.join(10)
+    return result
+
+
+# -- a sender waiting on a silent receiver -------------------------------------------------------------------
+
+
+def stalling_receiver_main(endpoint: str, conn) -> None:
+    """Two sessions: the first as usual, the second stalls SILENT_S in its loader at the first bucket."""
+    torch.set_num_threads(1)
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=60)
+    receiver.receive(lambda weights, is_last: None)
+
+    def stall_once(weights, is_last, stalled=[]):  # noqa: B006 (the one stall of this session)
+        if not stalled:
+            stalled.append(True)
+            time.sleep(SILENT_S)  # the caller's loader, busy elsewhere: the sender waits for this bucket's release
+
+    conn.send(receiver.receive(stall_once).buckets)
+
+
+def measured_sender_main(endpoint: str, conn) -> None:
+    torch.set_num_threads(1)
+    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="shm", timeout_s=60, direct=False) as sender:
+        sender.send(WEIGHTS)  # the first session: one-time costs (the C library's lookup, imports) are not the wait
+        stats, wall, share = cpu_share(lambda: sender.send(WEIGHTS))
+    conn.send({"buckets": stats.buckets, "ack_wait_s": stats.ack_wait_s, "wall": wall, "share": share})
+
+
+def test_a_sender_waiting_on_a_silent_receiver_sleeps(endpoint):
+    receiver, from_receiver = spawn(stalling_receiver_main, endpoint)
+    sender, from_sender = spawn(measured_sender_main, endpoint)
+    result = report(sender, from_sender, 90)
+    assert report(receiver, from_receiver, 30) == len(WEIGHTS) == result["buckets"]
+    assert result["ack_wait_s"] >= SILENT_S * 0.9, result  # the sender did wait for the receiver
+    assert result["share"] <= MOST_OF_A_CORE, f"the waiting sender used {result['share']:.1%} of a core: {result}"
+
+
+# -- a receiver waiting on a silent sender -------------------------------------------------------------------
+
+
+def pausing_sender_main(endpoint: str, conn) -> None:
+    """Two sessions: the first as usual, the second pauses SILENT_S after its first bucket shipped."""
+    torch.set_num_threads(1)
+
+    def pausing():
+        for index, item in enumerate(WEIGHTS):
+            if index == 2:  # buckets 0 and 1 are out: the receiver waits for bucket 2's frame
+                time.sleep(SILENT_S)  # the trainer's generator, busy elsewhere (a gather)
+            yield item
+
+    with BucketedWeightSender(endpoint, bucket_bytes=2 * HALF, transport="shm", timeout_s=60, direct=False) as sender:
+        sender.send(WEIGHTS)
+        conn.send(sender.send(pausing()).buckets)
+
+
+def measured_receiver_main(endpoint: str, conn) -> None:
+    torch.set_num_threads(1)
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=60)
+    receiver.receive(lambda weights, is_last: None)
+    got: dict[str, Any] = {}
+
+    def collect(weights, is_last):
+        got.update((name, digest(tensor)) for name, tensor in weights)
+
+    stats, wall, share = cpu_share(lambda: receiver.receive(collect))
+    conn.send({"buckets": stats.buckets, "wall": wall, "share": share, "intact": got == dict(DIGESTS)})
+
+
+DIGESTS = [(name, digest(tensor)) for name, tensor in WEIGHTS]
+
+
+def test_a_receiver_waiting_on_a_silent_sender_mid_stream_sleeps(endpoint):
+    receiver, from_receiver = spawn(measured_receiver_main, endpoint)
+    sender, from_sender = spawn(pausing_sender_main, endpoint)
+    result = report(receiver, from_receiver, 90)
+    assert report(sender, from_sender, 30) == len(WEIGHTS) == result["buckets"] and result["intact"], result
+    assert result["wall"] >= SILENT_S, result
+    assert result["share"] <= MOST_OF_A_CORE, f"the waiting receiver used {result['share']:.1%} of a core: {result}"
+
+
+def receiver_until_timeout_main(endpoint: str, conn) -> None:
+    torch.set_num_threads(1)
+    doorbell.available()  # the C library's lookup (a subprocess of ctypes.util) is a one-time cost, not the wait
+    receiver = BucketedWeightReceiver(endpoint, "cpu", timeout_s=SILENT_S)
+    conn.send("ready")
+
+    def receive() -> str:
+        try:
+            receiver.receive(lambda weights, is_last: None)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "received"
+
+    outcome, wall, share = cpu_share(receive)
+    conn.send({"outcome": outcome, "wall": wall, "share": share})
+
+
+def test_a_receiver_waiting_for_bytes_that_never_complete_sleeps_on_the_semaphore(endpoint):
+    # A sender that shipped a bucket's frame and never posts PACKED (its copies never finish): the receiver waits
+    # on the semaphore, looking at the socket between slices, until its timeout_s.
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{socket_path(endpoint)}")
+    bucket = shm.ShmBucket(2 * HALF, session="5a1e57")
+    bell = doorbell.Doorbell.create()
+    try:
+        receiver, from_receiver = spawn(receiver_until_timeout_main, endpoint)
+        assert from_receiver.poll(60) and from_receiver.recv() == "ready"
+        assert router.poll(20_000)
+        peer, _hello = router.recv_multipart()
+
+        def send(kind: str, **fields: Any) -> None:
+            router.send_multipart([peer, msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields})])
+
+        send("setup", session="s", transport="shm", half_bytes=HALF, handle=bucket.handle(), control=bell.control())
+        send("bucket", session="s", seq=0, half=0, wide=False, last=True, entries=[["w", "float32", [4], 0]])
+        result = report(receiver, from_receiver, SILENT_S + 30)
+    finally:
+        bucket.free()
+        bell.close()
+        router.close()
+        context.term()
+    assert result["outcome"].startswith("TransferTimeout: streaming: no bucket 0 from the sender (its frame came, its")
+    assert result["share"] <= MOST_OF_A_CORE, f"the waiting receiver used {result['share']:.1%} of a core: {result}"
+
+
+# -- the spin knob ---------------------------------------------------------------------------------------------
+
+
+def test_spinning_is_off_unless_asked_for():
+    if os.environ.get(doorbell.SPIN_ENV) is not None:
+        pytest.skip(f"{doorbell.SPIN_ENV} is set for this run")
+    assert doorbell.SPIN_S == 0.0
+    run = subprocess.run(
+        [sys.executable, "-c", "from refitkit.transfer._ipc import doorbell; print(doorbell.SPIN_S)"],
+        capture_output=True, text=True, timeout=60, env=child_env(REFITKIT_SPIN_US="250"),
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.split() == ["0.00025"], run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value", ["fast", "-5", "2000000"])
+def test_a_bad_spin_knob_is_refused_naming_it(value):
+    run = subprocess.run(
+        [sys.executable, "-c", "import refitkit.transfer"],
+        capture_output=True, text=True, timeout=60, env=child_env(REFITKIT_SPIN_US=value),
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert f"InvalidInput: REFITKIT_SPIN_US='{value}'; need an int of microseconds from 0 to 1000000" in run.stderr
+
+
+def test_a_sync_with_spinning_on_both_sides_arrives_intact(endpoint, monkeypatch):
+    monkeypatch.setenv(doorbell.SPIN_ENV, "2000")  # the receiver's process reads it at import
+    monkeypatch.setattr(doorbell, "SPIN_S", 0.002)  # this process (the sender) imported it before
+    weights = [(f"w{i}", torch.randn(3000 + i, generator=torch.Generator().manual_seed(i))) for i in range(40)]
+    receiver, conn = spawn(one_shot_receiver_main, endpoint, "cpu", 30, "collect", None)
+    assert conn.poll(60) and conn.recv() == "starting"
+    with BucketedWeightSender(endpoint, bucket_bytes=64 << 10, transport="shm", timeout_s=30) as sender:
+        stats = sender.send(weights)
+    result = report(receiver, conn, 60)
+    assert result["digests"] == {name: digest(tensor) for name, tensor in weights} and stats.buckets > 3
