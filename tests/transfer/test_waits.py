@@ -162,12 +162,21 @@ def test_a_receiver_waiting_for_bytes_that_never_complete_sleeps_on_the_semaphor
         receiver, from_receiver = spawn(receiver_until_timeout_main, endpoint)
         assert from_receiver.poll(60) and from_receiver.recv() == "ready"
         assert router.poll(20_000)
-        peer, _hello = router.recv_multipart()
+        peer, hello = router.recv_multipart()
 
         def send(kind: str, **fields: Any) -> None:
             router.send_multipart([peer, msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields})])
 
-        send("setup", session="s", transport="shm", half_bytes=HALF, handle=bucket.handle(), control=bell.control())
+        exchange = msgpack.unpackb(hello)["exchange"]  # (the receiver takes only the setup that answers its hello)
+        send(
+            "setup",
+            session="s",
+            exchange=exchange,
+            transport="shm",
+            half_bytes=HALF,
+            handle=bucket.handle(),
+            control=bell.control(),
+        )
         send("bucket", session="s", seq=0, half=0, wide=False, last=True, entries=[["w", "float32", [4], 0]])
         result = report(receiver, from_receiver, SILENT_S + 30)
     finally:
