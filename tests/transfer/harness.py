@@ -42,6 +42,15 @@ MIB = 1 << 20
 PAGE_BYTES = 2 * MIB
 
 
+def spawn(target, *args) -> tuple[Any, Any]:
+    """Start ``target(*args, conn)`` in a spawned (daemon) process; returns it and our end of its pipe."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(*args, child), daemon=True)
+    process.start()
+    return process, parent
+
+
 def device_free_bytes() -> int:
     """The GPU's free memory as the driver counts it: unlike ``memory_reserved()`` it sees a bucket from
     ``cuMemAlloc`` (outside torch's allocator) and every process on the device (the receiver's too)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import multiprocessing as mp
 import os
 import re
 import threading
@@ -23,7 +22,7 @@ from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc import doorbell, shm
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import MAX_FRAME_BYTES, MAX_IN_FLIGHT, WIRE_VERSION
-from tests.transfer.harness import own_segment_files
+from tests.transfer.harness import own_segment_files, spawn
 from tests.transfer.peers import digest, mapped_segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,14 +33,6 @@ HALF = 4096
 
 def frame(kind: str, **fields: Any) -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, "kind": kind, **fields}, use_bin_type=True)
-
-
-def spawn(target, *args) -> tuple[Any, Any]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=target, args=(*args, child), daemon=True)
-    process.start()
-    return process, parent
 
 
 def outcome(process, conn, within_s: float) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from tests.transfer.harness import (
     own_segment_files,
     receiver_killed_at,
     roundtrip,
+    spawn,
 )
 from tests.transfer.peers import digest, garbage_main, killed_sender_main, looping_receiver_main, mapped_segments
 
@@ -51,14 +52,6 @@ KILL_CASES = [
 
 def stream(count: int, device: str = "cpu", prefix: str = "w") -> list[tuple[str, torch.Tensor]]:
     return [(f"{prefix}{i}", torch.full((1000,), float(i), device=device)) for i in range(count)]
-
-
-def spawn(target, *args) -> tuple[Any, Any]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=target, args=(*args, child), daemon=True)
-    process.start()
-    return process, parent
 
 
 def segments_of(*pids: int) -> list[str]:

@@ -4,7 +4,6 @@ over the shm transport, with the hand-off semaphores."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from refitkit.transfer._ipc import doorbell, shm
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
 from tests.helpers.world import child_env
+from tests.transfer.harness import spawn
 from tests.transfer.peers import digest, one_shot_receiver_main
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,14 +38,6 @@ def cpu_share(run: Any) -> tuple[Any, float, float]:
     result = run()
     wall, cpu = time.monotonic() - wall, time.process_time() - cpu
     return result, wall, cpu / wall
-
-
-def spawn(target, *args) -> tuple[Any, Any]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=target, args=(*args, child), daemon=True)
-    process.start()
-    return process, parent
 
 
 def report(process, conn, within_s: float) -> dict[str, Any]:
