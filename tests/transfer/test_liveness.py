@@ -352,3 +352,36 @@ def _send_catching(sender: BucketedWeightSender, weights: Any, failures: list[Ba
         sender.send(weights)
     except BaseException as exc:  # the test looks at it after the join
         failures.append(exc)
+
+
+CHURN_SCRIPT = """
+import sys, time, zmq
+from refitkit.transfer import SenderChannel
+sender = SenderChannel(sys.argv[1], transport="shm", timeout_s=10.0)
+context = zmq.Context()
+for _ in range(int(sys.argv[2])):  # receivers that come and go while no sync runs: two monitor events each
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"ipc://{sender.path}")
+    peer.send(b"x")
+    time.sleep(0.002)
+    peer.close()
+time.sleep(0.5)
+sender.close()
+context.term()
+print("closed")
+"""
+
+
+def test_a_channel_whose_connection_events_nobody_read_still_closes(endpoint):
+    """2500 receivers connect and leave a sender channel between syncs: 5000 monitor events, more than the monitor
+    pair's default high-water marks (2000). Before: libzmq's I/O thread blocked sending the next event while holding
+    the socket's monitor lock, and close() (disable_monitor) waited on that lock forever (seen as a test process that
+    never exited)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", CHURN_SCRIPT, endpoint, "2500"], capture_output=True, text=True, timeout=90
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "closed", (run.returncode, run.stderr[-2000:])

@@ -16,6 +16,7 @@ receiver that closes its socket after its final ACK is never taken for dead.
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 import time
 from collections import OrderedDict
@@ -46,7 +47,16 @@ class PeerWatch:
         self.sock = sock
         self.peer = "the peer"  # how errors name the followed peer
         self.lost = False  # the followed connection closed, and every frame before its end was read
-        self._monitor = sock.get_monitor_socket(_EVENTS)
+        # The monitor's events reach us over an inproc pair, sent by libzmq's I/O thread, which blocks once the pair
+        # is full while it holds the socket's monitor lock: a socket whose events nobody read for a while (a channel
+        # idle between syncs while receivers come and go) would then deadlock the close that stops the monitor. So
+        # the pair takes every event (no high-water mark on our side), and every wait and close() drains it.
+        address = f"inproc://refitkit-watch-{os.getpid()}-{secrets.token_hex(8)}"
+        sock.monitor(address, _EVENTS)
+        self._monitor = sock.context.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.RCVHWM, 0)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(address)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -151,6 +161,7 @@ class PeerWatch:
         """Stop monitoring (before the socket is closed); idempotent."""
         if self._monitor.closed:
             return
+        self._drain()  # (what is queued goes first: nothing the I/O thread sends may wait on us)
         if not self.sock.closed:
             self.sock.disable_monitor()
         self._monitor.close(linger=0)
