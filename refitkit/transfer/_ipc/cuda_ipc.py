@@ -376,17 +376,11 @@ class AllocationExports:
         result = _driver().cuPointerGetAttribute(ctypes.byref(value), _POINTER_BUFFER_ID, pointer)
         return value.value if result == 0 else 0
 
-    def take_new(self, upto: int | None = None) -> list[dict[str, Any]]:
-        """The handles exported since the last call (up to index ``upto``), in index order (each is announced once)."""
-        end = len(self.handles) if upto is None else upto
-        new = self.handles[self._announced : end]
-        self._announced = max(self._announced, end)
+    def take_new(self) -> list[dict[str, Any]]:
+        """The handles exported since the last call, in index order (each is announced once)."""
+        new = self.handles[self._announced :]
+        self._announced = len(self.handles)
         return new
-
-    @property
-    def announced(self) -> int:
-        """How many handles ``take_new`` has handed out so far."""
-        return self._announced
 
 
 def release_mappings(mappings: list[CudaIpcMapping], *, what: str, timings: dict[str, float] | None = None) -> None:
