@@ -80,6 +80,7 @@ from refitkit.transfer.protocol import (
     failure_fields,
     setup_exports,
     setup_fields,
+    timeout_error,
 )
 
 OnBucket = Callable[[list[tuple[str, torch.Tensor]], bool], Any]
@@ -501,11 +502,17 @@ class _ReceiveSession:
         """The setup (or refusal) that answers this sync's hello, within ``timeout_s``. Frames left on the channel's
         connection by an earlier sync (its sender's late frames, an answer to a hello that gave up) are dropped."""
         deadline = time.monotonic() + timeout_s
+        left_s = timeout_s
         while True:
-            # (a sender waiting for us answers at once: spin a little first)
-            frame = self._recv("setup", max(0.0, deadline - time.monotonic()), spin_s=doorbell.SPIN_S)
+            try:
+                frame = self._recv("setup", left_s, spin_s=doorbell.SPIN_S)  # (spin: opt-in, REFITKIT_SPIN_US)
+            except PeerGone:
+                raise
+            except TransferTimeout as exc:  # named with the whole wait's bound, not what was left of it
+                raise timeout_error(self.phase, "setup", f"the sender on {self.endpoint!r}", timeout_s) from exc
             if frame["kind"] in ("setup", "abort") and frame.get("exchange") == self.exchange:
                 return frame
+            left_s = max(0.0, deadline - time.monotonic())
             log.debug("receiver on %r dropped a %s frame of an earlier sync", self.endpoint, frame["kind"])
 
     def _map_cuda_bucket(self, handle: dict[str, Any]) -> None:
