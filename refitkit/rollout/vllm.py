@@ -121,9 +121,9 @@ class WorkerReceiver:
                 log.info("vLLM worker %d loads syncs layerwise (one clone per weight): %s", self.rank, self._refusal)
         return "in_place" if self._refusal is None else "layerwise"
 
-    def receive(self, endpoint: str, timeout_s: float, version: int | None) -> dict[str, Any]:
-        """One session from the ``BucketedWeightSender`` on ``endpoint`` as weight ``version``; plain stats."""
-        number = self.weights.next_version() if version is None else checked_version(version)
+    def open(self, endpoint: str, timeout_s: float) -> BucketedWeightReceiver:
+        """The receiver channel to the sender on ``endpoint`` (``{rank}`` is this worker's rank), each sync bounded by
+        ``timeout_s``: the one kept from before if it is that, else a new one (the kept one is closed)."""
         endpoint = endpoint.replace("{rank}", str(self.rank))
         receiver = self._receiver
         if (
@@ -134,6 +134,22 @@ class WorkerReceiver:
         ):
             close_receiver(receiver, f"vLLM worker {self.rank}")
             receiver = self._receiver = BucketedWeightReceiver(endpoint, self.device, timeout_s=timeout_s)
+        return receiver
+
+    def receive(self, endpoint: str | None, timeout_s: float, version: int | None) -> dict[str, Any]:
+        """One session from the ``SenderChannel`` on ``endpoint`` (None: the channel ``open`` made, which must still
+        be open) as weight ``version``; plain stats."""
+        number = self.weights.next_version() if version is None else checked_version(version)
+        if endpoint is not None:
+            receiver = self.open(endpoint, timeout_s)
+        elif self._receiver is None or self._receiver.state is ChannelState.CLOSED:
+            raise InvalidInput(
+                f"vLLM worker {self.rank}: a sync without an endpoint, and no channel is open (give endpoint=, or "
+                "init_weight_transfer_engine with one, again after the engine's shutdown or refit_close)"
+            )
+        else:
+            receiver = self._receiver
+        endpoint = receiver.endpoint
         began = time.perf_counter()
         layerwise = lambda progress: self._layerwise_from(receiver, endpoint, progress)  # noqa: E731
         stats, progress = self._load(receiver, layerwise, lambda: number)

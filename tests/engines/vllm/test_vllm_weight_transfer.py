@@ -88,8 +88,42 @@ def test_bad_update_info_is_refused_naming_the_field(engine):
     with pytest.raises(Exception, match="refitkit update_info: endpoint must be a str, got a int"):
         engine.llm.update_weights({"update_info": {"endpoint": 5}})
     engine.llm.start_weight_update()  # the failed update ended vLLM's session: a new one starts
-    with pytest.raises(Exception, match="give exactly one of endpoint= .* or rendezvous="):
-        engine.llm.update_weights({"update_info": {}})
+    with pytest.raises(Exception, match="give one of endpoint= .* or rendezvous= .*, not both"):
+        engine.llm.update_weights({"update_info": {"endpoint": "a", "rendezvous": "tcp://h:1", "secret": "s"}})
+    with pytest.raises(Exception, match="refitkit init_info: endpoint must be a str, got a int"):
+        engine.llm.init_weight_transfer_engine({"init_info": {"endpoint": 5}})
+
+
+def test_init_opens_the_channel_that_updates_without_an_endpoint_use_until_it_is_closed(engine):
+    trainer = random_llama(seed=10)
+    engine.llm.collective_rpc("refit_close")
+    with BucketedWeightSender(
+        "vllm-init", bucket_bytes=SMALL_BUCKET_BYTES, transport="shm", timeout_s=TIMEOUT_S
+    ) as sender:
+        endpoint = f"ipc://{sender.path}"
+        engine.llm.init_weight_transfer_engine({"init_info": {"endpoint": endpoint, "timeout_s": TIMEOUT_S}})
+        assert worker_info(engine.llm)["kept_endpoint"] == endpoint  # open before any sync: vLLM's init, once
+
+        for version, weights in ((95, trainer.named_parameters()), (96, engine.original.named_parameters())):
+            engine.llm.start_weight_update()
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                update = pool.submit(engine.llm.update_weights, {"update_info": {"version": version}})
+                try:
+                    sender.send(weights)
+                finally:
+                    update.result(timeout=TIMEOUT_S)
+            engine.llm.finish_weight_update()
+            assert worker_info(engine.llm)["kept_endpoint"] == endpoint  # the same channel, sync after sync
+            assert clean_weight_version(engine.llm) == version
+            if version == 95:
+                assert_engine_holds(engine, trainer)
+        assert_engine_holds(engine, engine.original)
+
+    engine.llm.collective_rpc("refit_close")  # (what the engine's shutdown() does too)
+    engine.llm.start_weight_update()
+    with pytest.raises(Exception, match="a sync without an endpoint, and no channel is open"):
+        engine.llm.update_weights({"update_info": {"version": 97}})
+    assert clean_weight_version(engine.llm) == 96  # refused before anything moved: the weights are untouched
 
 
 def test_push_weights_through_vllms_own_api_lands_and_a_partial_one_is_a_partial_push(api_only):
