@@ -113,7 +113,6 @@ class CheckpointLayout:
                 continue
             group = pending.setdefault(key, [])
             group.append((name, pattern, whole(name, tensor)))
-            del tensor
             if len(group) < members[key]:
                 continue
             converted = self._convert(key, pending.pop(key))
