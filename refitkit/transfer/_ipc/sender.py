@@ -7,8 +7,8 @@ freed every session, and freeing 2 GiB took 1.2-2.4 ms inside a session on the H
 way), let the receiver map it once (buckets are packed and their frames queued
 meanwhile), stream buckets, and wait for the final ACK that the receiver sends only after it
 released every view and its mapping. A bucket's frame leaves as soon as its copies are issued; its
-bytes are announced when the copies finished, and its half is reused once the receiver announced
-it done reading (both through ``doorbell``). The bucket is freed in a ``finally``, so the sender
+bytes are announced when the copies finished (a ``packed`` frame), and its half is reused once the receiver
+announced it done reading (a ``done`` frame; ``handoff``). The bucket is freed in a ``finally``, so the sender
 holds 0 bytes of bucket memory after every ``send()``, whether it succeeded or not. A receiver
 whose hello arrives during a session is served by the next ``send()``.
 
@@ -62,7 +62,7 @@ from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from refitkit.errors import ChannelClosed, InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
+from refitkit.transfer._ipc import cuda_ipc, handoff, shm
 from refitkit.transfer._ipc.endpoint import (
     WaitingReceivers,
     bind_sender,
@@ -627,14 +627,11 @@ class _SendSession:
         self.peer_pid: int | None = None  # as its hello says (for messages)
         self.peer_exchange: Any = None  # its hello's token, echoed by the setup or abort that answers it
         self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
-        self.bell: doorbell.Doorbell | None = None
         self.packer: BucketPacker | None = None
         self.seq = 0
         self.span: record_function | None = None  # the profiler range of the bucket being packed
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
-        self.unpacked: deque[tuple[int, Any]] = (
-            deque()
-        )  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.unpacked: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None) not announced packed yet
         self.consumed = 0  # buckets the receiver is done with
         self.ack_wait_s = 0.0
         self.items = 0
@@ -708,7 +705,7 @@ class _SendSession:
         self._mark("stream", began)
         began = time.perf_counter()
         self.state = self.state.to(SendState.DRAINING)
-        self._wait(self._released, f"released for bucket {self.seq - 1}", counter=self.bell is not None)
+        self._wait(self._released, f"released for bucket {self.seq - 1}")
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
         return TransferStats(
@@ -868,7 +865,7 @@ class _SendSession:
             return sum(1 for _, halves in self.unacked if not halves) < DIRECT_IN_FLIGHT
 
         if not room():
-            self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
+            self._wait(room, f"done for direct bucket {self.unacked[0][0]}")
         direct: dict[str, Any] = {"exports": self.exports.take_new(), "allocs": allocs}  # type: ignore[union-attr]
         if not self.fresh:  # held until the session ends: the receiver may say it is done once its reads are issued
             direct["kept"] = True
@@ -968,14 +965,6 @@ class _SendSession:
         elif transport == "cuda_ipc" and first is not None and self.bucket is None and not self.bucket_state.later:
             self.bucket = self._new_bucket(first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
-        control = None
-        shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
-        if transport != "none" and shared_shm and doorbell.available():
-            try:
-                self.bell = doorbell.Doorbell.create()
-                control = self.bell.control()
-            except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
-                log.warning("sender on %r: no named semaphores (%s); hand-offs travel as frames", self.endpoint, exc)
         extra: dict[str, Any] = {"bucket_later": True} if self.bucket_state.later else {}
         if self.exports is not None:  # the memo's allocations, exported early: mapped by the receiver now
             if transport == "cuda_ipc" and self.exports.device == self.session_device:
@@ -993,7 +982,6 @@ class _SendSession:
                 transport=transport,
                 half_bytes=half,
                 handle=handle,
-                control=control,
                 **extra,
             )
         )
@@ -1047,10 +1035,7 @@ class _SendSession:
                 stream = self.bucket.shipped()
             else:  # a direct bucket in a session without a bucket (yet): its tensors were written on this stream
                 stream = torch.cuda.current_stream(self.session_device)
-            if self.bell is not None:
-                self.bell.post_when_done(doorbell.PACKED, stream)
-            else:
-                self.unpacked.append((self.seq, doorbell.event_after(stream)))
+            self.unpacked.append((self.seq, handoff.event_after(stream)))
         extra: dict[str, Any] = {} if direct is None else {"direct": direct}
         if direct is None and self.bucket_state is BucketState.LATE_PENDING:  # the first packed into a late bucket
             extra["handle"] = self.bucket.handle()  # type: ignore[union-attr]
@@ -1070,35 +1055,14 @@ class _SendSession:
         self._announce_packed()
 
     def _announce_packed(self) -> None:
-        """Without a doorbell: a ``packed`` frame for every bucket whose copies have finished, in order."""
+        """A ``packed`` frame for every bucket whose copies have finished, in order."""
         if self.unpacked:
-            doorbell.announce_finished(
+            handoff.announce_finished(
                 self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq))
             )
 
-    def _take_consumed(self) -> None:
-        """Count the receiver's CONSUMED announcements (one per bucket; after the last, one for its release).
-
-        At most one more than the buckets sent is taken: a count beyond them is a ProtocolError, not a
-        loop over whatever a peer wrote into the counter."""
-        bell = self.bell
-        if bell is None:
-            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without semaphores")
-        while self.consumed <= self.seq and bell.take(doorbell.CONSUMED):
-            self.consumed += 1
-        if self.consumed > self.seq:
-            raise ProtocolError(
-                f"semaphore {bell.names[doorbell.CONSUMED]}: {self.consumed} buckets announced done; only {self.seq} "
-                "were sent (posted by a process other than the receiver?)"
-            )
-
     def _released(self) -> bool:
-        """The final ACK: the ``released`` frame, or (sooner) the doorbell's count reaching every bucket sent,
-        which the receiver posts for the last bucket only after it released its mapping."""
-        if self.state is SendState.DRAINING and self.bell is not None:
-            self._take_consumed()
-            if self.consumed == self.seq:
-                self.state = self.state.to(SendState.RELEASED)
+        """The final ACK: the ``released`` frame, which the receiver sends only after it released its mapping."""
         return self.state is SendState.RELEASED
 
     def _wait_free(self, halves: int) -> None:
@@ -1109,22 +1073,19 @@ class _SendSession:
             return not any(mask & halves for _, mask in self.unacked)
 
         if not free():
-            self._wait(free, f"done for bucket {self.unacked[0][0]}", counter=True)
+            self._wait(free, f"done for bucket {self.unacked[0][0]}")
 
     def _retire_consumed(self) -> None:
         """Forget the buckets in flight that the receiver announced as done."""
-        if self.bell is not None:
-            self._take_consumed()
         while self.unacked and self.unacked[0][0] < self.consumed:
             self.unacked.popleft()
         while self.direct_shipped and self.direct_shipped[0][0] < self.consumed:
             self.direct_shipped.popleft()  # the receiver's reads of these ran: the trainer may free or reuse them
 
-    def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
-        """Until ``condition()``: block in the kernel (on the CONSUMED semaphore when ``counter``, in slices between
-        which frames are read; else on the socket), bounded by ``timeout_s``; an error frame from the receiver
-        raises TransferError once read (within ``doorbell.SEM_SLICE_S``), the receiver's death (its connection's
-        end) PeerGone.
+    def _wait(self, condition: Callable[[], bool], waiting_for: str) -> None:
+        """Until ``condition()``: block in the kernel on the socket (frames are read as they come), bounded by
+        ``timeout_s``; an error frame from the receiver raises TransferError once read, the receiver's death (its
+        connection's end) PeerGone.
         """
 
         def ready() -> bool:
@@ -1138,16 +1099,12 @@ class _SendSession:
                 left_s = min(left_s, CANCEL_SLICE_S)
             if self.watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
-            if counter and self.bell is not None:
-                if self.bell.take(doorbell.CONSUMED, min(left_s, doorbell.SEM_SLICE_S)):
-                    self.consumed += 1  # (ready() refuses a count beyond the buckets sent)
-                self._read_frames(0)
-            else:  # frames; while our own copies wait to be announced (the fallback), one short slice at most
-                self._read_frames(doorbell.poll_ms(min(left_s, doorbell.EVENT_SLICE_S) if self.unpacked else left_s))
+            # while our own copies wait to be announced, one short slice at most
+            self._read_frames(handoff.poll_ms(min(left_s, handoff.EVENT_SLICE_S) if self.unpacked else left_s))
 
         began = time.perf_counter()
         try:
-            doorbell.wait_until(
+            handoff.wait_until(
                 ready,
                 look,
                 timeout_s=self.timeout_s,
@@ -1225,21 +1182,11 @@ class _SendSession:
                 return waiting[1]
             waiting = self.waiting.take()
         waiting_for = "hello (is a receiver connected?)"
-        now = time.monotonic()
-        deadline, spin_until = (
-            now + self.timeout_s,
-            now + min(doorbell.SPIN_S, self.timeout_s),
-        )  # (a hello is often near)
+        deadline = time.monotonic() + self.timeout_s
         while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
             _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
-            now = time.monotonic()
-            left_s = max(0.0, deadline - now)
+            left_s = max(0.0, deadline - time.monotonic())
             slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
-            if now < spin_until:  # look without sleeping first: a thread asleep in poll wakes late
-                slice_s = 0.0
-                if not self.watch.poll(0):
-                    os.sched_yield()
-                    continue
             if not self.watch.poll(int(slice_s * 1000)):
                 if time.monotonic() >= deadline:
                     raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.timeout_s)
@@ -1301,10 +1248,8 @@ class _SendSession:
                 self.state = self.state.to(SendState.STREAMING)
             if self.bucket is not None:
                 self.bucket.receiver_mapped()
-            if self.bell is not None:
-                self.bell.unlink()  # the receiver opened (and unlinked) the semaphores: no name is left to reach them
             return
-        if kind == "done" and self.bell is None and type(seq) is int and seq == self.consumed and seq < self.seq:
+        if kind == "done" and type(seq) is int and seq == self.consumed and seq < self.seq:
             self.consumed = seq + 1
             return
         if kind == "released" and seq == self.seq - 1 and not self.unpacked and self.state is SendState.DRAINING:
@@ -1355,15 +1300,12 @@ class _SendSession:
         if self.packer is not None:
             self.packer.detach()  # a traceback may still reference the packer; it must not keep the bucket
         self.packer = None
-        bell, self.bell = self.bell, None
         bucket, self.bucket = self.bucket, None
         try:
             if bucket is not None:
                 began = time.perf_counter()
-                bucket.free()  # after every stream a bucket was shipped on (with the posts queued there) ran
+                bucket.free()  # after every stream a bucket was shipped on ran
                 self._mark("free", began)
         finally:
             self.direct_held = []  # the trainer's own tensors: referenced no longer (the receiver released or is gone)
             self.direct_shipped.clear()
-            if bell is not None:
-                bell.close()
