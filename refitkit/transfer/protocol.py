@@ -56,7 +56,8 @@ from refitkit.transfer.common import SessionPhase
 # 4: segment handles (sealed memfds or named), hello's pidns; 5: direct buckets (the sender's own allocations);
 # 6: a direct session's bucket announced with the first bucket that uses it (bucket_later), up to 4 buckets in flight;
 # 7: receiver channels (hello's exchange token, echoed by setup and abort); setup's control names two semaphores
-# made by the C library (no counter segment); 8: hand-offs as packed / done frames only (no control, no hello shm)
+# made by the C library (no counter segment); 8: hand-offs as packed / done frames only (no control, no hello shm),
+# no allocations exported with the setup
 WIRE_VERSION = 8
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).
@@ -370,16 +371,6 @@ def direct_header(direct: Any, *, count: int, sizes: list[int]) -> tuple[list[di
             f"entry ({count} entries, 1 to {DIRECT_MAX_TENSORS})"
         )
     return exports, allocs, _announced(exports, sizes, "direct bucket")
-
-
-def setup_exports(frame: dict[str, Any], transport: str) -> list[dict[str, Any]]:
-    """The allocations a setup frame exports ahead of the stream (a held model's next sync: the receiver maps them
-    while the sender walks its first items), as raw handle fields each checked when mapped; [] when none."""
-    exports = frame.get("exports", [])
-    if type(exports) is not list or (exports and transport != "cuda_ipc"):
-        raise ProtocolError(f"setup: exports={brief(exports)} is not a list of a cuda_ipc session's allocations")
-    _announced(exports, [], "setup")
-    return exports
 
 
 def _announced(exports: list[Any], sizes: list[int], what: str) -> list[int]:

@@ -164,12 +164,6 @@ BAD_FRAMES = {
     "handle-not-a-map": ({"handle": [1, 2]}, [], "setup: .*not a str, str, int and map"),
     "bucket-later-over-shm": ({"bucket_later": True}, [], "setup: bucket_later=True is only for a cuda_ipc session"),
     "bucket-later-not-bool": ({"bucket_later": 1}, [], "setup: bucket_later=1"),
-    "exports-over-shm": (
-        {"exports": [{"ipc_handle": b"x" * 64, "nbytes": 4096}]},
-        [],
-        "setup: exports=.* is not a list of a cuda_ipc session's allocations",
-    ),
-    "exports-not-a-list": ({"exports": {"nbytes": 4096}}, [], "setup: exports=.* is not a list"),
     "direct-bucket-with-a-handle": (
         {},
         [

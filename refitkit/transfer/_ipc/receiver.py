@@ -78,7 +78,6 @@ from refitkit.transfer.protocol import (
     entries_from_wire,
     expect,
     failure_fields,
-    setup_exports,
     setup_fields,
     timeout_error,
 )
@@ -479,12 +478,10 @@ class _ReceiveSession:
                     self._map_cuda_bucket(handle)
             elif transport != "none":
                 raise ProtocolError(f"unknown transport {brief(transport)} in setup")
-            exports = setup_exports(setup, transport)  # (a cuda_ipc session's: this receiver is on CUDA)
             if transport == "shm":  # both sides hold mappings now: no crash can leak the name
                 shm.unlink_quietly(handle.get("path"))
             if self.mapping is not None:
                 self._check_halves_fit()
-            self._map_exports(exports)  # the walk's allocations: mapped while the sender walks its first items
         except Exception as exc:
             self.fail(f"could not map the bucket: {exc}")
             raise

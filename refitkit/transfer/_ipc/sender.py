@@ -13,8 +13,8 @@ holds 0 bytes of bucket memory after every ``send()``, whether it succeeded or n
 whose hello arrives during a session is served by the next ``send()``.
 
 A ``SenderChannel`` is the trainer rank's end of its link to an engine rank's ``ReceiverChannel``: it
-owns its ZMQ context, its bound socket, the watch over its receivers' connections and what the last
-all-direct sync walked, from the constructor to ``close()``; each ``send()`` is one sync (exchange)
+owns its ZMQ context, its bound socket and the watch over its receivers' connections, from the constructor to
+``close()``; each ``send()`` is one sync (exchange)
 on it. The socket stays bound through failed syncs too: a hello said at any time is served. Each
 sync's frames are told from others' by the receiver's connection and the sync's tokens (the
 receiver's hello, the sender's session): anything else (a failed sync's late frames, garbage from
@@ -152,14 +152,13 @@ class BucketState(enum.Enum):
 
     WITH_SETUP = "with the setup"  # the bucket, if the session has one, is allocated by the set-up and offered in it
     LATER = "later"  # a direct session: no bucket until a tensor must go through one (the setup says so)
-    EARLY = "exports early"  # as LATER, and the last session's allocations were exported ahead of the stream
     LATE_PENDING = "allocated late"  # a tensor needed the bucket: its handle goes with the next packed bucket's frame
     ANNOUNCED = "announced"  # that frame went out
 
     @property
     def later(self) -> bool:
         """Whether the bucket is still to be allocated, should a tensor need it."""
-        return self in (BucketState.LATER, BucketState.EARLY)
+        return self is BucketState.LATER
 
     def to(self, new: BucketState) -> BucketState:
         """``new``, if this state may become it; else TransferError (a bug in refitkit)."""
@@ -170,9 +169,7 @@ class BucketState(enum.Enum):
 
 _BUCKET_NEXT: dict[BucketState, frozenset[BucketState]] = {
     BucketState.WITH_SETUP: frozenset(),
-    # (EARLY -> LATER or WITH_SETUP: the set-up met a receiver or a first item the early exports do not serve)
-    BucketState.LATER: frozenset({BucketState.EARLY, BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
-    BucketState.EARLY: frozenset({BucketState.LATER, BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
+    BucketState.LATER: frozenset({BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
     BucketState.LATE_PENDING: frozenset({BucketState.ANNOUNCED}),
     BucketState.ANNOUNCED: frozenset(),
 }
@@ -244,7 +241,6 @@ class SenderChannel:
         self.timeout_s = timeout_s
         self.direct = direct
         self.last_split: DirectSplit | None = None  # with direct=True: how the last session split (direct / bucket)
-        self._walk: _DirectMemo | None = None  # what the last session placed where, when every tensor went direct
         self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
         self._owner: int | None = None  # the thread running the current session
         self._stop: StopRequest | None = None  # stops the current session (close() from another thread)
@@ -476,12 +472,10 @@ class SenderChannel:
             cancel=cancel,
             half_bytes=half_bytes_for(listed, self.half_bytes),
             direct=self.direct,
-            walk=self._walk,
             on_hello=on_hello,
         )
         self.last_timings_s = run.timings
         self.last_split = None
-        self._walk = None
         self.state = self.state.to(ChannelState.EXCHANGING)
         try:
             stats = run.run()
@@ -497,7 +491,6 @@ class SenderChannel:
                 self.state = self.state.to(ChannelState.OPEN)
         run.free()
         self.last_split = run.split()
-        self._walk = run.walk_made()
         return stats
 
     def _free_after(self, run: _SendSession, exc: BaseException) -> None:
@@ -563,28 +556,6 @@ def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
         raise _Cancelled(f"{cancel.reason} {where}")
 
 
-# What ``_take_direct`` found of one item: name, data pointer, dtype, shape, bytes -> the index of the allocation it
-# lies in, and the wire entry built for it (with its byte offset in that allocation)
-_Placed = tuple[str, int, torch.dtype, torch.Size, int, int, list[Any]]
-
-
-class _DirectMemo:
-    """What ``_take_direct`` found of each item of one session whose every tensor went direct, from a source whose
-    tensors stay where they lie (a list, a module's parameters, ``HeldWeights``), and the allocations it exported.
-
-    The next session on the same device exports those allocations again while it awaits the hello (the driver must
-    still have each at its start, of its size: then each keeps its index), and ``_take_direct`` consults the memo
-    for item i once ``check_item`` and its own cheap tests passed: the same name, data pointer, dtype, shape and
-    size as item i then means the same allocation, offset and wire entry. From the first item that differs the
-    memo is not consulted again in that session. Bucket boundaries come from the same thresholds either way, so the
-    receiver finds its plans for the buckets. It holds no tensor: names, numbers and wire entries only."""
-
-    def __init__(self, device: torch.device | None) -> None:
-        self.device = device
-        self.items: list[_Placed] = []  # by item position
-        self.allocations: list[tuple[int, int]] = []  # the exported allocations' (start, size), in index order
-
-
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
@@ -604,7 +575,6 @@ class _SendSession:
         half_bytes: int,
         direct: bool = False,
         fresh: bool = False,
-        walk: _DirectMemo | None = None,
         on_hello: Callable[[], Any] | None = None,
     ) -> None:
         self.watch = watch  # the socket's connections: it follows this session's receiver's
@@ -653,11 +623,6 @@ class _SendSession:
             min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
         )
         self.direct_ship_tensors = DIRECT_MAX_TENSORS  # (set when the session's direct taker is made)
-        # the last session's memo, consulted while every item so far matched it (and its allocations were exported
-        # again); this session's, while every tensor went direct
-        self.memo = walk
-        self.record: _DirectMemo | None = None
-        self.walked = 0  # tensors placed as the memo says (while it is consulted: the position of the next item)
         self.direct_tensors = 0
         self.direct_bytes = 0
         self.bucket_reasons: dict[str, int] = {}
@@ -672,7 +637,6 @@ class _SendSession:
     def run(self) -> TransferStats:
         start = time.perf_counter()
         self._allocate_early()
-        self._export_early()
         hello = self._await_hello()
         self._mark("hello_wait", start)
         first = self._next_item()
@@ -742,8 +706,6 @@ class _SendSession:
         its reason counted); None when this session packs everything (no direct mode asked for)."""
         if not self.direct:
             return None
-        if self.bucket_state is not BucketState.EARLY:
-            self.memo = None  # its allocation indices hold only where its allocations were exported again, first
         if self.session_transport != "cuda_ipc" or self.session_device is None:
             self.direct_refusal = "the session's transport is not cuda_ipc"
         elif not (self.batch or self.fresh):
@@ -752,12 +714,9 @@ class _SendSession:
                 "or an adapter's HeldWeights / FreshWeights)"
             )
         else:
-            if self.exports is None:  # (else the memo's, exported while the hello was awaited and sent with the setup)
-                self.exports = cuda_ipc.AllocationExports(
-                    self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
-                )  # fmt: skip
-            if self.batch:  # tensors that stay where they lie: the next session may consult this one's memo
-                self.record = _DirectMemo(self.session_device)
+            self.exports = cuda_ipc.AllocationExports(
+                self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
+            )
         self.direct_ship_tensors = min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS)
         return self._take_direct
 
@@ -778,46 +737,20 @@ class _SendSession:
         if pointer % ALIGN_BYTES:
             self._through_bucket(f"its bytes are not {ALIGN_BYTES}-byte aligned (a view into a larger tensor)", nbytes)
             return False
-        placed = self._as_memo_says(name, pointer, tensor, nbytes) if self.memo is not None else None
-        if placed is None:
-            located = exports.locate(pointer, nbytes)
-            if isinstance(located, str):
-                self._through_bucket(located, nbytes)
-                return False
-            index, offset = located
-            shape = tensor.shape
-            placed = (name, pointer, tensor.dtype, shape, nbytes, index, entry_to_wire(name, wire_dtype, shape, offset))
+        located = exports.locate(pointer, nbytes)
+        if isinstance(located, str):
+            self._through_bucket(located, nbytes)
+            return False
+        index, offset = located
         if len(self.direct_entries) >= self.direct_ship_tensors or self.direct_pending_bytes >= self.direct_ship_bytes:
             self._ship_direct()  # a full one ships when the next comes: the stream's last is never an empty bucket
-        if self.record is not None:
-            self.record.items.append(placed)
-        index, entry = placed[5], placed[6]
         self.direct_allocs.append(index)
-        self.direct_entries.append(entry)
+        self.direct_entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
         self.direct_held.append(tensor)
         self.direct_tensors += 1
         self.direct_bytes += nbytes
         self.direct_pending_bytes += nbytes
         return True
-
-    def _as_memo_says(self, name: str, pointer: int, tensor: torch.Tensor, nbytes: int) -> _Placed | None:
-        """The memo's placement of the item at this position (its allocation's index, its wire entry) when the item
-        is as it was then; else None, and the memo is not consulted again this session."""
-        items, at = self.memo.items, self.walked  # type: ignore[union-attr]  # (every item so far matched it)
-        if at < len(items):
-            placed = items[at]
-            was_name, was_pointer, dtype, shape, was_nbytes, _, _ = placed
-            if (
-                was_pointer == pointer
-                and was_name == name
-                and dtype is tensor.dtype
-                and shape == tensor.shape
-                and was_nbytes == nbytes
-            ):
-                self.walked = at + 1
-                return placed
-        self.memo = None
-        return None
 
     def _late_packer(self) -> BucketPacker:
         """The packer of a session whose bucket waited until a tensor needed it: allocate the bucket now (its
@@ -838,7 +771,6 @@ class _SendSession:
         return self.packer
 
     def _through_bucket(self, reason: str, nbytes: int) -> None:
-        self.record = self.memo = None  # a memo is of sessions whose every tensor went direct
         self.bucket_reasons[reason] = self.bucket_reasons.get(reason, 0) + 1
         self.bucket_tensors += 1
         self.bucket_bytes += nbytes
@@ -871,14 +803,6 @@ class _SendSession:
             direct["kept"] = True
         self._send_bucket(0, True, entries, last, direct=direct)
 
-    def walk_made(self) -> _DirectMemo | None:
-        """This session's memo, for the next session to consult: when every tensor went direct (else None)."""
-        record = self.record
-        if record is None or self.exports is None or not record.items or self.bucket_tensors:
-            return None
-        record.allocations = self.exports.ranges()
-        return record
-
     def split(self) -> DirectSplit | None:
         """How this session split between direct and bucket reads (None without direct mode)."""
         if not self.direct:
@@ -891,7 +815,6 @@ class _SendSession:
             allocations=len(self.exports.handles) if self.exports else 0,
             bucket_reasons=dict(self.bucket_reasons),
             replaced_allocations=self.exports.replaced if self.exports else 0,
-            walked_tensors=self.walked,
         )
 
     def _mark(self, phase: str, began: float) -> None:
@@ -932,22 +855,6 @@ class _SendSession:
             return
         self._mark("early_bucket", began)
 
-    def _export_early(self) -> None:
-        """While the receiver starts up, for a direct session of a held source with the last session's memo: export
-        the memo's allocations again (``AllocationExports.adopt``), so that the setup carries them and the receiver
-        maps them while the first items stream, and the memo's allocation indices hold. The set-up keeps them only
-        when the first item lies on the memo's device in a cuda_ipc session, else lets them go (an export holds
-        nothing)."""
-        memo = self.memo
-        if memo is None or memo.device is None or not self.batch or self.bucket_state is not BucketState.LATER:
-            return
-        began = time.perf_counter()
-        exports = cuda_ipc.AllocationExports(memo.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
-        if exports.adopt(memo.allocations):
-            self.exports = exports
-            self.bucket_state = self.bucket_state.to(BucketState.EARLY)
-        self._mark("early_exports", began)
-
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.half_bytes
@@ -966,14 +873,6 @@ class _SendSession:
             self.bucket = self._new_bucket(first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
         extra: dict[str, Any] = {"bucket_later": True} if self.bucket_state.later else {}
-        if self.exports is not None:  # the memo's allocations, exported early: mapped by the receiver now
-            if transport == "cuda_ipc" and self.exports.device == self.session_device:
-                extra["exports"] = list(self.exports.handles)  # (all of them again, should this hello's peer be gone)
-                self.exports.take_new()
-            else:
-                self.exports = None
-                if self.bucket_state is BucketState.EARLY:
-                    self.bucket_state = self.bucket_state.to(BucketState.LATER)
         self._send(
             encode(
                 "setup",
