@@ -35,7 +35,6 @@ microseconds per tensor of a whole sync; the intercept is the fixed cost of a se
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing as mp
 import statistics
@@ -149,7 +148,6 @@ def bench_model(
     path: str = "bucket",
     layout: str = "separate",
     profile: str | None = None,
-    mechanisms: bool = False,
 ) -> dict:
     from refitkit.transfer import BucketedWeightSender
 
@@ -163,8 +161,6 @@ def bench_model(
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     receiver_profile = None if profile is None else f"{profile}-receiver.prof"
-    variants = MECHANISM_VARIANTS if mechanisms else ("as-is",)
-    rounds *= len(variants)  # interleaved: round i runs variants[i % len(variants)]
     sessions = rounds + warmup + (profile is not None)  # a profiled session after the timed ones
     peer = ctx.Process(target=receiver_main, args=(endpoint, shapes, sessions, loader, child, receiver_profile))
     peer.start()
@@ -176,11 +172,9 @@ def bench_model(
     with BucketedWeightSender(
         endpoint, bucket_bytes=bucket_bytes, transport="cuda_ipc", timeout_s=120, direct=direct
     ) as sender:
-        for index in range(rounds + warmup):
-            variant = variants[max(0, index - warmup) % len(variants)]
-            with mechanism(variant, sender):
-                began = time.perf_counter()
-                stats = sender.send(stream(weights, source))
+        for _ in range(rounds + warmup):
+            began = time.perf_counter()
+            stats = sender.send(stream(weights, source))
             times_ms.append((time.perf_counter() - began) * 1e3)
             ack_ms.append(stats.ack_wait_s * 1e3)
             timings.append(dict(sender.last_timings_s))
@@ -201,9 +195,7 @@ def bench_model(
     intact = loader == "none" or received == checksums(weights)  # a loader that reads nothing has nothing to check
     peer.join(60)
     steady = times_ms[warmup:]
-    by_variant = {v: steady[i :: len(variants)] for i, v in enumerate(variants)}
     return {
-        "variants": by_variant if mechanisms else None,
         "model": model,
         "source": source,
         "path": path,
@@ -225,27 +217,6 @@ def bench_model(
             k: statistics.median(t[k] for t in receiver_timings[warmup:]) * 1e3 for k in receiver_timings[-1]
         },
     }
-
-
-# --mechanisms: each of the sender's mechanisms taken out in turn, interleaved round by round with the code as it is,
-# so that drift hits every variant alike ("frames": hand-offs as ZMQ frames, not the named semaphore that a CUDA
-# stream posts; "no-memo": every sync walks its stream anew, not consulting the last all-direct sync's memo).
-MECHANISM_VARIANTS = ("as-is", "frames", "no-memo")
-
-
-@contextlib.contextmanager
-def mechanism(variant: str, sender):
-    from refitkit.transfer._ipc import doorbell
-
-    available = doorbell.available
-    if variant == "frames":
-        doorbell.available = lambda: False  # the sender offers no hand-off semaphore: the receiver waits on frames
-    elif variant == "no-memo":
-        sender._walk = None  # what the channel keeps from the last sync, dropped before this one
-    try:
-        yield
-    finally:
-        doorbell.available = available
 
 
 def overhead_receiver_main(endpoint: str, sessions: int, conn) -> None:
@@ -314,18 +285,6 @@ def cpu_overhead(counts: list[int], rounds: int, warmup: int = 3) -> None:
         print(f"  {label:<13} {slope_ms * 1e3:6.2f} us/tensor   {intercept_ms:6.3f} ms/session")
 
 
-def print_variants(variants: dict[str, list[float]], blocks: int = 3) -> None:
-    """Each variant's median and its ratio to as-is; the drift is the spread of as-is's medians over ``blocks``
-    consecutive thirds of the run, (max - min) / median."""
-    base = statistics.median(variants["as-is"])
-    size = max(1, len(variants["as-is"]) // blocks)
-    thirds = [statistics.median(variants["as-is"][i * size : (i + 1) * size]) for i in range(blocks)]
-    print(f"        as-is drift over {blocks} blocks: {(max(thirds) - min(thirds)) / base:.1%} ({thirds})")
-    for name, samples in variants.items():
-        median = statistics.median(samples)
-        print(f"        {name:>8}: median {median:.2f} ms (min {min(samples):.2f}), {median / base:.3f}x as-is")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="0.6b,8b")
@@ -367,11 +326,6 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="DIR",
         help="after the timed rounds, one more sync with cProfile on both sides (DIR/<run>-sender.prof, -receiver.prof)",
-    )
-    parser.add_argument(
-        "--mechanisms",
-        action="store_true",
-        help="rounds interleave the sender as-is, with frames for hand-offs, and without the direct memo (x3 rounds)",
     )
     parser.add_argument("--cpu-overhead", action="store_true", help="per-tensor CPU cost on each side, no GPU needed")
     parser.add_argument("--tensors", default="64,1024", help="--cpu-overhead: the two stream lengths")
@@ -434,7 +388,6 @@ def main(argv: list[str] | None = None) -> None:
                 path,
                 args.layout,
                 profile=None if args.profile is None else f"{args.profile}/{model}-{path}-{source}-{loader}",
-                mechanisms=args.mechanisms,
             )
             # Floor: every byte is copied once into the bucket (the sender), and once more out of it by a
             # loader that copies (direct: only the loader's copy); at this GPU's D2D rate measured above.
@@ -453,8 +406,6 @@ def main(argv: list[str] | None = None) -> None:
             report["rows"].append({**r, "loader": loader, "floor_ms": floor_ms, "target_ms": target_ms})
             if args.json:  # after each row: a run that dies later keeps the rows before
                 Path(args.json).write_text(json.dumps(report, indent=1))
-            if r["variants"] is not None:
-                print_variants(r["variants"])
             if r["split"] is not None:
                 print(f"{'':>6} split: {r['split']}", flush=True)
             print("        sender phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))

@@ -275,7 +275,6 @@ ALLOWED_MODULE_STATE = {
         "updater a slots dataclass that cannot carry our state; locked, entries stamped with their pid"
     ),
     ("refitkit/transfer/protocol.py", "_brief_repr"): "a reprlib.Repr configured once at import, then only read",
-    ("refitkit/transfer/_ipc/doorbell.py", "SPIN_S"): "a float read from REFITKIT_SPIN_US at import",
 }
 
 # Tables written once at import and only read after (a dict of constants): allowed while the module never writes them.

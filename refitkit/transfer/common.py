@@ -119,9 +119,6 @@ class DirectSplit:
     # fresh tensors (``FreshWeights``): allocations returned to the driver during the sync and made again at an
     # exported address, each exported anew (so counted in ``allocations`` twice)
     replaced_allocations: int = 0
-    # tensors of a source that holds them (a list, a module's parameters, ``HeldWeights``) found as the sender's last
-    # session left them: their allocation and wire entry were taken from its memo (each was checked as any item)
-    walked_tensors: int = 0
 
 
 def checked_device(device: object) -> torch.device:

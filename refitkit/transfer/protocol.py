@@ -3,8 +3,7 @@
 Every frame is one ZMQ message holding a msgpack map ``{"v": WIRE_VERSION, "kind": ..., ...}``.
 Kinds and their fields (R = receiver, S = sender):
 
-- ``hello``    R→S  ``pid``, ``device`` ("cpu" or "cuda"), ``device_uuid`` (CUDA only), ``shm`` (which
-                    shared-memory filesystem the receiver sees, see ``doorbell.shm_identity``),
+- ``hello``    R→S  ``pid``, ``device`` ("cpu" or "cuda"), ``device_uuid`` (CUDA only),
                     ``timeout_s`` (how long a hello queued during another session stays worth serving),
                     ``pidns`` (the receiver's PID namespace, see ``shm.pid_namespace``; None: named segments),
                     ``exchange`` (a token of this sync: a receiver channel says hello once per sync on its one
@@ -12,26 +11,22 @@ Kinds and their fields (R = receiver, S = sender):
 - ``setup``    S→R  ``session``, ``exchange`` (the hello's), ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
                     ``handle`` (the transport's raw fields: a segment handle, see ``shm.Segment.handle``
                     — ``{"path", "nbytes"}`` for a named segment or ``{"memfd": {"pid", "fd", "pidns"},
-                    "name", "nbytes"}`` for a sealed memfd — or the CUDA IPC handle bytes),
-                    ``control`` (the names of the two hand-off semaphores, ``PACKED``'s then ``CONSUMED``'s, see
-                    ``doorbell``; None when the hand-offs travel as ``packed`` / ``done`` frames instead)
+                    "name", "nbytes"}`` for a sealed memfd — or the CUDA IPC handle bytes)
 - ``ready``    R→S  ``session``: the bucket buffer is mapped (once for the whole session); the
                     sender does not wait for it before packing and queueing buckets
 - ``bucket``   S→R  ``session``, ``seq``, ``half``, ``wide``, ``last``, ``entries``: sent as soon as
                     the bucket's copies are issued; its bytes may be read once the bucket is
-                    announced as packed (``PACKED`` counter > ``seq``, or a ``packed`` frame).
+                    announced as packed (its ``packed`` frame).
                     A bucket is one half of the buffer, or (``wide``, with ``half`` 0) the whole
                     buffer, used for a tensor larger than a half so that it arrives as one view.
                     Each entry is ``[name, dtype, shape, offset]`` for a whole tensor, or
                     ``[name, dtype, shape, offset, start, nbytes]`` for a byte range of a tensor
                     split across buckets; offsets are relative to the bucket and ``ALIGN_BYTES``-aligned
-- ``packed``   S→R  ``session``, ``seq``: bucket ``seq``'s bytes are complete (only without semaphores)
+- ``packed``   S→R  ``session``, ``seq``: bucket ``seq``'s bytes are complete (at most ``MAX_IN_FLIGHT``
+                    buckets ahead of the one being read)
 - ``done``     R→S  ``session``, ``seq``: bucket ``seq`` consumed, its half (or both) may be reused
-                    (only without semaphores; with them, the ``CONSUMED`` count says it)
 - ``released`` R→S  ``session``, ``seq``: final ACK, sent only after every view and the
-                    mapping were released (with semaphores, the receiver first posts one
-                    ``CONSUMED`` more than the buckets before the last, after the same release:
-                    the count reaching the number of buckets sent is the same ACK, seen sooner)
+                    mapping were released
 - ``error``    R→S  ``session``, ``phase``, ``message``: the receiver failed (it already released); with the
                     exception that made it fail, also ``error_type``, ``error_message`` and ``traceback`` (its last
                     frames as text, ``failure_fields``), which the sender raises as a ``RemoteError`` cause, and
@@ -61,8 +56,9 @@ from refitkit.transfer.common import SessionPhase
 # 4: segment handles (sealed memfds or named), hello's pidns; 5: direct buckets (the sender's own allocations);
 # 6: a direct session's bucket announced with the first bucket that uses it (bucket_later), up to 4 buckets in flight;
 # 7: receiver channels (hello's exchange token, echoed by setup and abort); setup's control names two semaphores
-# made by the C library (no counter segment)
-WIRE_VERSION = 7
+# made by the C library (no counter segment); 8: hand-offs as packed / done frames only (no control, no hello shm),
+# no allocations exported with the setup
+WIRE_VERSION = 8
 KINDS = frozenset({"hello", "setup", "ready", "bucket", "packed", "done", "released", "error", "abort"})
 # A frame is metadata only; anything bigger is not ours (sockets refuse it too: zmq.MAXMSGSIZE).
 MAX_FRAME_BYTES = 64 << 20
@@ -292,8 +288,8 @@ def check_split_pieces(entries: list[Entry], progress: SplitProgress | None, *, 
     return progress
 
 
-def setup_fields(frame: dict[str, Any]) -> tuple[str, str, int, dict[str, Any], Any, bool]:
-    """The checked fields of a setup frame: session, transport, half_bytes, handle, control, bucket_later (a
+def setup_fields(frame: dict[str, Any]) -> tuple[str, str, int, dict[str, Any], bool]:
+    """The checked fields of a setup frame: session, transport, half_bytes, handle, bucket_later (a
     cuda_ipc session with no handle yet: the bucket comes with the first bucket frame that uses it)."""
     session, transport, half_bytes = frame.get("session"), frame.get("transport"), frame.get("half_bytes", 0)
     handle, later = frame.get("handle") or {}, frame.get("bucket_later", False)
@@ -308,7 +304,7 @@ def setup_fields(frame: dict[str, Any]) -> tuple[str, str, int, dict[str, Any], 
         raise ProtocolError(
             f"setup: bucket_later={brief(later)} is only for a cuda_ipc session that sends no handle yet"
         )
-    return session, transport, half_bytes, handle, frame.get("control"), later
+    return session, transport, half_bytes, handle, later
 
 
 def bucket_fields(frame: dict[str, Any], seq: int) -> tuple[int, bool, bool]:
@@ -375,16 +371,6 @@ def direct_header(direct: Any, *, count: int, sizes: list[int]) -> tuple[list[di
             f"entry ({count} entries, 1 to {DIRECT_MAX_TENSORS})"
         )
     return exports, allocs, _announced(exports, sizes, "direct bucket")
-
-
-def setup_exports(frame: dict[str, Any], transport: str) -> list[dict[str, Any]]:
-    """The allocations a setup frame exports ahead of the stream (a held model's next sync: the receiver maps them
-    while the sender walks its first items), as raw handle fields each checked when mapped; [] when none."""
-    exports = frame.get("exports", [])
-    if type(exports) is not list or (exports and transport != "cuda_ipc"):
-        raise ProtocolError(f"setup: exports={brief(exports)} is not a list of a cuda_ipc session's allocations")
-    _announced(exports, [], "setup")
-    return exports
 
 
 def _announced(exports: list[Any], sizes: list[int], what: str) -> list[int]:

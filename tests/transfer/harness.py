@@ -92,10 +92,9 @@ def device_holders() -> str:
 
 
 def own_segment_files() -> list[str]:
-    """This process's shared-memory segments and hand-off semaphores: named files, and memfds it still holds a
-    descriptor of (a finished send leaves none)."""
+    """This process's shared-memory segments: named files, and memfds it still holds a descriptor of (a finished
+    send leaves none)."""
     named = glob.glob(f"/dev/shm/refitkit-{os.getuid()}-{os.getpid()}-*")
-    named += glob.glob(f"/dev/shm/sem.refitkit-{os.getuid()}-{os.getpid()}-*")
     held = []
     for fd in os.listdir("/proc/self/fd"):
         try:

@@ -31,12 +31,12 @@ def digest(tensor: torch.Tensor) -> Digest:
 
 
 def mapped_segments(pid: int | str = "self") -> list[str]:
-    """refitkit shared-memory segments and hand-off semaphores mapped into a process (from /proc/<pid>/maps)."""
+    """refitkit shared-memory segments mapped into a process (from /proc/<pid>/maps)."""
     with open(f"/proc/{pid}/maps") as maps:
         return [
             line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
             for line in maps
-            if any(mark in line for mark in ("/dev/shm/refitkit-", "/memfd:refitkit-", "/dev/shm/sem.refitkit-"))
+            if any(mark in line for mark in ("/dev/shm/refitkit-", "/memfd:refitkit-"))
         ]
 
 

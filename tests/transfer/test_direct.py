@@ -14,7 +14,7 @@ from refitkit.engines import FreshWeights, HeldWeights
 from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightSender
 from refitkit.transfer._ipc import sender as sender_module
-from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire, setup_exports
+from refitkit.transfer.protocol import MAX_EXPORTS, direct_fields, entries_from_wire
 from tests.transfer.harness import Case, assert_device_memory_back, device_free_bytes, receiver_killed_at, roundtrip
 from tests.transfer.peers import cuda_allocator_expandable, digest
 from tests.transfer.test_hostile_peer import bucket_frame, run_rogue_sender
@@ -117,33 +117,6 @@ def _entries(*items: list) -> list:
 def test_a_hostile_direct_bucket_is_refused_before_anything_is_mapped(direct, entries, sizes, message):
     with pytest.raises(ProtocolError, match=message):
         direct_fields(direct, entries=entries, sizes=sizes)
-
-
-@pytest.mark.parametrize(
-    "exports, transport, message",
-    [
-        pytest.param(
-            [{"nbytes": 4096}],
-            "shm",
-            r"setup: exports=.* is not a list of a cuda_ipc session's allocations",
-            id="over-shm",
-        ),
-        pytest.param({"nbytes": 4096}, "cuda_ipc", r"setup: exports=.* is not a list", id="not-a-list"),
-        pytest.param([{"nbytes": -1}], "cuda_ipc", r"setup: export .* announces no size", id="no-size"),
-        pytest.param(
-            [{"nbytes": 4096}] * (MAX_EXPORTS + 1),
-            "cuda_ipc",
-            r"setup: 1025 exported allocations in one session",
-            id="too-many",
-        ),
-    ],
-)
-def test_a_hostile_setup_export_is_refused_before_anything_is_mapped(exports, transport, message):
-    assert setup_exports({}, "shm") == [] and setup_exports({"exports": [{"nbytes": 4096}]}, "cuda_ipc") == [
-        {"nbytes": 4096}
-    ]
-    with pytest.raises(ProtocolError, match=message):
-        setup_exports({"exports": exports}, transport)
 
 
 def _layers(allocation_bytes: int, *, layers: int, moved: int | None = None) -> list[tuple[str, str, tuple, int, int]]:
@@ -511,7 +484,7 @@ def _digests(weights) -> dict:
 
 
 @pytest.mark.cuda
-def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_differs(
+def test_a_held_sources_syncs_land_bit_exact_however_its_stream_changes_between_them(
     receiver_server, endpoint, monkeypatch
 ):
     exportable_memory()
@@ -537,45 +510,31 @@ def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_di
         weights[25] = (weights[25][0], weights[25][1].reshape(-1))  # the same bytes seen in another shape
         return weights
 
-    # each session against the one before it: (what it sends, how many items were placed as the last session's
-    # memo says)
+    # each session against the one before it: new values where they lay, then a weight moved, a shorter and a
+    # longer stream, a weight renamed, retyped, reshaped, and items as [name, tensor] lists
     sessions = [
-        (lambda: _laid_out(segments), 0),  # nothing to follow yet
-        (lambda: _laid_out(segments), 50),  # new values where they lay: all of it
-        (moved, 34),
-        (lambda: moved(47), 47),  # a shorter stream, so a shorter last bucket
-        (lambda: moved(47) + [("extra", extra.normal_())], 47),  # a longer one: its rest as in any session
-        (renamed, 10),
-        (retyped, 20),
-        (lambda: [list(item) for item in retyped()], 48),  # items as [name, tensor] lists: followed all the way
-        (reshaped, 25),
+        lambda: _laid_out(segments),
+        lambda: _laid_out(segments),
+        moved,
+        lambda: moved(47),
+        lambda: moved(47) + [("extra", extra.normal_())],
+        renamed,
+        retyped,
+        lambda: [list(item) for item in retyped()],
+        reshaped,
     ]
-    setups = []  # how many allocations each setup frame exported ahead of the stream
-    encode = sender_module.encode
-
-    def spy(kind: str, **fields):
-        if kind == "setup":
-            setups.append(len(fields.get("exports", [])))
-        return encode(kind, **fields)
-
-    monkeypatch.setattr(sender_module, "encode", spy)
     with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=len(sessions))
-        expected, walked, exported = [], [], []
-        for make, _ in sessions:
+        expected = []
+        for make in sessions:
             weights = make()
             expected.append(_digests(weights))
             sender.send(HeldWeights(iter(weights)))
             split = sender.last_split
-            assert (split.direct_tensors, split.bucket_tensors) == (len(weights), 0)
-            walked.append(split.walked_tensors)
-            exported.append(split.allocations)
+            assert (split.direct_tensors, split.bucket_tensors) == (len(weights), 0) and split.allocations > 0
     result = receiver_server.result()
     assert result["ok"], result
     assert [session["digests"] for session in result["sessions"]] == expected  # bit-exact every time
-    assert walked == [count for _, count in sessions]
-    # each session after the first exported the last one's allocations with its setup (mapped while it walked)
-    assert setups == [0, *exported[:-1]] and min(exported) > 0, (setups, exported)
     plans = [session["plans"] for session in result["sessions"]]
     assert plans[1] == plans[0]  # the buckets went as they went before: the receiver's plans fit them
     assert result["segments_after"] == []
@@ -590,7 +549,7 @@ def test_a_held_sources_next_sync_follows_its_last_one_up_to_where_the_stream_di
         pytest.param("no pair", r"weights item #30 is a str, not a \(name, tensor\) pair", id="not-a-pair"),
     ],
 )
-def test_a_bad_item_where_a_sync_leaves_its_last_walk_is_refused_as_in_any_sync(receiver_server, endpoint, bad, error):
+def test_a_bad_item_in_a_held_sources_next_sync_is_refused_as_in_its_first(receiver_server, endpoint, bad, error):
     exportable_memory()
     segments = _segments()
     with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
@@ -615,10 +574,10 @@ def test_a_bad_item_where_a_sync_leaves_its_last_walk_is_refused_as_in_any_sync(
 
 
 @pytest.mark.cuda
-def test_a_followed_walk_exports_an_allocation_made_anew_at_its_address(receiver_server, endpoint):
+def test_a_next_sync_over_an_allocation_made_anew_at_its_address_reads_the_new_one(receiver_server, endpoint):
     exportable_memory()
-    # an offload and reload between two syncs: the weights' allocation freed, then made again where it lay; the walk
-    # still fits, and the new allocation must be exported anew (the old one's handle maps nothing of it)
+    # an offload and reload between two syncs: the weights' allocation freed, then made again where it lay, with the
+    # same layout; the new allocation must be exported anew (the old one's handle maps nothing of it)
     segments = _segments()
     address = segments[0].data_ptr()
     with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
@@ -630,7 +589,7 @@ def test_a_followed_walk_exports_an_allocation_made_anew_at_its_address(receiver
         assert segments[0].data_ptr() == address  # the case this test is about did happen
         weights = _laid_out(segments)
         sender.send(HeldWeights(iter(weights)))
-        assert sender.last_split.walked_tensors == len(weights) == 50
+        assert sender.last_split.direct_tensors == len(weights) == 50
     result = receiver_server.result()
     assert result["ok"], result
     assert result["sessions"][1]["digests"] == _digests(weights)
@@ -648,21 +607,20 @@ def _reshaped(segments: list[torch.Tensor]) -> list:  # item 20, layer 5's q, th
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("change, differs_at", [(_moved, 34), (_reshaped, 20)], ids=["moved", "reshaped"])
-def test_a_bad_item_after_the_item_where_the_memo_stopped_is_refused_naming_it(
-    receiver_server, endpoint, change, differs_at
-):
+def test_a_bad_item_after_a_changed_layout_is_refused_naming_it(receiver_server, endpoint, change, differs_at):
     exportable_memory()
     segments = _segments()
     with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=20.0) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=3)
-        walked = []
+        expected = []
         for make in (_laid_out, change, _laid_out):
-            sender.send(HeldWeights(iter(make(segments))))
-            walked.append(sender.last_split.walked_tensors)
-        assert walked == [0, differs_at, differs_at]  # each against the last: the memo stops where they differ
-        assert receiver_server.result()["ok"]
-        # the changed stream again, against the memo of the layout before it, with item 40 named as item 3 (placed
-        # from the memo) was: refused as in any sync
+            weights = make(segments)
+            expected.append(_digests(weights))
+            sender.send(HeldWeights(iter(weights)))
+        result = receiver_server.result()
+        assert result["ok"] and [session["digests"] for session in result["sessions"]] == expected, result
+        # the changed stream again, after the layout before it, with item 40 named as item 3 (after the item where
+        # the layouts differ) was: refused as in any sync
         weights = change(segments)
         assert weights[3][0] == "layers.0.norm" and differs_at < 40
         weights[40] = ("layers.0.norm", weights[40][1])
@@ -681,7 +639,7 @@ def test_a_bad_item_after_the_item_where_the_memo_stopped_is_refused_naming_it(
 
 
 @pytest.mark.cuda
-def test_a_tensor_through_the_bucket_stops_the_memo_there_and_leaves_none_for_the_next_sync(receiver_server, endpoint):
+def test_syncs_with_and_without_a_tensor_through_the_bucket_land_bit_exact_in_turn(receiver_server, endpoint):
     exportable_memory()
     segments = _segments()
 
@@ -690,24 +648,24 @@ def test_a_tensor_through_the_bucket_stops_the_memo_there_and_leaves_none_for_th
         weights[12] = (weights[12][0], weights[12][1].t())
         return weights
 
-    # (what each sync sends, tensors placed as the last one's memo says, tensors through the bucket)
+    # (what each sync sends, tensors through the bucket)
     sessions = [
-        (lambda: _laid_out(segments), 0, 0),
-        (strided, 12, 1),  # the memo stops at item 12 (the rest located anew) and this sync leaves none
-        (lambda: _laid_out(segments), 0, 0),
-        (lambda: _laid_out(segments), 50, 0),
+        (lambda: _laid_out(segments), 0),
+        (strided, 1),
+        (lambda: _laid_out(segments), 0),
+        (lambda: _laid_out(segments), 0),
     ]
     with BucketedWeightSender(endpoint, bucket_bytes=4 * MIB, transport="cuda_ipc", timeout_s=20.0) as sender:
         receiver_server.start_session(endpoint, device="cuda", timeout_s=20.0, mode="repeat", arg=len(sessions))
         expected, splits = [], []
-        for make, _, _ in sessions:
+        for make, _ in sessions:
             weights = make()
             expected.append(_digests(weights))
             sender.send(HeldWeights(iter(weights)))
             split = sender.last_split
-            splits.append((split.walked_tensors, split.bucket_tensors, split.direct_tensors + split.bucket_tensors))
+            splits.append((split.bucket_tensors, split.direct_tensors + split.bucket_tensors))
     result = receiver_server.result()
     assert result["ok"], result
     assert [session["digests"] for session in result["sessions"]] == expected  # bit-exact every time
-    assert splits == [(walked, through, 50) for _, walked, through in sessions]
+    assert splits == [(through, 50) for _, through in sessions]
     assert result["segments_after"] == []

@@ -1,4 +1,4 @@
-"""Bucket hand-offs: named semaphores, the frame fallback, and batched packing."""
+"""Bucket hand-offs (``packed`` / ``done`` frames) and batched packing."""
 
 from __future__ import annotations
 
@@ -15,139 +15,65 @@ import torch
 import zmq
 
 from refitkit.engines import HeldWeights
-from refitkit.errors import ProtocolError, TransferError
+from refitkit.errors import TransferError
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, packing
-from refitkit.transfer._ipc import doorbell, shm
+from refitkit.transfer._ipc import shm
 from refitkit.transfer._ipc.endpoint import socket_path
-from refitkit.transfer.protocol import SUPPORTED_DTYPES, WIRE_VERSION
-from tests.transfer.harness import Case, roundtrip
-from tests.transfer.peers import digest, one_shot_receiver_main
+from refitkit.transfer.protocol import MAX_IN_FLIGHT, SUPPORTED_DTYPES, WIRE_VERSION
+from tests.transfer.harness import Case, own_segment_files, roundtrip
+from tests.transfer.peers import digest, mapped_segments, one_shot_receiver_main
 from tests.transfer.test_roundtrip import random_tensor
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def counter_peer_main(control: list, conn) -> None:
-    """Open the sender's semaphores, take three PACKED announcements (bounded), answer with two CONSUMED."""
-    bell = doorbell.Doorbell.open(control)
-    taken = sum(bell.take(doorbell.PACKED, timeout_s=20) for _ in range(3))
-    extra = bell.take(doorbell.PACKED)  # nothing more was posted
-    for _ in range(2):
-        bell.post(doorbell.CONSUMED)
-    conn.send((taken, extra, [os.path.exists(doorbell.semaphore_file(name)) for name in control]))
-    bell.close()
+def mixed_stream(count: int = 120) -> list[tuple[str, torch.Tensor]]:
+    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float16]
+    weights = [(f"w{i}", random_tensor((i % 9 + 1, 37), dtypes[i % 4], seed=i)) for i in range(count)]
+    weights.insert(7, ("strided", random_tensor((40, 30), torch.float32, seed=99).t()))
+    weights.insert(50, ("wide", random_tensor((3000,), torch.float32, seed=98)))  # 12000 bytes > a half of 8192
+    weights.insert(90, ("split", random_tensor((9000,), torch.float32, seed=97)))  # 36000 bytes > the buffer
+    return weights
 
 
-def test_semaphores_cross_processes_and_lose_their_names_once_opened():
-    bell = doorbell.Doorbell.create()
-    files = [doorbell.semaphore_file(name) for name in bell.names]
-    try:
-        assert all(os.path.isfile(path) and os.stat(path).st_mode & 0o777 == 0o600 for path in files), files
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        peer = ctx.Process(target=counter_peer_main, args=(bell.control(), child))
-        peer.start()
-        for _ in range(3):
-            bell.post(doorbell.PACKED)
-        assert parent.poll(30) and parent.recv() == (3, False, [False, False])  # the receiver unlinked both names
-        peer.join(10)
-        assert [bell.take(doorbell.CONSUMED, timeout_s=5) for _ in range(3)] == [True, True, False]
-    finally:
-        bell.close()
-    assert not any(os.path.exists(path) for path in files)
+def test_many_buckets_round_trip_bit_exact_with_every_hand_off_a_frame(receiver_server, endpoint, case):
+    # 120 tensors in halves of 8 KiB: far more buckets than may be in flight at once (MAX_IN_FLIGHT), each bucket's
+    # half reused only once the receiver's done frame came, each read only once the sender's packed frame came
+    # (on CUDA: after the events of the copies and reads).
+    weights = [(name, tensor.to(case.tensor_device)) for name, tensor in mixed_stream()]
+    stats, result = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
+    assert stats.buckets > 3 * MAX_IN_FLIGHT and result["calls"][-1][1] is True
 
 
-def test_timed_take_blocks_until_the_deadline_or_a_post():
-    bell = doorbell.Doorbell.create()
-    try:
-        began, cpu = time.monotonic(), time.process_time()
-        assert bell.take(doorbell.PACKED, timeout_s=0.3) is False
-        assert 0.25 < time.monotonic() - began < 2.0 and time.process_time() - cpu < 0.05  # asleep, not spinning
-        threading.Timer(0.1, bell.post, args=(doorbell.PACKED,)).start()
-        began = time.monotonic()
-        assert bell.take(doorbell.PACKED, timeout_s=10) is True and time.monotonic() - began < 5
-    finally:
-        bell.close()
-
-
-def test_open_refuses_names_that_are_not_this_uids_semaphores():
-    good = f"/{shm.segment_prefix()}{os.getpid()}-{'ab' * 16}"
-    for control in (
-        12,
-        [f"{good}-packed"],  # one name
-        [f"{good}-consumed", f"{good}-packed"],  # the wrong order
-        [f"/refitkit-{os.getuid() + 1}-{os.getpid()}-{'ab' * 16}-packed", f"{good}-consumed"],  # another uid's
-        [f"{good}-packed/../x", f"{good}-consumed"],
-    ):
-        with pytest.raises(ProtocolError, match="is not this uid's two semaphore names"):
-            doorbell.Doorbell.open(control)
-    empty = doorbell.semaphore_file(f"{good}-packed")
-    open(empty, "wb").close()  # an empty file under a good name: mapping it would be a SIGBUS at the first wait
-    try:
-        with pytest.raises(ProtocolError, match=f"{empty} is not a semaphore file of uid {os.getuid()}"):
-            doorbell.Doorbell.open([f"{good}-packed", f"{good}-consumed"])
-        assert not os.path.exists(empty)  # a refused name is unlinked too
-    finally:
-        shm.unlink_quietly(empty)
-
-
-@pytest.mark.cuda
-def test_a_cuda_stream_posts_the_named_semaphore_when_it_gets_there():
-    # cuLaunchHostFunc with sem_post as the host function and sem_open's sem_t * as its argument: the post
-    # happens when the stream reaches it (no Python), not when it is queued; close() waits for queued posts.
-    bell = doorbell.Doorbell.create()
-    stream = torch.cuda.Stream()
-    try:
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(1 << 28)  # GPU time ahead of the post (~0.1-0.2 s)
-        bell.post_when_done(doorbell.PACKED, stream)  # the stream is busy: queued behind the sleep
-        assert bell.take(doorbell.PACKED) is False and not stream.query()
-        assert bell.take(doorbell.PACKED, timeout_s=30) is True and stream.query()
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(1 << 26)
-        bell.post_after(doorbell.CONSUMED, stream)
-    finally:
-        bell.close()  # synchronizes the stream first: the queued post runs into a semaphore still open
-    assert stream.query()
-
-
-def own_semaphore_files(pid: int | None = None) -> list[str]:
-    """This uid's hand-off semaphore files of process ``pid`` (None: of any process) in /dev/shm."""
-    return sorted(glob.glob(f"/dev/shm/sem.{shm.segment_prefix()}{'*' if pid is None else pid}-*"))
-
-
-def test_no_semaphore_file_is_left_after_a_session_or_a_failed_one(receiver_server, endpoint, monkeypatch):
-    made: list[tuple[str, ...]] = []
-    create = doorbell.Doorbell.create
-
-    def recording_create():
-        bell = create()
-        made.append(bell.names)
-        return bell
-
-    monkeypatch.setattr(doorbell.Doorbell, "create", staticmethod(recording_create))
+def test_no_segment_is_left_after_a_session_or_a_failed_one(receiver_server, endpoint):
     roundtrip(receiver_server, endpoint, mixed_stream(), bucket_bytes=16 << 10)
-    assert own_semaphore_files(os.getpid()) == []
+    assert own_segment_files() == [] and mapped_segments() == []
     receiver_server.start_session(endpoint, timeout_s=10, mode="raise", arg=3)
     with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=10, direct=False) as sender:
         with pytest.raises(TransferError, match="loader exploded at bucket 3"):
             sender.send(mixed_stream())
-        assert own_semaphore_files(os.getpid()) == []  # (before the sender is closed)
-    assert not receiver_server.result()["ok"]
-    assert len(made) == 2 and own_semaphore_files(os.getpid()) == []  # both sessions had semaphores
+        assert own_segment_files() == [] and mapped_segments() == []  # (before the sender is closed)
+    result = receiver_server.result()
+    assert not result["ok"] and result["segments_after"] == []
+
+
+def named_segments_of(pid: int) -> list[str]:
+    """This uid's named segment files of process ``pid`` in /dev/shm."""
+    return sorted(glob.glob(f"/dev/shm/{shm.segment_prefix()}{pid}-*"))
 
 
 def stalled_sender_main(endpoint: str, conn) -> None:
-    """A sender whose receiver never answers past the setup: it holds its semaphores until the test kills it."""
+    """A sender whose receiver never answers past the setup: it holds its segment until the test kills it."""
     torch.set_num_threads(1)
     with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=60, direct=False) as sender:
         conn.send(os.getpid())
         sender.send(mixed_stream())
 
 
-def test_semaphores_of_a_sigkilled_sender_are_swept_by_the_next_sender(endpoint):
-    # The receiver unlinks the names once it opened them; a sender killed before that leaves glibc's files
-    # behind, which the next sender removes (their lock went with the dead sender), while a live sender's stay.
+def test_the_segment_of_a_sigkilled_sender_is_swept_by_the_next_sender(endpoint):
+    # A receiver that says no PID namespace gets a named segment, unlinked once it mapped it; a sender killed before
+    # that leaves the file behind, which the next sender removes (its lock went with the dead sender), while a live
+    # sender's stays: nothing of a killed sender is left in /dev/shm.
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     sender = ctx.Process(target=stalled_sender_main, args=(endpoint, child), daemon=True)
@@ -160,63 +86,23 @@ def test_semaphores_of_a_sigkilled_sender_are_swept_by_the_next_sender(endpoint)
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.connect(f"ipc://{socket_path(endpoint)}")
         hello = {"v": WIRE_VERSION, "kind": "hello", "pid": os.getpid(), "device": "cpu", "timeout_s": 60}
-        rogue.send(msgpack.packb({**hello, "shm": doorbell.shm_identity()}))
+        rogue.send(msgpack.packb(hello))
         assert rogue.poll(30_000)
         setup = msgpack.unpackb(rogue.recv())
-        files = sorted(doorbell.semaphore_file(name) for name in setup["control"])
-        assert own_semaphore_files(pid) == files
+        files = [setup["handle"]["path"]]
+        assert named_segments_of(pid) == files
         shm.remove_stale_segments()
-        assert own_semaphore_files(pid) == files  # alive: its locks keep them
+        assert named_segments_of(pid) == files  # alive: its lock keeps it
         os.kill(pid, signal.SIGKILL)
         sender.join(30)
-        assert own_semaphore_files(pid) == files
+        assert named_segments_of(pid) == files
         BucketedWeightSender(f"{endpoint}-next", timeout_s=1).close()  # a new sender sweeps
-        assert own_semaphore_files(pid) == []
+        assert named_segments_of(pid) == []
     finally:
         rogue.close()
         context.term()
         if sender.is_alive():
             sender.kill()
-
-
-def mixed_stream(count: int = 120) -> list[tuple[str, torch.Tensor]]:
-    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.float16]
-    weights = [(f"w{i}", random_tensor((i % 9 + 1, 37), dtypes[i % 4], seed=i)) for i in range(count)]
-    weights.insert(7, ("strided", random_tensor((40, 30), torch.float32, seed=99).t()))
-    weights.insert(50, ("wide", random_tensor((3000,), torch.float32, seed=98)))  # 12000 bytes > a half of 8192
-    weights.insert(90, ("split", random_tensor((9000,), torch.float32, seed=97)))  # 36000 bytes > the buffer
-    return weights
-
-
-def test_frame_fallback_round_trips(receiver_server, endpoint, monkeypatch, case):
-    # Without shared semaphores the hand-offs travel as packed / done frames (CUDA: after events).
-    monkeypatch.setattr(doorbell, "available", lambda: False)
-    weights = [(name, tensor.to(case.tensor_device)) for name, tensor in mixed_stream()]
-    stats, result = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
-    assert stats.buckets > 10 and result["calls"][-1][1] is True
-
-
-def test_receiver_without_the_senders_shm_gets_frames(receiver_server, endpoint, monkeypatch, case):
-    # A receiver in another container (same socket directory, its own /dev/shm) cannot open a
-    # semaphore segment: the sender sees a different shm identity in the hello and uses frames.
-    monkeypatch.setattr(doorbell, "shm_identity", lambda: [-1, -1])
-
-    def no_segment():
-        raise AssertionError("semaphores were made for a receiver that cannot open them")
-
-    monkeypatch.setattr(doorbell.Doorbell, "create", staticmethod(no_segment))
-    weights = [(name, tensor.to(case.tensor_device)) for name, tensor in mixed_stream()]
-    stats, _ = roundtrip(receiver_server, endpoint, weights, bucket_bytes=16 << 10, case=case)
-    assert stats.buckets > 10
-
-
-def test_frame_fallback_reports_receiver_failure(receiver_server, endpoint, monkeypatch):
-    monkeypatch.setattr(doorbell, "available", lambda: False)
-    receiver_server.start_session(endpoint, timeout_s=10, mode="raise", arg=3)
-    with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=10, direct=False) as sender:
-        with pytest.raises(TransferError, match="loader exploded at bucket 3"):
-            sender.send(mixed_stream())
-    assert not receiver_server.result()["ok"]
 
 
 @pytest.mark.parametrize("batch_max_bytes", [0, 256, 1 << 30], ids=["no-batching", "some-batched", "all-batched"])
@@ -425,19 +311,10 @@ def test_conj_and_neg_views_arrive_resolved(receiver_server, endpoint, case, gen
     )
 
 
-def test_no_semaphore_segment_falls_back_to_frames(receiver_server, endpoint, monkeypatch):
-    def full_shm():
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(doorbell.Doorbell, "create", staticmethod(full_shm))
-    stats, _ = roundtrip(receiver_server, endpoint, mixed_stream(), bucket_bytes=16 << 10)
-    assert stats.buckets > 10
-
-
 @pytest.mark.cuda
 def test_copies_on_a_side_stream_are_complete_before_free(receiver_server, endpoint):
-    # The caller's generator keeps its own stream current across yields: the copies, the posts
-    # queued behind them and the final synchronize all follow that stream, not the default one.
+    # The caller's generator keeps its own stream current across yields: the copies, the events recorded
+    # behind them and the final synchronize all follow that stream, not the default one.
     side = torch.cuda.Stream()
 
     def on_side_stream():

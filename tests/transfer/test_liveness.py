@@ -24,7 +24,6 @@ import zmq
 
 from refitkit.errors import InvalidInput, PeerGone, TransferError, TransferTimeout
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
-from refitkit.transfer._ipc import doorbell
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
 from tests.transfer.harness import (
@@ -206,10 +205,9 @@ def test_frames_from_a_third_process_do_not_abort_a_running_send(receiver_server
     assert len(dropped) >= 3, caplog.text  # the undecodable, the other version's and the three-part frame
 
 
-def test_a_receiver_closing_after_its_final_ack_is_not_taken_for_dead(endpoint, monkeypatch):
-    """Without a doorbell the final ACK is only the ``released`` frame, and the receiver closes its socket right
-    after it: every one of these syncs must succeed, none raise PeerGone."""
-    monkeypatch.setattr(doorbell, "available", lambda: False)  # this process's side: hand-offs travel as frames
+def test_a_receiver_closing_after_its_final_ack_is_not_taken_for_dead(endpoint):
+    """The final ACK is the ``released`` frame, and the receiver closes its socket right after it: every one of these
+    syncs must succeed, none raise PeerGone."""
     weights = stream(4)
     outcomes: list[Any] = []
 
@@ -255,7 +253,7 @@ def test_a_sender_that_never_sends_the_last_bucket_is_cut_off_by_max_sync_s(endp
             return
         peer, hello = router.recv_multipart()
         exchange = msgpack.unpackb(hello)["exchange"]  # (the receiver takes only the setup that answers its hello)
-        setup = frame("setup", session="s", exchange=exchange, transport="none", half_bytes=0, handle={}, control=None)
+        setup = frame("setup", session="s", exchange=exchange, transport="none", half_bytes=0, handle={})
         router.send_multipart([peer, setup])
         seq = 0
         while not stop.is_set() and seq < 2000:  # 20 s at most, past the bound but far within timeout_s each
@@ -305,7 +303,7 @@ def cpu_share(process: psutil.Process, seconds: float) -> float:
 
 def test_a_sender_waiting_on_a_silent_receiver_uses_at_most_2_percent_of_a_core(receiver_server, endpoint):
     """The receiver's loader takes 4.5 s over its first bucket; the sender meanwhile waits for it to free a half
-    (a semaphore wait in slices, looking at the connection between them)."""
+    (blocked on the socket, which also sees the connection end)."""
     with sender_on(endpoint, "shm", TIMEOUT_S) as sender:
         receiver_server.start_session(endpoint, timeout_s=TIMEOUT_S, mode="stall", arg=4.5)
         failures: list[BaseException] = []

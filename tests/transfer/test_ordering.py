@@ -33,9 +33,8 @@ LATE_RELEASE_S = 1.0  # the rule-breaking peer releases this long after its ACK 
 
 
 def bucket_segments(pid: int) -> list[str]:
-    """The shm bucket segments mapped in process ``pid``: not the hand-off semaphores, which the receiver posts
-    the final ACK's early twin on and closes right after (they hold no bucket bytes)."""
-    return [path for path in mapped_segments(pid) if not path.startswith("/dev/shm/sem.")]
+    """The shm bucket segments mapped in process ``pid``."""
+    return mapped_segments(pid)
 
 
 class _AtFinalAck(logging.Handler):

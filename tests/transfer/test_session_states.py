@@ -53,10 +53,9 @@ def test_a_receiving_session_refuses_an_impossible_move(start, new):
 
 
 def test_a_sending_sessions_bucket_comes_with_the_setup_or_once_a_tensor_needs_it():
-    later = BucketState.LATER.to(BucketState.EARLY)  # the last sync's allocations exported ahead of the stream
+    later = BucketState.LATER
     assert later.later and later.to(BucketState.LATE_PENDING).to(BucketState.ANNOUNCED) is BucketState.ANNOUNCED
-    assert BucketState.EARLY.to(BucketState.LATER).later  # the set-up met another device: exports dropped
-    assert not BucketState.EARLY.to(BucketState.WITH_SETUP).later  # the set-up chose shm: bucket with the setup
+    assert not BucketState.LATER.to(BucketState.WITH_SETUP).later  # the set-up chose shm: bucket with the setup
     for done in (BucketState.WITH_SETUP, BucketState.LATE_PENDING, BucketState.ANNOUNCED):
         assert not done.later
 
@@ -66,8 +65,8 @@ def test_a_sending_sessions_bucket_comes_with_the_setup_or_once_a_tensor_needs_i
     [
         ("WITH_SETUP", "LATE_PENDING"),  # a bucket allocated by the set-up is never allocated again
         ("ANNOUNCED", "LATE_PENDING"),
-        ("LATE_PENDING", "EARLY"),
-        ("WITH_SETUP", "EARLY"),
+        ("LATE_PENDING", "LATER"),
+        ("WITH_SETUP", "LATER"),
     ],
 )
 def test_a_sending_sessions_bucket_refuses_an_impossible_move(start, new):

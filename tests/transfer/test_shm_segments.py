@@ -296,8 +296,7 @@ _OWNER = """
 
 def test_a_same_uid_peer_cannot_truncate_the_bucket():
     # The bucket is a sealed memfd (sender and peer share a PID namespace): the peer's ftruncate fails, and the
-    # owner writes every page afterwards without SIGBUS. (The hand-off semaphores are glibc's named files, which
-    # lose their names once the receiver opened them: test_handoffs.)
+    # owner writes every page afterwards without SIGBUS.
     if shm.pid_namespace() is None:
         pytest.skip("no memfd / PID namespace identity here: named segments (see the shm docstring)")
     run = run_script(_OWNER, textwrap.dedent(_SCRIBBLE))

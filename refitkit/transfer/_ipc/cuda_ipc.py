@@ -350,26 +350,6 @@ class AllocationExports:
         self._last = (base, base + size, index)
         return index
 
-    def adopt(self, ranges: list[tuple[int, int]]) -> bool:
-        """Export the allocations an earlier session exported, as (start, size) in its index order, before any other:
-        whether the driver still has each one at its start with its size. False at the first that is not (those
-        before it stay exported; ``locate`` finds the rest as usual). Not in ``recycled`` sessions."""
-        if self.recycled or self.handles:
-            return False
-        lib = _driver()
-        base_c, size_c = ctypes.c_uint64(), ctypes.c_size_t()
-        for base, size in ranges:
-            with torch.cuda.device(self.device):
-                result = lib.cuMemGetAddressRange_v2(ctypes.byref(base_c), ctypes.byref(size_c), base)
-            if result != 0 or base_c.value != base or size_c.value != size or isinstance(self._export(base, size), str):
-                return False
-        return True
-
-    def ranges(self) -> list[tuple[int, int]]:
-        """The exported allocations as (start, size), in index order (what a later session may ``adopt``)."""
-        spans = sorted((index, base, end - base) for base, (end, index, _) in self._known.items())
-        return [(base, size) for _, base, size in spans]
-
     def _buffer_id(self, pointer: int) -> int:
         """The driver's unique id of the allocation ``pointer`` lies in (0 when it knows none)."""
         value = ctypes.c_uint64()

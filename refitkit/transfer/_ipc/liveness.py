@@ -4,8 +4,7 @@ A peer that dies (SIGKILL included) sends nothing more, but its kernel closes it
 and libzmq's I/O thread sees it. ``PeerWatch`` listens to the socket's monitor (``zmq_socket_monitor``) for the
 connections the socket accepts (a sender's: one per receiving session) or makes (a receiver's: one), and follows
 the one a session's peer is on. Every wait of a session polls it together with the socket, so a peer that died
-ends the wait at once with ``PeerGone`` instead of at ``timeout_s``; a semaphore wait looks at it between its
-slices. A sender learns which connection a hello came on from the frame's source descriptor (``ZMQ_SRCFD``); where
+ends the wait at once with ``PeerGone`` instead of at ``timeout_s``. A sender learns which connection a hello came on from the frame's source descriptor (``ZMQ_SRCFD``); where
 libzmq cannot say, that session's peer is not followed and its death is noticed by ``timeout_s`` as before.
 
 Frames first: ``poll`` reports a frame while one is queued and the peer as gone only once none is left, so a
@@ -174,22 +173,12 @@ def recv_frame(
     phase: SessionPhase,
     waiting_for: str,
     peer: str,
-    spin_s: float = 0.0,
     copy: bool = True,
 ) -> list[bytes] | list[zmq.Frame]:
     """Receive one multipart message on ``watch``'s socket within ``timeout_s``, else TransferTimeout naming phase and
-    knob; PeerGone at once when the followed peer is gone. ``spin_s``: look without sleeping for that long first
-    (yielding the core), for a frame due at once: a thread asleep in ``poll`` wakes some time after its frame came."""
+    knob; PeerGone at once when the followed peer is gone."""
     sock = watch.sock
-    began = time.monotonic()
-    deadline = began + timeout_s
-    spin_until = began + min(spin_s, timeout_s)
-    while time.monotonic() < spin_until:
-        if watch.poll(0):
-            return sock.recv_multipart(copy=copy)
-        if watch.lost:
-            raise watch.gone(phase, waiting_for)
-        os.sched_yield()
+    deadline = time.monotonic() + timeout_s
     while True:
         if watch.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             return sock.recv_multipart(copy=copy)

@@ -48,7 +48,7 @@ import torch
 import zmq
 
 from refitkit.errors import ChannelClosed, InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
+from refitkit.transfer._ipc import cuda_ipc, handoff, shm
 from refitkit.transfer._ipc.endpoint import close_watched, connect_receiver, socket_path
 from refitkit.transfer._ipc.liveness import FRAMES_PER_LOOK, PeerWatch, recv_frame
 from refitkit.transfer.common import (
@@ -78,7 +78,6 @@ from refitkit.transfer.protocol import (
     entries_from_wire,
     expect,
     failure_fields,
-    setup_exports,
     setup_fields,
     timeout_error,
 )
@@ -410,12 +409,9 @@ class _ReceiveSession:
         self.exported: list[
             cuda_ipc.CudaIpcMapping
         ] = []  # the sender's own allocations (direct buckets), in index order
-        self.bell: doorbell.Doorbell | None = None
         self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
         self.packed = 0  # buckets the sender announced as complete
-        self.unconsumed: deque[tuple[int, Any]] = (
-            deque()
-        )  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.unconsumed: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None) not announced done yet
         self.half_bytes = 0
         self.transport = "none"
         self.bucket_later = False  # a direct session whose bucket is announced with the first bucket that uses it
@@ -425,9 +421,8 @@ class _ReceiveSession:
         self.streams: dict[int, Any] = {}  # the loader's own streams (wait_on), waited for like the current one
         # The bucket being read lies in memory the sender keeps as it is until the session ends ("kept" direct
         # buckets): its consumption is announced when its reads are issued, not when they ran (the release waits
-        # for them). Only while no packed bucket came: a post queued on the stream before must not be overtaken.
+        # for them).
         self.kept_bucket = False
-        self.posts_queued = False
         self.assembled: list[torch.Tensor] = []  # this bucket's reassembled (owned) tensors
         self.started = time.perf_counter()
         self.sync_deadline = self.started + max_sync_s
@@ -457,7 +452,6 @@ class _ReceiveSession:
         hello: dict[str, Any] = {
             "pid": os.getpid(),
             "device": self.device.type,
-            "shm": doorbell.shm_identity(),
             "timeout_s": self.timeout_s,  # how long a sender may keep this hello queued
             "pidns": shm.pid_namespace(),  # the same as the sender's: sealed memfds instead of named segments
             "exchange": self.exchange,  # echoed by the setup (or refusal) that answers this hello
@@ -473,7 +467,7 @@ class _ReceiveSession:
         if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
             self.session = setup["session"]
         try:
-            self.session, transport, self.half_bytes, handle, control, self.bucket_later = setup_fields(setup)
+            self.session, transport, self.half_bytes, handle, self.bucket_later = setup_fields(setup)
             self.transport = transport
             if transport == "shm":
                 self.mapping = shm.ShmMapping(handle, self.device)
@@ -484,14 +478,10 @@ class _ReceiveSession:
                     self._map_cuda_bucket(handle)
             elif transport != "none":
                 raise ProtocolError(f"unknown transport {brief(transport)} in setup")
-            exports = setup_exports(setup, transport)  # (a cuda_ipc session's: this receiver is on CUDA)
-            if control is not None:
-                self.bell = doorbell.Doorbell.open(control)  # (which unlinks their names)
             if transport == "shm":  # both sides hold mappings now: no crash can leak the name
                 shm.unlink_quietly(handle.get("path"))
             if self.mapping is not None:
                 self._check_halves_fit()
-            self._map_exports(exports)  # the walk's allocations: mapped while the sender walks its first items
         except Exception as exc:
             self.fail(f"could not map the bucket: {exc}")
             raise
@@ -505,7 +495,7 @@ class _ReceiveSession:
         left_s = timeout_s
         while True:
             try:
-                frame = self._recv("setup", left_s, spin_s=doorbell.SPIN_S)  # (spin: opt-in, REFITKIT_SPIN_US)
+                frame = self._recv("setup", left_s)
             except PeerGone:
                 raise
             except TransferTimeout as exc:  # named with the whole wait's bound, not what was left of it
@@ -625,13 +615,13 @@ class _ReceiveSession:
             def look(left_s: float) -> None:
                 if watch.lost:  # seen by an earlier look, and ready() found nothing since
                     raise self._gone(waiting_for)
-                # one short slice while our reads wait to be announced (the fallback), else the socket (and the
-                # sender's connection) until the deadline
-                wait_s = min(left_s, doorbell.EVENT_SLICE_S) if self.unconsumed else left_s
-                if watch.poll(doorbell.poll_ms(wait_s)):
+                # one short slice while our reads wait to be announced, else the socket (and the sender's
+                # connection) until the deadline
+                wait_s = min(left_s, handoff.EVENT_SLICE_S) if self.unconsumed else left_s
+                if watch.poll(handoff.poll_ms(wait_s)):
                     self._take(self._recv_now())
 
-            doorbell.wait_until(
+            handoff.wait_until(
                 ready,
                 look,
                 timeout_s=timeout_s,
@@ -649,15 +639,15 @@ class _ReceiveSession:
             self.timings["frames"] += waited
 
     def _wait_packed(self) -> None:
-        """Wait until the sender announced this bucket's bytes as complete, blocking on the PACKED semaphore (in slices
-        between which the socket is looked at for an abort) or, without one, on the socket."""
+        """Wait until the sender announced this bucket's bytes as complete (its ``packed`` frame), blocking on the
+        socket."""
         target = self.seq + 1
-        if self._count_packed() >= target:
+        if self.packed >= target:
             return
 
         def ready() -> bool:
             self._announce_consumed()
-            return self._count_packed() >= target
+            return self.packed >= target
 
         watch: PeerWatch = self.watch  # type: ignore[assignment]
         waiting_for = f"bucket {self.seq} from the sender (its frame came, its bytes never completed)"
@@ -665,20 +655,16 @@ class _ReceiveSession:
         def look(left_s: float) -> None:
             if watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
-            if self.bell is not None:
-                if self.bell.take(doorbell.PACKED, min(left_s, doorbell.SEM_SLICE_S)):
-                    self.packed += 1  # (ready() refuses a count beyond what may be in flight)
-            else:
-                wait_s = min(left_s, doorbell.EVENT_SLICE_S) if self.unconsumed else left_s
-                if watch.poll(doorbell.poll_ms(wait_s)):
-                    self._take(self._recv_now())
+            wait_s = min(left_s, handoff.EVENT_SLICE_S) if self.unconsumed else left_s
+            if watch.poll(handoff.poll_ms(wait_s)):
+                self._take(self._recv_now())
             for _ in range(FRAMES_PER_LOOK):  # an abort, or early frames (a flood cannot hold the wait)
                 if not watch.poll(0):
                     break
                 self._take(self._recv_now())
 
         def wait(timeout_s: float) -> None:
-            doorbell.wait_until(
+            handoff.wait_until(
                 ready,
                 look,
                 timeout_s=timeout_s,
@@ -694,23 +680,6 @@ class _ReceiveSession:
             waited = time.perf_counter() - began
             self.wait_s += waited
             self.timings["packed"] += waited
-
-    def _count_packed(self) -> int:
-        """Buckets announced as complete so far (taking the doorbell's announcements).
-
-        The sender has at most ``MAX_IN_FLIGHT`` buckets out beyond the ones consumed (two halves, two direct
-        buckets): a count past that is a peer writing over the segment, not a loop to run.
-        """
-        if self.bell is not None:
-            most = self.seq + MAX_IN_FLIGHT
-            while self.packed <= most and self.bell.take(doorbell.PACKED):
-                self.packed += 1
-            if self.packed > most:
-                raise ProtocolError(
-                    f"semaphore {self.bell.names[doorbell.PACKED]}: {self.packed} buckets announced packed, at most "
-                    f"{most} can be (bucket {self.seq} is the next to read); posted by a process other than the sender?"
-                )
-        return self.packed
 
     def _take(self, frame: dict[str, Any]) -> None:
         """File a frame that arrived: an abort ends the session here, ``packed`` counts, others wait in the inbox."""
@@ -729,7 +698,8 @@ class _ReceiveSession:
         if kind == "packed":
             expect(frame, "packed", session=self.session)
             seq = frame.get("seq")
-            if self.bell is not None or type(seq) is not int or seq != self.packed or seq >= self.seq + MAX_IN_FLIGHT:
+            # (the sender has at most MAX_IN_FLIGHT buckets out beyond the ones consumed: two halves, two direct)
+            if type(seq) is not int or seq != self.packed or seq >= self.seq + MAX_IN_FLIGHT:
                 raise ProtocolError(
                     f"packed frame for bucket {brief(seq)}, expected bucket {self.packed} (reading {self.seq})"
                 )
@@ -769,9 +739,9 @@ class _ReceiveSession:
         )
 
     def _announce_consumed(self) -> None:
-        """Without a doorbell: a ``done`` frame for every bucket whose reads have finished, in order."""
+        """A ``done`` frame for every bucket whose reads have finished, in order."""
         if self.unconsumed:
-            doorbell.announce_finished(
+            handoff.announce_finished(
                 self.unconsumed, lambda seq: self._send(encode("done", session=self.session, seq=seq))
             )
 
@@ -846,14 +816,8 @@ class _ReceiveSession:
             # wait_on, which this one now waits for): announce when they ran (a kept bucket: now).
             stream = self._reads_stream()
             kept, self.kept_bucket = self.kept_bucket, False
-            if self.bell is not None and kept and not self.posts_queued:
-                self.bell.post(doorbell.CONSUMED)
-            elif self.bell is not None:
-                self.posts_queued = True
-                self.bell.post_when_done(doorbell.CONSUMED, stream)
-            else:
-                self.unconsumed.append((self.seq, None if kept else doorbell.event_after(stream)))  # (in order)
-                self._announce_consumed()
+            self.unconsumed.append((self.seq, None if kept else handoff.event_after(stream)))  # (in order)
+            self._announce_consumed()
             self.seq += 1
             return
         self.state = self.state.to(ReceiveState.DRAINING)
@@ -877,8 +841,7 @@ class _ReceiveSession:
     # -- release, failure, frames -----------------------------------------------------------------
 
     def _release(self, final: bool = False) -> None:
-        """Drop views and the mapping; ``final`` (the last bucket was consumed): then also ring the
-        doorbell once more, the final ACK's early twin (the ``released`` frame follows)."""
+        """Drop views and the mapping; ``final``: the last bucket was consumed (the final ACK follows)."""
         if self.state.released:
             return
         self.state = self.state.to(ReceiveState.RELEASED)
@@ -888,7 +851,6 @@ class _ReceiveSession:
         self.unconsumed.clear()
         mapping, self.mapping = self.mapping, None
         exported, self.exported = self.exported, []
-        bell, self.bell = self.bell, None
         try:
             if mapping is not None or exported:
                 self._reads_stream()
@@ -910,13 +872,7 @@ class _ReceiveSession:
                 # Release strictly before the final ACK: an ACK first lets the sender free memory still mapped here.
                 log.debug("bucket memory released", extra={"refit_event": "receiver_released"})
                 log.debug("sending the final ACK", extra={"refit_event": "final_ack_sending"})
-                if bell is not None:
-                    # Its early twin on the doorbell, one CONSUMED more than the buckets before the last
-                    # (a semaphore wakes the sender 0.1-0.45 ms sooner than the frame, which follows).
-                    bell.post(doorbell.CONSUMED)
         finally:
-            if bell is not None:
-                bell.close()  # after the posts queued on our streams ran
             self.timings["release"] += time.perf_counter() - began
 
     def fail(self, message: str, *, cause: BaseException | None = None) -> None:
@@ -972,7 +928,7 @@ class _ReceiveSession:
         """A frame that poll() said is there."""
         return self._recv("a frame", timeout_s=0.0)
 
-    def _recv(self, waiting_for: str, timeout_s: float | None = None, *, spin_s: float = 0.0) -> dict[str, Any]:
+    def _recv(self, waiting_for: str, timeout_s: float | None = None) -> dict[str, Any]:
         if self.watch is None:
             raise TransferError(f"{self.phase.value}: the receiver's socket to {self.endpoint!r} is closed")
         began = time.perf_counter()
@@ -983,7 +939,6 @@ class _ReceiveSession:
                 phase=self.phase,
                 waiting_for=waiting_for,
                 peer=f"the sender on {self.endpoint!r}",
-                spin_s=spin_s,
             )
         finally:
             self.wait_s += time.perf_counter() - began

@@ -7,14 +7,14 @@ freed every session, and freeing 2 GiB took 1.2-2.4 ms inside a session on the H
 way), let the receiver map it once (buckets are packed and their frames queued
 meanwhile), stream buckets, and wait for the final ACK that the receiver sends only after it
 released every view and its mapping. A bucket's frame leaves as soon as its copies are issued; its
-bytes are announced when the copies finished, and its half is reused once the receiver announced
-it done reading (both through ``doorbell``). The bucket is freed in a ``finally``, so the sender
+bytes are announced when the copies finished (a ``packed`` frame), and its half is reused once the receiver
+announced it done reading (a ``done`` frame; ``handoff``). The bucket is freed in a ``finally``, so the sender
 holds 0 bytes of bucket memory after every ``send()``, whether it succeeded or not. A receiver
 whose hello arrives during a session is served by the next ``send()``.
 
 A ``SenderChannel`` is the trainer rank's end of its link to an engine rank's ``ReceiverChannel``: it
-owns its ZMQ context, its bound socket, the watch over its receivers' connections and what the last
-all-direct sync walked, from the constructor to ``close()``; each ``send()`` is one sync (exchange)
+owns its ZMQ context, its bound socket and the watch over its receivers' connections, from the constructor to
+``close()``; each ``send()`` is one sync (exchange)
 on it. The socket stays bound through failed syncs too: a hello said at any time is served. Each
 sync's frames are told from others' by the receiver's connection and the sync's tokens (the
 receiver's hello, the sender's session): anything else (a failed sync's late frames, garbage from
@@ -62,7 +62,7 @@ from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from refitkit.errors import ChannelClosed, InvalidInput, PeerGone, ProtocolError, TransferError, TransferTimeout
-from refitkit.transfer._ipc import cuda_ipc, doorbell, shm
+from refitkit.transfer._ipc import cuda_ipc, handoff, shm
 from refitkit.transfer._ipc.endpoint import (
     WaitingReceivers,
     bind_sender,
@@ -152,14 +152,13 @@ class BucketState(enum.Enum):
 
     WITH_SETUP = "with the setup"  # the bucket, if the session has one, is allocated by the set-up and offered in it
     LATER = "later"  # a direct session: no bucket until a tensor must go through one (the setup says so)
-    EARLY = "exports early"  # as LATER, and the last session's allocations were exported ahead of the stream
     LATE_PENDING = "allocated late"  # a tensor needed the bucket: its handle goes with the next packed bucket's frame
     ANNOUNCED = "announced"  # that frame went out
 
     @property
     def later(self) -> bool:
         """Whether the bucket is still to be allocated, should a tensor need it."""
-        return self in (BucketState.LATER, BucketState.EARLY)
+        return self is BucketState.LATER
 
     def to(self, new: BucketState) -> BucketState:
         """``new``, if this state may become it; else TransferError (a bug in refitkit)."""
@@ -170,9 +169,7 @@ class BucketState(enum.Enum):
 
 _BUCKET_NEXT: dict[BucketState, frozenset[BucketState]] = {
     BucketState.WITH_SETUP: frozenset(),
-    # (EARLY -> LATER or WITH_SETUP: the set-up met a receiver or a first item the early exports do not serve)
-    BucketState.LATER: frozenset({BucketState.EARLY, BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
-    BucketState.EARLY: frozenset({BucketState.LATER, BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
+    BucketState.LATER: frozenset({BucketState.WITH_SETUP, BucketState.LATE_PENDING}),
     BucketState.LATE_PENDING: frozenset({BucketState.ANNOUNCED}),
     BucketState.ANNOUNCED: frozenset(),
 }
@@ -244,7 +241,6 @@ class SenderChannel:
         self.timeout_s = timeout_s
         self.direct = direct
         self.last_split: DirectSplit | None = None  # with direct=True: how the last session split (direct / bucket)
-        self._walk: _DirectMemo | None = None  # what the last session placed where, when every tensor went direct
         self._lock = threading.Lock()  # one session at a time: ZMQ sockets are not thread-safe
         self._owner: int | None = None  # the thread running the current session
         self._stop: StopRequest | None = None  # stops the current session (close() from another thread)
@@ -476,12 +472,10 @@ class SenderChannel:
             cancel=cancel,
             half_bytes=half_bytes_for(listed, self.half_bytes),
             direct=self.direct,
-            walk=self._walk,
             on_hello=on_hello,
         )
         self.last_timings_s = run.timings
         self.last_split = None
-        self._walk = None
         self.state = self.state.to(ChannelState.EXCHANGING)
         try:
             stats = run.run()
@@ -497,7 +491,6 @@ class SenderChannel:
                 self.state = self.state.to(ChannelState.OPEN)
         run.free()
         self.last_split = run.split()
-        self._walk = run.walk_made()
         return stats
 
     def _free_after(self, run: _SendSession, exc: BaseException) -> None:
@@ -563,28 +556,6 @@ def _raise_if_cancelled(cancel: StopRequest | None, where: str) -> None:
         raise _Cancelled(f"{cancel.reason} {where}")
 
 
-# What ``_take_direct`` found of one item: name, data pointer, dtype, shape, bytes -> the index of the allocation it
-# lies in, and the wire entry built for it (with its byte offset in that allocation)
-_Placed = tuple[str, int, torch.dtype, torch.Size, int, int, list[Any]]
-
-
-class _DirectMemo:
-    """What ``_take_direct`` found of each item of one session whose every tensor went direct, from a source whose
-    tensors stay where they lie (a list, a module's parameters, ``HeldWeights``), and the allocations it exported.
-
-    The next session on the same device exports those allocations again while it awaits the hello (the driver must
-    still have each at its start, of its size: then each keeps its index), and ``_take_direct`` consults the memo
-    for item i once ``check_item`` and its own cheap tests passed: the same name, data pointer, dtype, shape and
-    size as item i then means the same allocation, offset and wire entry. From the first item that differs the
-    memo is not consulted again in that session. Bucket boundaries come from the same thresholds either way, so the
-    receiver finds its plans for the buckets. It holds no tensor: names, numbers and wire entries only."""
-
-    def __init__(self, device: torch.device | None) -> None:
-        self.device = device
-        self.items: list[_Placed] = []  # by item position
-        self.allocations: list[tuple[int, int]] = []  # the exported allocations' (start, size), in index order
-
-
 class _SendSession:
     """State of one send(): the peer, the bucket, the packer, the progress counters and sequence numbers."""
 
@@ -604,7 +575,6 @@ class _SendSession:
         half_bytes: int,
         direct: bool = False,
         fresh: bool = False,
-        walk: _DirectMemo | None = None,
         on_hello: Callable[[], Any] | None = None,
     ) -> None:
         self.watch = watch  # the socket's connections: it follows this session's receiver's
@@ -627,14 +597,11 @@ class _SendSession:
         self.peer_pid: int | None = None  # as its hello says (for messages)
         self.peer_exchange: Any = None  # its hello's token, echoed by the setup or abort that answers it
         self.bucket: shm.ShmBucket | cuda_ipc.CudaIpcBucket | None = None
-        self.bell: doorbell.Doorbell | None = None
         self.packer: BucketPacker | None = None
         self.seq = 0
         self.span: record_function | None = None  # the profiler range of the bucket being packed
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
-        self.unpacked: deque[tuple[int, Any]] = (
-            deque()
-        )  # without a doorbell: (seq, CUDA event or None) not yet announced
+        self.unpacked: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None) not announced packed yet
         self.consumed = 0  # buckets the receiver is done with
         self.ack_wait_s = 0.0
         self.items = 0
@@ -656,11 +623,6 @@ class _SendSession:
             min(DIRECT_SHIP_BYTES, max(half_bytes // 2, ALIGN_BYTES)) if self.fresh else DIRECT_SHIP_BYTES
         )
         self.direct_ship_tensors = DIRECT_MAX_TENSORS  # (set when the session's direct taker is made)
-        # the last session's memo, consulted while every item so far matched it (and its allocations were exported
-        # again); this session's, while every tensor went direct
-        self.memo = walk
-        self.record: _DirectMemo | None = None
-        self.walked = 0  # tensors placed as the memo says (while it is consulted: the position of the next item)
         self.direct_tensors = 0
         self.direct_bytes = 0
         self.bucket_reasons: dict[str, int] = {}
@@ -675,7 +637,6 @@ class _SendSession:
     def run(self) -> TransferStats:
         start = time.perf_counter()
         self._allocate_early()
-        self._export_early()
         hello = self._await_hello()
         self._mark("hello_wait", start)
         first = self._next_item()
@@ -708,7 +669,7 @@ class _SendSession:
         self._mark("stream", began)
         began = time.perf_counter()
         self.state = self.state.to(SendState.DRAINING)
-        self._wait(self._released, f"released for bucket {self.seq - 1}", counter=self.bell is not None)
+        self._wait(self._released, f"released for bucket {self.seq - 1}")
         self._mark("drain_and_release", began)
         log.debug("final ACK received", extra={"refit_event": "final_ack_received", "peer_pid": hello.get("pid")})
         return TransferStats(
@@ -745,8 +706,6 @@ class _SendSession:
         its reason counted); None when this session packs everything (no direct mode asked for)."""
         if not self.direct:
             return None
-        if self.bucket_state is not BucketState.EARLY:
-            self.memo = None  # its allocation indices hold only where its allocations were exported again, first
         if self.session_transport != "cuda_ipc" or self.session_device is None:
             self.direct_refusal = "the session's transport is not cuda_ipc"
         elif not (self.batch or self.fresh):
@@ -755,12 +714,9 @@ class _SendSession:
                 "or an adapter's HeldWeights / FreshWeights)"
             )
         else:
-            if self.exports is None:  # (else the memo's, exported while the hello was awaited and sent with the setup)
-                self.exports = cuda_ipc.AllocationExports(
-                    self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
-                )  # fmt: skip
-            if self.batch:  # tensors that stay where they lie: the next session may consult this one's memo
-                self.record = _DirectMemo(self.session_device)
+            self.exports = cuda_ipc.AllocationExports(
+                self.session_device, max_allocations=DIRECT_MAX_ALLOCATIONS, recycled=self.fresh
+            )
         self.direct_ship_tensors = min(DIRECT_SHIP_TENSORS, DIRECT_MAX_TENSORS)
         return self._take_direct
 
@@ -781,46 +737,20 @@ class _SendSession:
         if pointer % ALIGN_BYTES:
             self._through_bucket(f"its bytes are not {ALIGN_BYTES}-byte aligned (a view into a larger tensor)", nbytes)
             return False
-        placed = self._as_memo_says(name, pointer, tensor, nbytes) if self.memo is not None else None
-        if placed is None:
-            located = exports.locate(pointer, nbytes)
-            if isinstance(located, str):
-                self._through_bucket(located, nbytes)
-                return False
-            index, offset = located
-            shape = tensor.shape
-            placed = (name, pointer, tensor.dtype, shape, nbytes, index, entry_to_wire(name, wire_dtype, shape, offset))
+        located = exports.locate(pointer, nbytes)
+        if isinstance(located, str):
+            self._through_bucket(located, nbytes)
+            return False
+        index, offset = located
         if len(self.direct_entries) >= self.direct_ship_tensors or self.direct_pending_bytes >= self.direct_ship_bytes:
             self._ship_direct()  # a full one ships when the next comes: the stream's last is never an empty bucket
-        if self.record is not None:
-            self.record.items.append(placed)
-        index, entry = placed[5], placed[6]
         self.direct_allocs.append(index)
-        self.direct_entries.append(entry)
+        self.direct_entries.append(entry_to_wire(name, wire_dtype, tensor.shape, offset))
         self.direct_held.append(tensor)
         self.direct_tensors += 1
         self.direct_bytes += nbytes
         self.direct_pending_bytes += nbytes
         return True
-
-    def _as_memo_says(self, name: str, pointer: int, tensor: torch.Tensor, nbytes: int) -> _Placed | None:
-        """The memo's placement of the item at this position (its allocation's index, its wire entry) when the item
-        is as it was then; else None, and the memo is not consulted again this session."""
-        items, at = self.memo.items, self.walked  # type: ignore[union-attr]  # (every item so far matched it)
-        if at < len(items):
-            placed = items[at]
-            was_name, was_pointer, dtype, shape, was_nbytes, _, _ = placed
-            if (
-                was_pointer == pointer
-                and was_name == name
-                and dtype is tensor.dtype
-                and shape == tensor.shape
-                and was_nbytes == nbytes
-            ):
-                self.walked = at + 1
-                return placed
-        self.memo = None
-        return None
 
     def _late_packer(self) -> BucketPacker:
         """The packer of a session whose bucket waited until a tensor needed it: allocate the bucket now (its
@@ -841,7 +771,6 @@ class _SendSession:
         return self.packer
 
     def _through_bucket(self, reason: str, nbytes: int) -> None:
-        self.record = self.memo = None  # a memo is of sessions whose every tensor went direct
         self.bucket_reasons[reason] = self.bucket_reasons.get(reason, 0) + 1
         self.bucket_tensors += 1
         self.bucket_bytes += nbytes
@@ -868,19 +797,11 @@ class _SendSession:
             return sum(1 for _, halves in self.unacked if not halves) < DIRECT_IN_FLIGHT
 
         if not room():
-            self._wait(room, f"done for direct bucket {self.unacked[0][0]}", counter=True)
+            self._wait(room, f"done for direct bucket {self.unacked[0][0]}")
         direct: dict[str, Any] = {"exports": self.exports.take_new(), "allocs": allocs}  # type: ignore[union-attr]
         if not self.fresh:  # held until the session ends: the receiver may say it is done once its reads are issued
             direct["kept"] = True
         self._send_bucket(0, True, entries, last, direct=direct)
-
-    def walk_made(self) -> _DirectMemo | None:
-        """This session's memo, for the next session to consult: when every tensor went direct (else None)."""
-        record = self.record
-        if record is None or self.exports is None or not record.items or self.bucket_tensors:
-            return None
-        record.allocations = self.exports.ranges()
-        return record
 
     def split(self) -> DirectSplit | None:
         """How this session split between direct and bucket reads (None without direct mode)."""
@@ -894,7 +815,6 @@ class _SendSession:
             allocations=len(self.exports.handles) if self.exports else 0,
             bucket_reasons=dict(self.bucket_reasons),
             replaced_allocations=self.exports.replaced if self.exports else 0,
-            walked_tensors=self.walked,
         )
 
     def _mark(self, phase: str, began: float) -> None:
@@ -935,22 +855,6 @@ class _SendSession:
             return
         self._mark("early_bucket", began)
 
-    def _export_early(self) -> None:
-        """While the receiver starts up, for a direct session of a held source with the last session's memo: export
-        the memo's allocations again (``AllocationExports.adopt``), so that the setup carries them and the receiver
-        maps them while the first items stream, and the memo's allocation indices hold. The set-up keeps them only
-        when the first item lies on the memo's device in a cuda_ipc session, else lets them go (an export holds
-        nothing)."""
-        memo = self.memo
-        if memo is None or memo.device is None or not self.batch or self.bucket_state is not BucketState.LATER:
-            return
-        began = time.perf_counter()
-        exports = cuda_ipc.AllocationExports(memo.device, max_allocations=DIRECT_MAX_ALLOCATIONS)
-        if exports.adopt(memo.allocations):
-            self.exports = exports
-            self.bucket_state = self.bucket_state.to(BucketState.EARLY)
-        self._mark("early_exports", began)
-
     def _set_up(self, hello: dict[str, Any], first: CheckedItem | None) -> None:
         transport = self._choose_transport(hello, first)
         half = self.half_bytes
@@ -968,23 +872,7 @@ class _SendSession:
         elif transport == "cuda_ipc" and first is not None and self.bucket is None and not self.bucket_state.later:
             self.bucket = self._new_bucket(first[1].device)
         handle = self.bucket.handle() if self.bucket is not None else {}
-        control = None
-        shared_shm = hello.get("shm") is not None and hello.get("shm") == doorbell.shm_identity()
-        if transport != "none" and shared_shm and doorbell.available():
-            try:
-                self.bell = doorbell.Doorbell.create()
-                control = self.bell.control()
-            except (OSError, TransferError) as exc:  # e.g. a full or read-only /dev/shm: hand-offs as frames
-                log.warning("sender on %r: no named semaphores (%s); hand-offs travel as frames", self.endpoint, exc)
         extra: dict[str, Any] = {"bucket_later": True} if self.bucket_state.later else {}
-        if self.exports is not None:  # the memo's allocations, exported early: mapped by the receiver now
-            if transport == "cuda_ipc" and self.exports.device == self.session_device:
-                extra["exports"] = list(self.exports.handles)  # (all of them again, should this hello's peer be gone)
-                self.exports.take_new()
-            else:
-                self.exports = None
-                if self.bucket_state is BucketState.EARLY:
-                    self.bucket_state = self.bucket_state.to(BucketState.LATER)
         self._send(
             encode(
                 "setup",
@@ -993,7 +881,6 @@ class _SendSession:
                 transport=transport,
                 half_bytes=half,
                 handle=handle,
-                control=control,
                 **extra,
             )
         )
@@ -1047,10 +934,7 @@ class _SendSession:
                 stream = self.bucket.shipped()
             else:  # a direct bucket in a session without a bucket (yet): its tensors were written on this stream
                 stream = torch.cuda.current_stream(self.session_device)
-            if self.bell is not None:
-                self.bell.post_when_done(doorbell.PACKED, stream)
-            else:
-                self.unpacked.append((self.seq, doorbell.event_after(stream)))
+            self.unpacked.append((self.seq, handoff.event_after(stream)))
         extra: dict[str, Any] = {} if direct is None else {"direct": direct}
         if direct is None and self.bucket_state is BucketState.LATE_PENDING:  # the first packed into a late bucket
             extra["handle"] = self.bucket.handle()  # type: ignore[union-attr]
@@ -1070,35 +954,14 @@ class _SendSession:
         self._announce_packed()
 
     def _announce_packed(self) -> None:
-        """Without a doorbell: a ``packed`` frame for every bucket whose copies have finished, in order."""
+        """A ``packed`` frame for every bucket whose copies have finished, in order."""
         if self.unpacked:
-            doorbell.announce_finished(
+            handoff.announce_finished(
                 self.unpacked, lambda seq: self._send(encode("packed", session=self.session, seq=seq))
             )
 
-    def _take_consumed(self) -> None:
-        """Count the receiver's CONSUMED announcements (one per bucket; after the last, one for its release).
-
-        At most one more than the buckets sent is taken: a count beyond them is a ProtocolError, not a
-        loop over whatever a peer wrote into the counter."""
-        bell = self.bell
-        if bell is None:
-            raise ProtocolError(f"{self.state.phase.value}: CONSUMED counted in a session without semaphores")
-        while self.consumed <= self.seq and bell.take(doorbell.CONSUMED):
-            self.consumed += 1
-        if self.consumed > self.seq:
-            raise ProtocolError(
-                f"semaphore {bell.names[doorbell.CONSUMED]}: {self.consumed} buckets announced done; only {self.seq} "
-                "were sent (posted by a process other than the receiver?)"
-            )
-
     def _released(self) -> bool:
-        """The final ACK: the ``released`` frame, or (sooner) the doorbell's count reaching every bucket sent,
-        which the receiver posts for the last bucket only after it released its mapping."""
-        if self.state is SendState.DRAINING and self.bell is not None:
-            self._take_consumed()
-            if self.consumed == self.seq:
-                self.state = self.state.to(SendState.RELEASED)
+        """The final ACK: the ``released`` frame, which the receiver sends only after it released its mapping."""
         return self.state is SendState.RELEASED
 
     def _wait_free(self, halves: int) -> None:
@@ -1109,22 +972,19 @@ class _SendSession:
             return not any(mask & halves for _, mask in self.unacked)
 
         if not free():
-            self._wait(free, f"done for bucket {self.unacked[0][0]}", counter=True)
+            self._wait(free, f"done for bucket {self.unacked[0][0]}")
 
     def _retire_consumed(self) -> None:
         """Forget the buckets in flight that the receiver announced as done."""
-        if self.bell is not None:
-            self._take_consumed()
         while self.unacked and self.unacked[0][0] < self.consumed:
             self.unacked.popleft()
         while self.direct_shipped and self.direct_shipped[0][0] < self.consumed:
             self.direct_shipped.popleft()  # the receiver's reads of these ran: the trainer may free or reuse them
 
-    def _wait(self, condition: Callable[[], bool], waiting_for: str, *, counter: bool) -> None:
-        """Until ``condition()``: block in the kernel (on the CONSUMED semaphore when ``counter``, in slices between
-        which frames are read; else on the socket), bounded by ``timeout_s``; an error frame from the receiver
-        raises TransferError once read (within ``doorbell.SEM_SLICE_S``), the receiver's death (its connection's
-        end) PeerGone.
+    def _wait(self, condition: Callable[[], bool], waiting_for: str) -> None:
+        """Until ``condition()``: block in the kernel on the socket (frames are read as they come), bounded by
+        ``timeout_s``; an error frame from the receiver raises TransferError once read, the receiver's death (its
+        connection's end) PeerGone.
         """
 
         def ready() -> bool:
@@ -1138,16 +998,12 @@ class _SendSession:
                 left_s = min(left_s, CANCEL_SLICE_S)
             if self.watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
-            if counter and self.bell is not None:
-                if self.bell.take(doorbell.CONSUMED, min(left_s, doorbell.SEM_SLICE_S)):
-                    self.consumed += 1  # (ready() refuses a count beyond the buckets sent)
-                self._read_frames(0)
-            else:  # frames; while our own copies wait to be announced (the fallback), one short slice at most
-                self._read_frames(doorbell.poll_ms(min(left_s, doorbell.EVENT_SLICE_S) if self.unpacked else left_s))
+            # while our own copies wait to be announced, one short slice at most
+            self._read_frames(handoff.poll_ms(min(left_s, handoff.EVENT_SLICE_S) if self.unpacked else left_s))
 
         began = time.perf_counter()
         try:
-            doorbell.wait_until(
+            handoff.wait_until(
                 ready,
                 look,
                 timeout_s=self.timeout_s,
@@ -1225,21 +1081,11 @@ class _SendSession:
                 return waiting[1]
             waiting = self.waiting.take()
         waiting_for = "hello (is a receiver connected?)"
-        now = time.monotonic()
-        deadline, spin_until = (
-            now + self.timeout_s,
-            now + min(doorbell.SPIN_S, self.timeout_s),
-        )  # (a hello is often near)
+        deadline = time.monotonic() + self.timeout_s
         while True:  # in slices when stoppable, so that a cancelled asend() or close() stops the wait
             _raise_if_cancelled(self.cancel, "while waiting for a receiver's hello")
-            now = time.monotonic()
-            left_s = max(0.0, deadline - now)
+            left_s = max(0.0, deadline - time.monotonic())
             slice_s = min(left_s, CANCEL_SLICE_S) if self.cancel is not None else left_s
-            if now < spin_until:  # look without sleeping first: a thread asleep in poll wakes late
-                slice_s = 0.0
-                if not self.watch.poll(0):
-                    os.sched_yield()
-                    continue
             if not self.watch.poll(int(slice_s * 1000)):
                 if time.monotonic() >= deadline:
                     raise timeout_error(self.state.phase, waiting_for, self._peer_name(), self.timeout_s)
@@ -1301,10 +1147,8 @@ class _SendSession:
                 self.state = self.state.to(SendState.STREAMING)
             if self.bucket is not None:
                 self.bucket.receiver_mapped()
-            if self.bell is not None:
-                self.bell.unlink()  # the receiver opened (and unlinked) the semaphores: no name is left to reach them
             return
-        if kind == "done" and self.bell is None and type(seq) is int and seq == self.consumed and seq < self.seq:
+        if kind == "done" and type(seq) is int and seq == self.consumed and seq < self.seq:
             self.consumed = seq + 1
             return
         if kind == "released" and seq == self.seq - 1 and not self.unpacked and self.state is SendState.DRAINING:
@@ -1355,15 +1199,12 @@ class _SendSession:
         if self.packer is not None:
             self.packer.detach()  # a traceback may still reference the packer; it must not keep the bucket
         self.packer = None
-        bell, self.bell = self.bell, None
         bucket, self.bucket = self.bucket, None
         try:
             if bucket is not None:
                 began = time.perf_counter()
-                bucket.free()  # after every stream a bucket was shipped on (with the posts queued there) ran
+                bucket.free()  # after every stream a bucket was shipped on ran
                 self._mark("free", began)
         finally:
             self.direct_held = []  # the trainer's own tensors: referenced no longer (the receiver released or is gone)
             self.direct_shipped.clear()
-            if bell is not None:
-                bell.close()

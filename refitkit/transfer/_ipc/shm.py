@@ -31,8 +31,8 @@ What a same-uid peer (the other side, or any process of this uid) can and cannot
   to the receiver's mapping, a few milliseconds), and at any time by a peer that kept a descriptor:
   the side touching the lost pages then dies of SIGBUS. That window is why names are the fallback;
 - it can always change the bytes (a same-uid process may also write ``/proc/<pid>/mem``): the
-  receiver checks every size against the session it announced, but the weights' values and the
-  doorbell's counts are only as trustworthy as the peer. Other uids are kept out by file modes
+  receiver checks every size against the session it announced, but the weights' values are only
+  as trustworthy as the peer. Other uids are kept out by file modes
   (0600) and the private socket directory.
 """
 
@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 NAMED_SEGMENTS_ENV = "REFITKIT_NAMED_SEGMENTS"
 _NAME = re.compile(r"^refitkit-(\d+)-\d+-[0-9a-f]+$")  # refitkit-<uid>-<pid>-<session>
-# The doorbell's named semaphores, in glibc's files: sem.refitkit-<uid>-<pid>-<token>-packed (or -consumed)
-_SEMAPHORE = re.compile(r"^sem\.refitkit-(\d+)-\d+-[0-9a-f]+-(?:packed|consumed)$")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _KNOBS = "pass a smaller bucket_bytes, give the container more shared memory (docker --shm-size), or use transport='cuda_ipc'"
 
@@ -79,8 +77,8 @@ def segment_prefix() -> str:
     return f"refitkit-{os.getuid()}-"
 
 
-def _ours(name: str, pattern: re.Pattern[str] = _NAME) -> bool:
-    match = pattern.match(name)
+def _ours(name: str) -> bool:
+    match = _NAME.match(name)
     return match is not None and int(match.group(1)) == os.getuid()
 
 
@@ -104,15 +102,14 @@ def check_segment_path(path: str) -> None:
 
 
 def remove_stale_segments() -> int:
-    """Unlink this uid's named segments and doorbell semaphores whose owner is gone (their lock is free); returns
-    how many."""
+    """Unlink this uid's named segments whose owner is gone (their lock is free); returns how many."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
     removed = 0
     for name in names:
-        if (_ours(name) or _ours(name, _SEMAPHORE)) and _remove_if_orphaned(os.path.join(SHM_DIR, name)):
+        if _ours(name) and _remove_if_orphaned(os.path.join(SHM_DIR, name)):
             removed += 1
     if removed:
         log.info("removed %d stale shared-memory segment(s) of dead senders", removed)

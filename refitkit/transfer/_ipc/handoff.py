@@ -1,0 +1,72 @@
+"""Bucket hand-offs as frames, and the bounded wait both sides run until one comes.
+
+Each bucket needs two hand-offs: the sender's ``packed`` frame says its bytes are complete, the receiver's ``done``
+frame says it finished reading them (for the last bucket, the ``released`` frame is the final ACK). A side whose
+copies or reads are queued on a CUDA stream records an event after them and sends the frame once the event has
+completed, in order (``announce_finished``); CPU copies are synchronous and announced at once.
+
+Waits block in the kernel (a ZMQ poll of the socket, which also sees the peer's connection end) with the caller's
+deadline; while a side has its own CUDA work still to announce, it looks at the events every ``EVENT_SLICE_S``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from refitkit.transfer.common import SessionPhase
+from refitkit.transfer.protocol import timeout_error
+
+# A wait with our own CUDA copies still to announce looks at their events this often: the announcement is at most
+# 1 ms late, and the copies are ours, so the short slices last only while they run.
+EVENT_SLICE_S = 0.001
+
+
+def event_after(stream: Any) -> Any:
+    """A CUDA event after the work queued on ``stream`` (None: CPU work, done)."""
+    if stream is None:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int], None]) -> None:
+    """``announce(seq)``, in order, for each pending bucket whose CUDA event (or None: nothing to wait for) has
+    completed; stops at the first that has not (never waits)."""
+    while pending:
+        seq, event = pending[0]
+        if event is not None and not event.query():
+            return
+        pending.popleft()
+        announce(seq)
+
+
+def wait_until(
+    ready: Callable[[], bool],
+    look: Callable[[float], None],
+    *,
+    timeout_s: float,
+    phase: SessionPhase,
+    waiting_for: str,
+    peer: str,
+) -> None:
+    """Until ``ready()``: ``look(left_s)`` blocks in the kernel for at most ``left_s`` (the time left to the
+    deadline; it picks its own shorter slice where it must look at another source); TransferTimeout (naming
+    ``phase``, ``waiting_for``, ``peer`` and the knob) once ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        left_s = deadline - time.monotonic()
+        if left_s <= 0.0:
+            raise timeout_error(phase, waiting_for, peer, timeout_s)
+        look(left_s)
+
+
+def poll_ms(wait_s: float) -> int:
+    """A ZMQ poll's timeout for ``wait_s`` seconds, rounded up (a poll of 0 ms for 0.4 ms left would spin)."""
+    return max(0, math.ceil(wait_s * 1000))
