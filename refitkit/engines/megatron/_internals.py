@@ -310,3 +310,52 @@ def optimizer_buffers(leaf: Any) -> list[Any]:
 def data_parallel_group(leaf: Any) -> Any:
     """The group a distributed optimizer shards its main params over (``.data_parallel_group``; checked: 0.16.1, 0.19.2)."""
     return leaf.data_parallel_group
+
+
+def expert_parallel_layout() -> dict[str, int]:
+    """This rank's expert-parallel rank and the sizes deciding who streams what (``parallel_state``; checked: 0.16.1).
+
+    ``expert_tensor_parallel_size`` defaults to the tensor-parallel size; when they are equal, the ranks of a
+    tensor-parallel group are one expert-tensor-parallel group and share an expert-parallel rank. Without
+    ``initialize_model_parallel`` every size is 1.
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return {"expert_rank": 0, "expert_size": 1, "expert_tensor_size": 1, "tensor_size": 1}
+    return {
+        "expert_rank": parallel_state.get_expert_model_parallel_rank(),
+        "expert_size": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_tensor_size": parallel_state.get_expert_tensor_parallel_world_size(),
+        "tensor_size": parallel_state.get_tensor_model_parallel_world_size(),
+    }
+
+
+def grouped_expert_linear(name: str) -> str | None:
+    """``linear_fc1`` / ``linear_fc2`` for a legacy ``GroupedMLP`` weight (``experts.weight1`` / ``weight2``), else None.
+
+    Checked: 0.16.1 only (0.19.2 not read), where ``GroupedMLP`` needs the ``grouped_gemm`` package.
+    ``TEGroupedMLP`` (Transformer Engine) names its weights ``linear_fc1.weight{e}`` and is not handled here.
+    """
+    if name.endswith(".mlp.experts.weight1"):
+        return "linear_fc1"
+    if name.endswith(".mlp.experts.weight2"):
+        return "linear_fc2"
+    return None
+
+
+def grouped_expert_shards(param: torch.Tensor, linear: str, num_local_experts: int) -> list[torch.Tensor]:
+    """Per local expert, the shard a SequentialMLP expert would hold, as views of a ``GroupedMLP`` weight.
+
+    ``GroupedMLP`` (checked: 0.16.1 only) keeps its local experts in ``weight1`` ``[H, E_local * 2I / etp]`` and
+    ``weight2`` ``[E_local * I / etp, H]`` and computes with ``weight1.view(E_local, H, -1)`` /
+    ``weight2.view(E_local, -1, H)``: a reinterpretation of the memory, not a split along a dim. Transposed,
+    expert ``e`` is ``linear_fc1`` ``[2I / etp, H]`` ([gate; up] rows, split along dim 0 across expert-TP)
+    and ``linear_fc2`` ``[H, I / etp]`` (split along dim 1): the layout its ``sharded_state_dict`` checkpoints.
+    """
+    weight = param.detach()
+    if linear == "linear_fc1":
+        per_expert = weight.view(num_local_experts, weight.shape[0], -1)
+    else:
+        per_expert = weight.view(num_local_experts, -1, weight.shape[1])
+    return [expert.t() for expert in per_expert]

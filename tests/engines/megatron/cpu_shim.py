@@ -94,3 +94,32 @@ def install() -> bool:
     _CudaToCpuMode().__enter__()  # process-wide: a spawned test rank lives only for one world
     _INSTALLED = True
     return True
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+    """What ``grouped_gemm.ops.gmm`` computes: row block i of ``a`` (``batch_sizes[i]`` rows) times ``b[i]``."""
+    blocks = a.split([int(n) for n in batch_sizes.tolist()], dim=0)
+    return torch.cat([block @ (b[i].t() if trans_b else b[i]) for i, block in enumerate(blocks)], dim=0)
+
+
+def install_grouped_gemm() -> bool:
+    """On a CPU-only machine, stand in for the CUDA-only ``grouped_gemm`` package that ``GroupedMLP`` calls.
+
+    megatron-core's ``GroupedMLP`` checks ``grouped_gemm_util.grouped_gemm`` at construction and runs
+    ``grouped_gemm_util.ops.gmm`` in its forward; this gives it a plain-torch grouped matmul with the same
+    arguments, and turns off its ``torch.compile`` of the GLU (CPU inductor would compile C++ in each rank).
+    Everything else is megatron-core's own ``GroupedMLP``. Does nothing when CUDA is available: the GPU
+    runs the real package. Checked against megatron-core 0.16.1.
+    """
+    if torch.cuda.is_available():
+        return False
+    import types
+
+    from megatron.core.transformer.moe import experts, grouped_gemm_util
+
+    if grouped_gemm_util.grouped_gemm is None:
+        ops = types.SimpleNamespace(gmm=_grouped_matmul)
+        grouped_gemm_util.grouped_gemm = types.SimpleNamespace(ops=ops)
+        grouped_gemm_util.ops = ops
+    experts.jit_fuser = lambda function: function
+    return True

@@ -27,6 +27,7 @@ class Layout:
     pp: int = 1
     vpp: int | None = None
     ep: int = 1
+    etp: int | None = None  # expert tensor parallelism; None: Megatron's default, the TP size
     moe: bool = False
     family: str = "qwen3"
     num_layers: int = 4
@@ -39,6 +40,7 @@ class Layout:
     moe_ffn: int = 32
     vocab: int = tiny_gpt.VOCAB
     shared_ffn: int | None = None  # Qwen2-MoE's gated shared expert
+    grouped_gemm: bool = False  # experts as the legacy GroupedMLP (weight1 / weight2) instead of SequentialMLP
 
 
 def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
@@ -54,12 +56,15 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
     if torch.cuda.is_available():
         torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     _tolerate_missing_transformer_engine()
+    if layout.grouped_gemm:
+        cpu_shim.install_grouped_gemm()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
             expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -70,7 +75,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=layout.grouped_gemm,
         # Qwen2-MoE: softmax over all experts, top-k weights not renormalised; Qwen3-MoE renormalises
         moe_router_pre_softmax=layout.family == "qwen2_moe",
         moe_shared_expert_intermediate_size=layout.shared_ffn,
@@ -94,6 +99,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         # on the GPU, initialise there (a 1 B model's CPU init dominated the GPU test's time); the CPU shim needs CPU init
         use_cpu_initialization=not torch.cuda.is_available(),
         bf16=True,
@@ -112,6 +118,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
     )
     spec = get_gpt_layer_local_spec(
         num_experts=EXPERTS if layout.moe else None,
+        moe_grouped_gemm=layout.grouped_gemm,
         qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm",
     )
@@ -132,6 +139,7 @@ def build(layout: Layout, *, seed: int = 1234) -> list[torch.nn.Module]:
             vp_stage=vp,
         )
         _perturb_norms(model)
+        _distinguish_experts(model)
         chunks.append(model.to(tiny_gpt.device()).to(torch.bfloat16))
     return chunks
 
@@ -156,6 +164,23 @@ def _perturb_norms(model: torch.nn.Module) -> None:
                 parts[2] = str(layers[int(parts[2])])  # seeded by the global layer: ranks agree
             generator = torch.Generator().manual_seed(zlib.crc32(".".join(parts).encode()))
             param.copy_(1 + 0.2 * torch.randn(param.shape, generator=generator))
+
+
+def _distinguish_experts(model: torch.nn.Module) -> None:
+    """CPU init draws every expert-parallel rank's experts from one seed (expert 2 == expert 0 at EP=2).
+
+    Negate the experts of odd expert-parallel ranks: other functions of the same magnitudes, so bf16
+    rounding stays as small against the logits as before.
+    """
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            indices = getattr(layer.mlp, "local_expert_indices", None)
+            if indices is None or (int(indices[0]) // len(indices)) % 2 == 0:
+                continue
+            experts = layer.mlp.experts
+            params = experts.local_experts.parameters() if hasattr(experts, "local_experts") else experts.parameters()
+            for param in params:
+                param.neg_()
 
 
 def forward_logits(chunks: list[torch.nn.Module], layout: Layout) -> torch.Tensor | None:

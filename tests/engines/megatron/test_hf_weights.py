@@ -1,8 +1,15 @@
 """MegatronAdapter.named_weights() at TP/PP/VPP/EP layouts: Hugging Face names and layouts, checked
-against a ``transformers`` model of the same config (names, shapes, bit-exact values, logits)."""
+against a ``transformers`` model of the same config (names, shapes, bit-exact values, logits).
+
+The reference is transformers' own checkpoint: the streamed tensors load into a transformers model
+with nothing missing or left over, its ``save_pretrained`` writes back exactly the streamed names and
+bytes (transformers 5 fuses experts in memory and splits them per expert again on save), and its
+logits match Megatron's. GroupedMLP experts run on the CPU through ``cpu_shim.install_grouped_gemm``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -10,7 +17,7 @@ import pytest
 import torch
 
 from tests.engines.megatron import parallel_gpt, tiny_gpt
-from tests.engines.megatron.parallel_gpt import Layout
+from tests.engines.megatron.parallel_gpt import EXPERTS, Layout
 from tests.helpers.world import run_world
 
 pytestmark = pytest.mark.timeout(900)
@@ -68,18 +75,18 @@ def _load_hf(layout: Layout, weights: dict[str, torch.Tensor]):
     return model.eval(), info
 
 
-def _expected_hf_state(model, layout: Layout) -> dict[str, torch.Tensor]:
-    """The HF model's state dict in checkpoint names: experts per expert (transformers 5 fuses them in memory)."""
-    state = {name: t for name, t in model.state_dict().items() if not (layout.tied and name == "lm_head.weight")}
-    for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
-        prefix = name[: -len("gate_up_proj")]
-        gate_up, down = state.pop(name), state.pop(prefix + "down_proj")
-        for expert in range(gate_up.shape[0]):
-            gate, up = gate_up[expert].chunk(2, dim=0)
-            state[f"{prefix}{expert}.gate_proj.weight"] = gate
-            state[f"{prefix}{expert}.up_proj.weight"] = up
-            state[f"{prefix}{expert}.down_proj.weight"] = down[expert]
-    return state
+def _saved_checkpoint(model) -> dict[str, torch.Tensor]:
+    """What transformers' ``save_pretrained`` writes for the model: its checkpoint names and tensors."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory(prefix="refitkit-hf-saved-") as directory:
+        model.save_pretrained(directory)
+        files = sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+        assert files, os.listdir(directory)
+        saved: dict[str, torch.Tensor] = {}
+        for name in files:
+            saved.update(load_file(os.path.join(directory, name)))
+    return saved
 
 
 LAYOUTS = {
@@ -93,19 +100,23 @@ LAYOUTS = {
     "pp2-ep2-moe": (4, Layout(pp=2, ep=2, moe=True, family="qwen3_moe", num_layers=4)),
     "tp2-pp2": (4, Layout(tp=2, pp=2, family="qwen3")),
     "tp2-pp2-vpp2": (4, Layout(tp=2, pp=2, vpp=2, num_layers=8, family="qwen3")),
+    "ep2-moe-grouped": (2, Layout(ep=2, moe=True, grouped_gemm=True, family="qwen3_moe", num_layers=2)),
+    "tp2-moe-grouped": (2, Layout(tp=2, moe=True, grouped_gemm=True, family="qwen3_moe", num_layers=2)),
 }
 
 
 @pytest.mark.parametrize("label", list(LAYOUTS))
 def test_named_weights_equal_transformers_model(label: str) -> None:
     world_size, layout = LAYOUTS[label]
+    if layout.grouped_gemm and torch.cuda.is_available() and importlib.util.find_spec("grouped_gemm") is None:
+        pytest.skip("GroupedMLP needs the grouped_gemm package on the GPU (the CPU shim stands in only without CUDA)")
     os.environ["HF_HUB_OFFLINE"] = "1"
     results = run_world(stream_world, world_size, layout, timeout_s=600.0)
     streamed = _merge(results)
 
     model, info = _load_hf(layout, streamed)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    expected = _expected_hf_state(model, layout)
+    expected = _saved_checkpoint(model)
     assert sorted(streamed) == sorted(expected)
     for name, tensor in expected.items():
         assert streamed[name].shape == tensor.shape, name
@@ -130,6 +141,17 @@ def test_named_weights_equal_transformers_model(label: str) -> None:
         (stage, expert_rank) for stage in range(layout.pp) for expert_rank in range(layout.ep)
     ]
     assert _merge(sources).keys() == streamed.keys()
+    # ... exactly once per sync: dense weights from one expert-parallel rank, not from each
+    counts: dict[str, int] = {}
+    for result in sources:
+        for name, _ in result["streamed"]:
+            counts[name] = counts.get(name, 0) + 1
+    assert {name: n for name, n in counts.items() if n != 1} == {}
+    if layout.moe:
+        # experts of a layer differ (a swapped or repeated expert could not hide behind equal values)
+        for layer in range(layout.num_layers):
+            gates = [streamed[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"] for e in range(EXPERTS)]
+            assert all(not torch.equal(gates[i], gates[j]) for i in range(EXPERTS) for j in range(i)), layer
 
     tokens, _ = tiny_gpt.batch(0, 0)
     with torch.no_grad():
@@ -142,7 +164,11 @@ def test_named_weights_equal_transformers_model(label: str) -> None:
         difference = (logits - hf_logits).abs()
         scale = hf_logits.std().item()
         assert difference.mean().item() < 0.03 * scale, (difference.mean().item(), scale)
-        assert difference.max().item() < 0.2 * scale, (difference.max().item(), scale)
+        # per token: an MoE router's top-k tie that bf16 rounding breaks the other way moves one token's
+        # logits (seen: 1 of 32); a misplaced weight or expert moves nearly every token
+        per_token = difference.amax(dim=-1).flatten()
+        outliers = int((per_token >= 0.2 * scale).sum())
+        assert outliers <= (per_token.numel() // 16 if layout.moe else 0), (per_token.tolist(), scale)
 
 
 def refusal_world(rank: int, world_size: int) -> dict:
@@ -171,3 +197,54 @@ def test_a_model_the_table_cannot_name_is_refused_before_streaming() -> None:
     assert "Megatron parameter(s) have no Hugging Face name in the 'llama' table" in seen["names"]
     assert "'decoder.layers.0.input_layernorm.bias'" in seen["names"]
     assert "hf_family=None" in seen["names"]
+
+
+def megatron_names_world(rank: int, world_size: int, layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
+    from refitkit.engines.megatron import MegatronAdapter
+
+    adapter = MegatronAdapter(parallel_gpt.build(layout))  # hf_family=None: Megatron's names
+    return [(name, tuple(tensor.shape)) for name, tensor in adapter.named_weights()]
+
+
+def test_grouped_experts_stream_per_expert_in_megatron_names_dense_weights_once() -> None:
+    layout = Layout(ep=2, moe=True, grouped_gemm=True, family="qwen3_moe", num_layers=2)
+    if torch.cuda.is_available() and importlib.util.find_spec("grouped_gemm") is None:
+        pytest.skip("GroupedMLP needs the grouped_gemm package on the GPU")
+    first, second = run_world(megatron_names_world, 2, layout, timeout_s=300.0)
+    fc1, fc2 = (2 * layout.moe_ffn, layout.hidden), (layout.hidden, layout.moe_ffn)
+
+    def experts(numbers):
+        return [
+            (f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}.weight", shape)
+            for layer in range(layout.num_layers)
+            for linear, shape in (("linear_fc1", fc1), ("linear_fc2", fc2))  # weight1's experts, then weight2's
+            for e in numbers
+        ]
+
+    # expert-parallel rank 1: its two experts (global numbers 2, 3), SequentialMLP's layout, nothing dense
+    assert second == experts([2, 3])
+    assert [item for item in first if ".mlp.experts." in item[0]] == experts([0, 1])
+    dense = [name for name, _ in first if ".mlp.experts." not in name]
+    assert "embedding.word_embeddings.weight" in dense and "decoder.layers.1.mlp.router.weight" in dense
+    # embedding, final norm, output; a layer: 2 norms, qkv, proj, q and k norms, router
+    assert len(dense) == len(set(dense)) == 3 + 7 * layout.num_layers
+
+
+def refused_expert_tp_world(rank: int, world_size: int, layout: Layout) -> str:
+    from refitkit.engines.megatron import MegatronAdapter
+    from refitkit.errors import InvalidInput
+
+    adapter = MegatronAdapter(parallel_gpt.build(layout), hf_family="qwen3_moe")
+    try:
+        adapter.named_weights()  # refused at the call on every rank: no rank is left inside a gather
+    except InvalidInput as error:
+        return str(error)
+    return "no error"
+
+
+def test_expert_tensor_parallel_size_other_than_tp_is_refused_before_any_gather() -> None:
+    layout = Layout(tp=2, etp=1, ep=2, moe=True, family="qwen3_moe", num_layers=2)
+    messages = run_world(refused_expert_tp_world, 2, layout, timeout_s=300.0)
+    for message in messages:
+        assert "expert_tensor_parallel_size=1 differs from tensor_model_parallel_size=2" in message, message
+        assert "expert_model_parallel_size=2" in message and "nothing was gathered" in message, message
