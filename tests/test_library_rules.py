@@ -79,6 +79,7 @@ OPTIONAL_ENGINES = {
     "megatron": "megatron",
     "torchtitan": "torchtitan",
     "automodel": "nemo_automodel",
+    "transformers": "transformers",  # engines/fsdp/_transformers.py: a transformers model's checkpoint names
 }
 
 

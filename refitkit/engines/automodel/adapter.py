@@ -23,7 +23,8 @@ class AutomodelAdapter(FSDPAdapter):
     Automodel parallelizes Hugging Face models with FSDP2 (or leaves them unsharded on one
     rank), so the moving is the FSDP adapter's; this layer accepts Automodel's shapes of the
     trainer state (a part list or an ``AutoPipeline``, a list of optimizers) and streams weights
-    under Hugging Face names through the model's own ``state_dict_adapter`` when it has one.
+    under Hugging Face names through the model's own ``state_dict_adapter`` when it has one (a
+    transformers class without one streams what its ``save_pretrained()`` writes, see ``FSDPAdapter``).
     ``hf_names=False`` streams the model's native names instead. ``pp_group`` (the pipeline
     process group when the parts are pipeline stages) makes every stage's weights reach every
     rank of the group; each rank converts what it receives.
@@ -45,6 +46,7 @@ class AutomodelAdapter(FSDPAdapter):
         parts = automodel.resolve_model_parts(model_parts)
         optimizer_list = automodel.resolve_optimizers(optimizers)
         _check_optimizers_own_parts(parts, optimizer_list)
+        to_hf = automodel.hf_converter(parts) if hf_names else None
         super().__init__(
             parts,
             optimizer_list,
@@ -53,12 +55,14 @@ class AutomodelAdapter(FSDPAdapter):
             zero_grads=zero_grads,
             pp_group=pp_group,
             pp_timeout_s=pp_timeout_s,
+            # a transformers class without Automodel's adapter: the names and layouts its save_pretrained() writes
+            checkpoint_names=hf_names and to_hf is None,
         )
-        self._to_hf = automodel.hf_converter(parts) if hf_names else None
+        self._to_hf = to_hf
         if hf_names and self._to_hf is None:
             logger.info(
                 "AutomodelAdapter: %s has no state_dict_adapter; named_weights() yields its own FQNs "
-                "(Hugging Face's for transformers classes)",
+                "(for a transformers class, the names and layouts its save_pretrained() writes)",
                 type(parts[0]).__name__,
             )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,11 +29,13 @@ from refitkit.engines.fsdp._torch_fsdp2 import (
     sharded_params,
     state_dict_entries,
 )
-from refitkit.errors import RefitError
+from refitkit.errors import InvalidInput, RefitError
 from refitkit.offload import HostArena, optimizer_state_tensors
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from refitkit.engines.fsdp._transformers import CheckpointLayout
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,9 @@ class FSDPAdapter(EngineAdapter):
     parts are this rank's pipeline stages (see ``named_weights``), and ``pp_timeout_s`` how long
     a rank waits for another pipeline rank's next weight before it gives up. Sharded params (DTensors), sharded optimizer states and
     buffers move per storage through ``refitkit.offload``; FSDP modules are resharded first so
-    no unsharded all-gather buffer is left behind.
+    no unsharded all-gather buffer is left behind. ``checkpoint_names``: a transformers model part
+    streams under the names and layouts its ``save_pretrained()`` writes (transformers' own conversion
+    mapping: fused Mixture-of-Experts weights split per expert); False streams the in-memory names.
     """
 
     def __init__(
@@ -66,14 +71,18 @@ class FSDPAdapter(EngineAdapter):
         zero_grads: bool = False,
         pp_group: ProcessGroup | None = None,
         pp_timeout_s: float = 300.0,
+        checkpoint_names: bool = True,
     ) -> None:
         owner = type(self).__name__
+        if not isinstance(checkpoint_names, bool):
+            raise InvalidInput(f"{owner}: checkpoint_names= must be a bool, got {checkpoint_names!r}")
         self.pp_group = pp_group
         self._stages = PipelineStages(pp_group, timeout_s=pp_timeout_s) if pp_group is not None else None
         self.model_parts: list[nn.Module] = as_modules(model, owner=owner)
         self.optimizers: list[torch.optim.Optimizer] = as_optimizers(optimizer, owner=owner)
         if self.optimizers:
             _check_ownership(self.model_parts, self.optimizers, owner)
+        self._layouts = [_checkpoint_layout(part) if checkpoint_names else None for part in self.model_parts]
         super().__init__(arena=arena, keep_grads=keep_grads, zero_grads=zero_grads)
 
     # --- enumeration -----------------------------------------------------------------------
@@ -131,7 +140,9 @@ class FSDPAdapter(EngineAdapter):
         A sharded param is gathered (``gather_full``: one all-gather per sharded mesh dim), a
         collective: every rank must iterate the same weights together. The generator keeps no
         reference to a yielded tensor, so the extra memory at any time is the one full tensor
-        the caller holds. With ``pp_group``, every rank of the pipeline group gets every stage's
+        the caller holds. A transformers model's weights come under its checkpoint's names and
+        layouts (``checkpoint_names``): a fused expert tensor is gathered once and yielded as one
+        view per expert and projection, so it stays alive until the caller dropped its last view. With ``pp_group``, every rank of the pipeline group gets every stage's
         weights (stage by stage, in pipeline-rank order), so one rank can send the whole model; a
         stage that fails part-way (or does not come within ``pp_timeout_s``) makes every pipeline
         rank raise. A model with nothing sharded and no pipeline yields its own tensors: the stream
@@ -153,6 +164,8 @@ class FSDPAdapter(EngineAdapter):
         """Whether ``named_weights()`` yields the model's own tensors (no gather, no other pipeline stage's)."""
         if self._stages is not None:
             return False
+        if any(layout is not None and not layout.makes_views for layout in self._layouts):
+            return False  # a conversion that makes new tensors
         return not any(is_dtensor(tensor) for part in self.model_parts for _, tensor in state_dict_entries(part))
 
     def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -165,9 +178,13 @@ class FSDPAdapter(EngineAdapter):
             yield from across_stages(self._local_weights(), self._stages, self.device)
 
     def _local_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's model parts' full weights (the stream of one pipeline rank)."""
-        for part in self.model_parts:
-            yield from self._full_entries(part)
+        """This rank's model parts' full weights (the stream of one pipeline rank), under the checkpoint's names."""
+        for part, layout in zip(self.model_parts, self._layouts, strict=True):
+            if layout is None:
+                yield from self._full_entries(part)
+            else:
+                entries = [(clean_fqn(name), tensor) for name, tensor in state_dict_entries(part)]
+                yield from layout.stream(entries, _whole)
 
     def _full_entries(self, part: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """One model part's full weights and persistent buffers, (clean FQN, whole tensor), one at a time.
@@ -176,7 +193,22 @@ class FSDPAdapter(EngineAdapter):
         """
         for name, tensor in state_dict_entries(part):
             # no local holds the tensor across the yield: peak extra memory stays one tensor
-            yield clean_fqn(name), (full_tensor(tensor, name=name) if is_dtensor(tensor) else tensor.detach())
+            yield clean_fqn(name), _whole(name, tensor)
+
+
+def _whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a state-dict entry: gathered when sharded (a collective), else itself, detached."""
+    return full_tensor(tensor, name=name) if is_dtensor(tensor) else tensor.detach()
+
+
+def _checkpoint_layout(part: nn.Module) -> CheckpointLayout | None:
+    """A transformers model part's checkpoint layout, or None. Only a transformers model has one, and it exists only
+    once transformers was imported: refitkit never imports transformers itself."""
+    if "transformers" not in sys.modules:
+        return None
+    from refitkit.engines.fsdp._transformers import checkpoint_layout
+
+    return checkpoint_layout(part)
 
 
 def _check_ownership(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], owner: str) -> None:
