@@ -122,15 +122,19 @@ def drive(
         try:
             sent = send(ask_then)
         except TransferError as exc:  # the ranks released and reported (or never connected): their reasons
-            raise _rank_failure(engine, future, exc) from exc
+            failure = _rank_failure(engine, future, exc)
+            _settle(queued)
+            raise failure from exc
         except Exception as exc:  # the trainer's stream broke: an aborted session; say so if weights had landed
             reports = _reports_once_ended(engine, future, wait_s=RPC_SLACK_S)
+            _settle(queued)
             partial = _landed_before_break(engine, reports, exc, version)
             if partial is None:
                 raise
             raise partial from exc
         except BaseException:
             _reports_once_ended(engine, future, wait_s=RPC_SLACK_S)  # an interrupt: the ranks got an abort
+            _settle(queued)
             raise
         ended = time.perf_counter()
         ask_then()  # (the sender had no hello to report: a broadcast)
@@ -277,6 +281,13 @@ def _refused(error: RefitError | None) -> bool:
         return False
     cause = error.__cause__
     return not isinstance(cause, RemoteError) or cause.error is not None
+
+
+def _settle(queued: list[concurrent.futures.Future]) -> None:
+    """Let the engine call asked for after the hello (the prefix-cache reset, which the engine runs once the failed
+    receive returned) end before the push raises, within ``RPC_SLACK_S``: a push that failed leaves no helper thread in
+    a call (one still running past that is retired, and reported, by ``HelperThreads``). Its answer is not needed."""
+    concurrent.futures.wait(queued, timeout=RPC_SLACK_S)
 
 
 def _reports_once_ended(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import threading
+import time
 
 import msgpack
 import pytest
@@ -22,13 +23,14 @@ from refitkit.errors import (
     RemoteError,
     TransferError,
     TransferTimeout,
+    WeightRejected,
     WeightShapeMismatch,
     error_from_record,
     error_record,
 )
 from refitkit.rollout import PushStats, SglangLink, SglangPushStats, VllmLink, VllmPushStats, sglang, vllm
-from refitkit.rollout._push import partial_push, peer_error, rank_error
-from refitkit.rollout.sessions import refuse_session
+from refitkit.rollout._push import EngineCall, drive, partial_push, peer_error, rank_error
+from refitkit.rollout.sessions import HELPER_THREAD_PREFIX, HelperThreads, refuse_session
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer.protocol import failure_fields
 
@@ -241,3 +243,43 @@ def test_a_receivers_other_exception_is_not_read_as_a_refusal_by_its_words():
             sender.send([("w", torch.ones(4))])
         thread.join(timeout=10)
     assert peer_error(caught.value) is None and caught.value.remote_type == "RuntimeError"
+
+
+def test_a_failed_push_waits_for_the_reset_it_asked_for_and_leaves_no_helper_thread():
+    """A push whose receiver refused a weight raises only once the prefix-cache reset it queued after the hello has
+    ended: a one-shot push leaves no helper thread in an engine call behind it (on GPU vLLM the refusal reached the
+    sender before the reset came back, and two helper threads outlived the push)."""
+    reset_ended = threading.Event()
+
+    def refuse(weights, is_last):
+        raise WeightRejected(
+            "the engine refused 'w'", weight="w", shape=(4,), expected_shape=None, engine="rank 0", phase="load"
+        )
+
+    def reset() -> bool:  # an engine runs it after the receive returned: slower than the refusal's way back
+        time.sleep(0.5)
+        reset_ended.set()
+        return True
+
+    with BucketedWeightSender("push-reset", bucket_bytes=1 << 20, transport="shm", timeout_s=10) as sender:
+        receiver = BucketedWeightReceiver(f"ipc://{sender.path}", "cpu", timeout_s=10)
+        engine = EngineCall(
+            what="a test engine's receive",
+            call=lambda: receiver.receive(refuse),
+            reports=lambda answer: [],
+            rank_name=lambda rank: f"rank {rank}",
+        )
+        try:
+            with HelperThreads("a one-shot push") as helpers, pytest.raises(WeightRejected, match="refused 'w'"):
+                drive(
+                    engine,
+                    lambda on_hello: sender.send([("w", torch.ones(4))], on_hello=on_hello),
+                    timeout_s=10,
+                    version=1,
+                    helpers=helpers,
+                    then=reset,
+                )
+            assert reset_ended.is_set()
+            assert [t.name for t in threading.enumerate() if t.name.startswith(HELPER_THREAD_PREFIX)] == []
+        finally:
+            receiver.close()
