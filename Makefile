@@ -69,7 +69,7 @@ test-install:
 
 # Core tests that need transformers 5 (the core venv has none, so they skip there): a transformers model streamed by
 # FSDPAdapter, as Automodel's trainers hand it one; they run with the automodel suite, in its venv.
-EXTRA_TESTS_automodel := tests/engines/fsdp/test_fsdp_transformers.py tests/rollout/test_moe_coverage.py
+EXTRA_TESTS_automodel := tests/engines/fsdp/test_fsdp_transformers.py tests/rollout/test_moe_coverage.py tests/test_bench_colocated_loop.py
 
 # one explicit rule per engine (make skips pattern rules for phony targets, so no `test-%`)
 define ENGINE_TEST_RULE
