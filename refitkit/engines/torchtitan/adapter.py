@@ -51,6 +51,7 @@ class TorchTitanAdapter(FSDPAdapter):
             pp_timeout_s=pp_timeout_s,
         )
         self._to_hf = titan.check_state_dict_adapter(state_dict_adapter)
+        self._dropped_reported: set[str] = set()
         if self._to_hf is None:
             logger.info("TorchTitanAdapter: no state_dict_adapter given; named_weights() yields torchtitan's FQNs")
 
@@ -102,11 +103,38 @@ class TorchTitanAdapter(FSDPAdapter):
                 f"{sorted(native)} ({type(error).__name__}: {error}); pass the state_dict_adapter built for this "
                 "model's config, or state_dict_adapter=None for torchtitan's names"
             ) from None
+        if not converted:
+            self._report_dropped(native)
         native.clear()
         # pop as we go: the generator keeps no reference to what the caller already has
         while converted:
             name = next(iter(converted))
             yield name, converted.pop(name)
+
+    def _report_dropped(self, native: dict[str, torch.Tensor]) -> None:
+        """Warn once per name when ``to_hf`` drops a tensor that is not all zeros: the engine's model goes without it.
+
+        torchtitan's Qwen3 ``to_hf`` drops what its map lacks, among them the MoE router's ``expert_bias_E`` (the
+        load-balancing bias its routing adds before top-k), which a Hugging Face Qwen3-MoE has no place for: once
+        trained away from zero, the engine routes tokens otherwise than the trainer.
+        """
+        for name, tensor in native.items():
+            if name in self._dropped_reported or not bool(tensor.detach().ne(0).any()):
+                continue
+            self._dropped_reported.add(name)
+            logger.warning(
+                "%s.named_weights(): %s.to_hf has no Hugging Face name for %s, which is not all zeros; the engine's "
+                "model goes without it%s",
+                type(self).__name__,
+                type(self._to_hf).__name__,
+                name,
+                (
+                    " and routes tokens otherwise than the trainer (build the MoE with load_balance_coeff=None "
+                    "to train without this bias)"
+                    if name.endswith("expert_bias_E")
+                    else ""
+                ),
+            )
 
 
 def _owning_prefix(name: str, hooked: dict[str, nn.Module]) -> str | None:

@@ -110,8 +110,12 @@ def automodel_moe(config) -> nn.Module:
     return model
 
 
-def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str) -> dict:
-    """Stream through AutomodelAdapter, load into transformers from a checkpoint of the stream, compare."""
+def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str, ep: int = 1) -> dict:
+    """Stream through AutomodelAdapter, load into transformers from a checkpoint of the stream, compare.
+
+    ``ep``: expert parallelism (Automodel's MoE parallelizer: experts ``Shard(0)`` over the ``ep`` mesh, tokens
+    dispatched over gloo), FSDP2 over the rest.
+    """
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
@@ -127,7 +131,7 @@ def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str)
     reference_cls = Qwen3MoeForCausalLM if kind == "moe" else LlamaForCausalLM
     # fp32 compute, so the forward compares with transformers' without bf16 rounding
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    mesh_context = MeshContext.build(FSDP2Config(mp_policy=policy), ParallelismSizes(), world_size=world_size)
+    mesh_context = MeshContext.build(FSDP2Config(mp_policy=policy), ParallelismSizes(ep_size=ep), world_size=world_size)
     model = parallelize_model(model, mesh_context)
     adapter = AutomodelAdapter([model])
     streamed, cycles = stream_twice(adapter)
@@ -169,5 +173,12 @@ def hf_names_match_transformers(rank: int, world_size: int, tmp: str, kind: str)
         "logit_scale": hf_logits.abs().max().item(),
         "cyclic": (cycles.cyclic_objects, dict(cycles.by_type)),
         "placements": placements,
+        "expert_placements": sorted(
+            {
+                f"{[getattr(d, 'value', d) for d in p.device_mesh.mesh_dim_names]}{p.placements}"
+                for n, p in model.named_parameters()
+                if isinstance(p, DTensor) and ".experts." in n
+            }
+        ),
         "has_converter": adapter._to_hf is not None,
     }

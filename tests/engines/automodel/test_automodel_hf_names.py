@@ -12,13 +12,18 @@ from tests.helpers.world import run_world  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_stream_loads_into_transformers_bit_exact_with_matching_logits(world_size, kind, tmp_path):
-    results = run_world(hf_ranks.hf_names_match_transformers, world_size, str(tmp_path), kind, timeout_s=240)
+@pytest.mark.parametrize(
+    "world_size, kind, ep",
+    [(1, "moe", 1), (1, "dense", 1), (2, "moe", 1), (2, "dense", 1), (2, "moe", 2)],
+    ids=["1-moe", "1-dense", "fsdp2-moe", "fsdp2-dense", "ep2-moe"],
+)
+def test_stream_loads_into_transformers_bit_exact_with_matching_logits(world_size, kind, ep, tmp_path):
+    results = run_world(hf_ranks.hf_names_match_transformers, world_size, str(tmp_path), kind, ep, timeout_s=240)
     for rank, result in enumerate(results):
         if world_size > 1:
             assert result["placements"], "the model was not sharded"
+        if ep > 1:  # each expert-parallel rank holds its own experts; every rank streams all of them, once
+            assert result["expert_placements"] == ["['ep'](Shard(dim=0),)"], result["expert_placements"]
         # the MoE goes through its StateDictAdapter; grouped experts come out one HF tensor per expert and
         # projection (2 layers x 4 experts x 3); the dense model has no adapter and its names are HF's
         assert result["has_converter"] == (kind == "moe")

@@ -209,3 +209,172 @@ def pipeline_stages_reach_every_rank(rank: int, world_size: int, flavour: str, p
         "tied": model_config.enable_weight_tying,
         "cyclic": (audit.report.cyclic_objects, dict(audit.report.by_type)),
     }
+
+
+# --- Mixture-of-Experts: torchtitan's Qwen3-MoE (GroupedExperts w1_EFD / w2_EDF / w3_EFD) ---------------------
+
+MOE = dict(vocab=256, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, expert_dim=32, experts=8, top_k=2, theta=1e6)
+
+
+def tiny_moe_config(n_layers: int = 2):
+    """torchtitan's Qwen3-MoE model config at test size, made by its own layer builder (the debugmodel_moe recipe)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+
+    m = MOE
+    return Qwen3Model.Config(
+        vocab_size=m["vocab"],
+        dim=m["dim"],
+        norm=_qwen3_norm(m["dim"]),
+        tok_embeddings=Embedding.Config(num_embeddings=m["vocab"], embedding_dim=m["dim"], param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=m["dim"], out_features=m["vocab"], param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            fuse_qkv=True,
+            n_layers=n_layers,
+            dim=m["dim"],
+            n_heads=m["n_heads"],
+            n_kv_heads=m["n_kv_heads"],
+            head_dim=m["head_dim"],
+            moe_hidden_dim=m["expert_dim"],
+            num_experts=m["experts"],
+            top_k=m["top_k"],
+            attn_backend="flex",  # swapped for causal SDPA by meta_model
+            rope=CosSinRoPE.Config(dim=m["head_dim"], max_seq_len=64, theta=m["theta"]),
+            moe_comm_backend="standard",
+        ),
+    )
+
+
+def hf_moe_config(n_layers: int = 2):
+    """The `transformers` Qwen3-MoE config equivalent to ``tiny_moe_config`` (every layer sparse, top-k renormalised)."""
+    from transformers import Qwen3MoeConfig
+
+    m = MOE
+    return Qwen3MoeConfig(
+        vocab_size=m["vocab"],
+        hidden_size=m["dim"],
+        intermediate_size=96,  # dense MLP width: unused, every layer is sparse
+        moe_intermediate_size=m["expert_dim"],
+        num_hidden_layers=n_layers,
+        num_attention_heads=m["n_heads"],
+        num_key_value_heads=m["n_kv_heads"],
+        head_dim=m["head_dim"],
+        num_experts=m["experts"],
+        num_experts_per_tok=m["top_k"],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": m["theta"]},
+        dtype="float32",
+    )
+
+
+def build_moe(world_size: int, *, ep: int, tp: int = 1, seed: int = 0) -> tuple[nn.Module, object, object]:
+    """torchtitan's Qwen3-MoE parallelized by its own parallelize_fn: FSDP2, expert parallelism ``ep`` (all-to-all
+    token dispatch over gloo), tensor parallelism ``tp``; CPU adjustments as in ``build``."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    _use_cpu()
+    config = qwen3_moe_debug()
+    config.model_spec.model = tiny_moe_config()
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.tensor_parallel_degree = tp
+    config.parallelism.data_parallel_shard_degree = world_size // tp
+    config.parallelism.expert_parallel_degree = ep
+    config.training.seq_len = SEQ_LEN
+    config.training.local_batch_size = 2
+    config.training.mixed_precision_param = "float32"
+    config.activation_checkpoint = None
+    config.compile.enable = False
+    model, model_config, parallel_dims = meta_model(config, world_size, n_layers=2)
+    model = parallelize_on_cpu(config, model, parallel_dims, seed=seed)
+    generator = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "experts" in name:  # every rank initialised the same local experts: make each expert its own
+                local = param._local_tensor if isinstance(param, DTensor) else param
+                local.add_(0.02 * torch.randn(local.shape, generator=generator))
+            elif "norm" in name:
+                param.mul_(1.5)
+    sd_adapter = config.model_spec.state_dict_adapter(model_config, None)
+    return model, sd_adapter, model_config
+
+
+def moe_names_match_transformers(rank: int, world_size: int, ep: int, tp: int, tmp: str) -> dict:
+    """Stream torchtitan's MoE under HF names; transformers loads the stream as a checkpoint and saves it back."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen3MoeForCausalLM
+
+    from refitkit.engines.torchtitan import TorchTitanAdapter
+
+    model, sd_adapter, model_config = build_moe(world_size, ep=ep, tp=tp)
+    adapter = TorchTitanAdapter([model], state_dict_adapter=sd_adapter)
+    # one pass holding what it yields, so no storage is reused: which expert tensors share one
+    held = list(adapter.named_weights())
+    storages = {name: tensor.untyped_storage().data_ptr() for name, tensor in held if ".mlp.experts." in name}
+    contiguous = all(tensor.is_contiguous() for _, tensor in held)
+    fused = {name for name, tensor in held if ".mlp.experts." in name and tensor._base is None}
+    del held
+    streamed, cycles = stream_twice(adapter)
+    tokens = torch.randint(0, MOE["vocab"], (2, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        titan_logits = model(tokens)
+        if isinstance(titan_logits, DTensor):
+            titan_logits = titan_logits.full_tensor()
+    checkpoint = os.path.join(tmp, f"rank{rank}")
+    os.makedirs(checkpoint, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in streamed.items()}, os.path.join(checkpoint, "model.safetensors"))
+    hf_moe_config().save_pretrained(checkpoint)
+    reference, info = Qwen3MoeForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    reference.eval()
+    with torch.no_grad():
+        hf_logits = reference(tokens).logits
+        # the control: two experts of layer 0 swapped must move the logits well past the tolerance
+        experts = reference.model.layers[0].mlp.experts
+        experts.gate_up_proj[[0, 1]] = experts.gate_up_proj[[1, 0]].clone()
+        experts.down_proj[[0, 1]] = experts.down_proj[[1, 0]].clone()
+        swapped_logits = reference(tokens).logits
+    resaved: dict[str, torch.Tensor] = {}
+    if rank == 0:  # transformers writes from rank 0 only when torch.distributed is up
+        reference, _ = Qwen3MoeForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+        saved = os.path.join(tmp, "saved")
+        reference.save_pretrained(saved)
+        for file in sorted(os.listdir(saved)):
+            if file.endswith(".safetensors"):
+                resaved.update(load_file(os.path.join(saved, file)))
+    return {
+        "streamed": sorted(streamed),
+        "resaved": sorted(resaved),
+        "equal": {n: n in resaved and bits_equal(t, resaved[n]) for n, t in streamed.items()} if rank == 0 else {},
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "mismatched": [str(m) for m in info.get("mismatched_keys", [])],
+        "storages": storages,
+        "contiguous": contiguous,
+        "not_views": sorted(fused),
+        "distinct_experts": all(
+            not torch.equal(streamed[f"model.layers.{layer}.mlp.experts.{a}.{proj}.weight"], streamed[b_name])
+            for layer in range(2)
+            for proj in ("gate_proj", "up_proj", "down_proj")
+            for a in range(MOE["experts"])
+            for b_name in [f"model.layers.{layer}.mlp.experts.{b}.{proj}.weight" for b in range(a)]
+        ),
+        "max_logit_diff": (titan_logits.float() - hf_logits.float()).abs().max().item(),
+        "swapped_logit_diff": (swapped_logits - hf_logits).abs().max().item(),
+        "logit_scale": hf_logits.abs().max().item(),
+        "cyclic": (cycles.cyclic_objects, dict(cycles.by_type)),
+        "placements": sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}),
+    }

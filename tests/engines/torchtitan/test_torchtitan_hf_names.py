@@ -61,6 +61,39 @@ def test_every_pipeline_stage_reaches_every_rank_once_under_its_hf_layer_names(w
     assert layers_of_rank0 == {"1"}, sorted(owners[0])
 
 
+@pytest.mark.parametrize(
+    "world_size, ep, tp", [(2, 1, 1), (2, 2, 1), (4, 2, 2)], ids=["fsdp2-moe", "ep2-moe", "tp2xep2-moe"]
+)
+def test_moe_streams_per_expert_views_equal_to_transformers_checkpoint(world_size, ep, tp, tmp_path):
+    results = run_world(hf_ranks.moe_names_match_transformers, world_size, ep, tp, str(tmp_path), timeout_s=280)
+    first = results[0]
+    experts = [n for n in first["streamed"] if ".mlp.experts." in n]
+    assert len(experts) == 2 * 8 * 3, experts  # 2 layers x 8 experts x gate / up / down, global expert numbers
+    # what transformers saves back from what it loaded is the stream, name for name and bit for bit
+    assert first["streamed"] == first["resaved"]
+    assert all(first["equal"].values()), [n for n, ok in first["equal"].items() if not ok]
+    for rank, result in enumerate(results):
+        if ep > 1:  # experts sharded over the expert-parallel mesh dim (under FSDP's _StridedShard when both)
+            assert any("Shard(dim=0))" in p for p in result["placements"]), result["placements"]
+        assert result["missing"] == [] and result["unexpected"] == [] and result["mismatched"] == [], result
+        # every rank streams the same set once (so one sender sends every weight, dense ones included, once)
+        assert result["streamed"] == first["streamed"]
+        assert result["distinct_experts"], f"rank {rank}: two experts streamed the same tensor"
+        # w1_EFD / w3_EFD / w2_EDF are gathered once each and every expert is a contiguous view of it
+        assert result["not_views"] == [] and result["contiguous"]
+        for layer in range(2):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(8)]
+                assert len({result["storages"][n] for n in names}) == 1, (rank, layer, proj)
+        gate_up = {result["storages"][f"model.layers.0.mlp.experts.0.{p}.weight"] for p in ("gate_proj", "up_proj")}
+        assert len(gate_up) == 2  # gate from w1, up from w3
+        # torchtitan runs its experts in bf16, transformers in fp32; a swap of two experts moves far more
+        tolerance = 1e-2 * max(1.0, result["logit_scale"])
+        assert result["max_logit_diff"] <= tolerance, result["max_logit_diff"]
+        assert result["swapped_logit_diff"] > 5 * tolerance, result["swapped_logit_diff"]
+        assert result["cyclic"][0] == 0, f"rank {rank}: {result['cyclic']}"
+
+
 def test_a_weight_to_hf_does_not_know_is_named_and_a_wrong_adapter_is_refused(caplog):
     import logging
 
@@ -94,3 +127,36 @@ def test_a_weight_to_hf_does_not_know_is_named_and_a_wrong_adapter_is_refused(ca
     ) == 1
     assert [n for n, _ in native.named_weights()][:2] == ["tok_embeddings.weight", "extra_head.weight"]
     assert native.named_weights().refitkit_holds_tensors is True  # torchtitan's own tensors, as they are
+
+
+def test_a_trained_expert_bias_that_to_hf_drops_is_warned_once_by_name(caplog):
+    import logging
+
+    import torch
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    from refitkit.engines.torchtitan import TorchTitanAdapter
+
+    config = hf_ranks.tiny_moe_config()
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("cpu"):
+        model = config.build()
+    model.init_weights(buffer_device=None)
+    adapter = TorchTitanAdapter([model], state_dict_adapter=Qwen3StateDictAdapter(config, None))
+    logger = "refitkit.engines.torchtitan.adapter"
+    with caplog.at_level(logging.WARNING, logger=logger):
+        names = [name for name, _ in adapter.named_weights()]
+    assert caplog.records == []  # a zero bias (as initialised) routes as transformers' Qwen3-MoE does
+    assert not any("bias" in name for name in names) and len(names) == 69
+    with torch.no_grad():  # what torchtitan's load-balancing hook does to it over training
+        model.layers["1"].moe.expert_bias_E[3] = 0.25
+    with caplog.at_level(logging.WARNING, logger=logger):
+        for _ in range(2):
+            assert [name for name, _ in adapter.named_weights()] == names
+    assert [r.getMessage() for r in caplog.records] == [
+        "TorchTitanAdapter.named_weights(): Qwen3StateDictAdapter.to_hf has no Hugging Face name for "
+        "layers.1.moe.expert_bias_E, which is not all zeros; the engine's model goes without it and routes tokens "
+        "otherwise than the trainer (build the MoE with load_balance_coeff=None to train without this bias)"
+    ]
