@@ -39,8 +39,11 @@ from typing import Any
 
 import torch
 
+from refitkit._knobs import checked_seconds
 from refitkit.errors import InvalidInput, RefitError
+from refitkit.ranks import RankGroup
 from refitkit.transfer import ReceiverChannel, SenderChannel
+from refitkit.transfer.common import checked_knobs
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,16 @@ def _checked_bucket_size(bucket_size: object) -> int:
     return bucket_size
 
 
+def _checked_device_name(device: object) -> str:
+    if device == "auto":
+        return device
+    try:
+        torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInput(f"{KNOBS}.device={device!r}: need 'auto' or a torch device name ('cuda', 'cpu')") from exc
+    return device  # type: ignore[return-value]
+
+
 def _receiver_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -103,7 +116,8 @@ class RefitkitCheckpointEngine:
     ``bucket_size`` and ``is_master`` are what verl passes every backend; the rest come from
     ``engine_kwargs.refitkit``: ``timeout_s`` bounds each wait for the peer, ``max_sync_s`` one whole sync on the
     rollout side, ``transport`` is the sender's (``"auto"``, ``"shm"``, ``"cuda_ipc"``), ``device`` where the rollout
-    side's tensors arrive (``"auto"``: this process's GPU, else the CPU), ``direct`` the sender's one-copy mode.
+    side's tensors arrive (``"auto"``: this process's GPU, else the CPU), ``direct`` the sender's one-copy mode,
+    ``barrier_timeout_s`` the bound of ``barrier()`` across the trainer ranks.
     """
 
     wire_format = "named_tensors"  # how verl's CheckpointEngineWorker hands our weights to its rollout adapter
@@ -118,13 +132,17 @@ class RefitkitCheckpointEngine:
         transport: str = "auto",
         device: str = "auto",
         direct: bool = True,
+        barrier_timeout_s: float = 300.0,
     ) -> None:
+        # checked here, when verl builds the engine from its config, not at the first sync
         self.bucket_size = _checked_bucket_size(bucket_size)
         self.is_master = is_master
-        self.timeout_s = timeout_s
-        self.max_sync_s = max_sync_s
-        self.transport = transport
-        self.device = device
+        self.timeout_s, _, self.transport = checked_knobs(timeout_s=timeout_s, transport=transport)
+        self.max_sync_s = None if max_sync_s is None else checked_seconds(max_sync_s, f"{KNOBS}.max_sync_s")
+        self.barrier_timeout_s = checked_seconds(barrier_timeout_s, f"{KNOBS}.barrier_timeout_s")
+        self.device = _checked_device_name(device)
+        if not isinstance(direct, bool):
+            raise InvalidInput(f"{KNOBS}.direct={direct!r}: need true or false")
         self.direct = direct
         self.role = Role.UNSET
         self.info = RankInfo(host=socket.gethostname(), endpoint=f"verl-{os.getpid()}-{secrets.token_hex(6)}")
@@ -134,6 +152,7 @@ class RefitkitCheckpointEngine:
         # The receiver's waits block: they run on this one thread (a ZMQ socket stays on one thread), never on the
         # event loop of the Ray actor that awaits receive_weights().
         self._pull: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ranks: RankGroup | None = None  # the trainer ranks' own gloo group, made by the first barrier()
 
     @property
     def channel(self) -> SenderChannel | ReceiverChannel | None:
@@ -201,7 +220,7 @@ class RefitkitCheckpointEngine:
             raise InvalidInput(f"{BACKEND} checkpoint engine: role={role!r} with endpoint={endpoint!r}")
         if new_role is self.role and endpoint == self._endpoint and self._open_channel() is not None:
             return
-        self.close()
+        self._close_channel()
         if new_role is Role.TRAINER and endpoint is not None:
             self._sender = SenderChannel(
                 endpoint,
@@ -220,7 +239,13 @@ class RefitkitCheckpointEngine:
         """End of a step. The channel stays open for the next (it holds no bucket memory between syncs)."""
 
     def close(self) -> None:
-        """Close this rank's channel; ``init_process_group()`` opens a new one."""
+        """Close this rank's channel (``init_process_group()`` opens a new one) and its barrier's rank group."""
+        self._close_channel()
+        ranks, self._ranks = self._ranks, None
+        if ranks is not None:
+            ranks.close()
+
+    def _close_channel(self) -> None:
         sender, receiver, pull = self._sender, self._receiver, self._pull
         self._sender = self._receiver = self._pull = None
         self.role, self._endpoint = Role.UNSET, None
@@ -279,6 +304,26 @@ class RefitkitCheckpointEngine:
             # Ended early (the consumer failed or stopped, or this task was cancelled): close the session on its own
             # thread, which releases it and tells the sender. A session that ended already is closed as a no-op.
             await loop.run_in_executor(pull, weights.close)
+
+    # -- across the trainer ranks ------------------------------------------------------------------
+
+    def barrier(self, phase: str = "trainer offload") -> float:
+        """Wait until every trainer rank got here, at most ``barrier_timeout_s``; returns the seconds waited.
+
+        For the colocated loop's last step before the rollout engine wakes its KV cache: verl calls it on every
+        trainer rank through ``execute_checkpoint_engine``. It runs on refitkit's own gloo group over the trainer's
+        default group, made at the first call (collective), never on the trainer's NCCL group, whose timed-out wait
+        takes the process down. A rank that does not arrive makes every other raise ``BarrierTimeout``."""
+        try:
+            if self._ranks is None:
+                self._ranks = RankGroup(timeout_s=self.barrier_timeout_s, phase=phase)
+            return self._ranks.barrier(phase)
+        except RefitError as exc:
+            exc.add_note(
+                f"verl checkpoint engine {BACKEND!r}, barrier() after {phase}: bound {KNOBS}.barrier_timeout_s="
+                f"{self.barrier_timeout_s:g}"
+            )
+            raise
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -139,3 +139,24 @@ def rollout_main(
         pipe.send(("received", {"weights": received, "channel": id(engine.channel)}))
         engine.finalize()
     engine.close()
+
+
+BARRIER_TIMEOUT_S = 3.0
+ABSENT_S = 10.0  # the absent rank stays away longer than the barrier's bound, then leaves
+
+
+def barrier_rank(rank: int, world_size: int, absent_rank: int | None) -> dict[str, Any]:
+    """A trainer rank of a gloo world: one barrier every rank reaches, then one ``absent_rank`` never reaches."""
+    engine = make_engine(1 << 20, {"barrier_timeout_s": BARRIER_TIMEOUT_S}, trainer=True)
+    engine.barrier("trainer offload")
+    if rank == absent_rank:
+        time.sleep(ABSENT_S)
+        return {"absent": True}
+    start = time.monotonic()
+    try:
+        waited_s = engine.barrier("trainer offload")
+    except Exception as exc:
+        return {"error": error_record(exc), "elapsed_s": time.monotonic() - start}
+    finally:
+        engine.close()
+    return {"waited_s": waited_s}

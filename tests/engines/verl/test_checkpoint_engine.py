@@ -283,3 +283,46 @@ def test_calls_out_of_order_are_refused_with_the_step_verl_missed(registry):
     )
     with pytest.raises(InvalidInput, match=r"role='actor'; build_topology\(\) gives 'trainer' or 'rollout'"):
         engine.init_process_group(role="actor", endpoint="t0")
+
+
+# -- the bounded barrier across trainer ranks ---------------------------------------------------------------------
+
+
+def test_the_barrier_lines_up_trainer_ranks_and_a_missing_rank_fails_the_others_within_its_bound():
+    from tests.helpers.world import run_world
+
+    results = run_world(peers.barrier_rank, 2, 1, timeout_s=START_S)
+    assert results[1] == {"absent": True}
+    error, elapsed_s = results[0]["error"], results[0]["elapsed_s"]
+    assert error["type"] == "BarrierTimeout" and "RefitError" in error["mro"], error
+    assert "barrier after trainer offload" in error["message"] and "on rank 0" in error["message"], error
+    assert error["notes"] == [
+        "verl checkpoint engine 'refitkit', barrier() after trainer offload: bound "
+        "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitkit.barrier_timeout_s=3"
+    ]
+    bound_s = peers.BARRIER_TIMEOUT_S
+    assert bound_s - 0.5 <= elapsed_s < bound_s + NOTICED_S, f"gave up after {elapsed_s:.1f} s (bound {bound_s} s)"
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        pytest.param({"timeout_s": -1}, "timeout_s=-1; need a finite number of seconds above 0", id="timeout_s"),
+        pytest.param({"transport": "tcp"}, "transport='tcp'; expected one of", id="transport"),
+        pytest.param({"direct": "yes"}, "engine_kwargs.refitkit.direct='yes': need true or false", id="direct"),
+        pytest.param(
+            {"barrier_timeout_s": "5"},
+            "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitkit.barrier_timeout_s='5' is a str",
+            id="barrier_timeout_s",
+        ),
+        pytest.param(
+            {"device": "gpu0"},
+            "engine_kwargs.refitkit.device='gpu0': need 'auto' or a torch device name",
+            id="device",
+        ),
+    ],
+)
+def test_bad_engine_kwargs_fail_when_verl_builds_the_engine(registry, knobs, message):
+    with pytest.raises(InvalidInput) as raised:
+        registry.new(peers.BACKEND, is_master=True, bucket_size=BUCKET, **knobs)
+    assert message in str(raised.value)
