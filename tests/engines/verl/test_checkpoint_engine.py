@@ -326,3 +326,47 @@ def test_bad_engine_kwargs_fail_when_verl_builds_the_engine(registry, knobs, mes
     with pytest.raises(InvalidInput) as raised:
         registry.new(peers.BACKEND, is_master=True, bucket_size=BUCKET, **knobs)
     assert message in str(raised.value)
+
+
+def test_the_rollout_side_waits_off_the_event_loop(registry):
+    """verl awaits receive_weights() on a Ray actor's event loop: while it waits for a slow trainer rank, that loop
+    keeps serving (here a ticker; in verl the actor's other calls)."""
+    import threading
+
+    trainer = registry.new(peers.BACKEND, is_master=True, bucket_size=BUCKET, **KWARGS)
+    rollout = registry.new(peers.BACKEND, bucket_size=BUCKET, **KWARGS)
+    actor, rollout_kwargs = registry.get(peers.BACKEND).build_topology(1, 1, [trainer.prepare(), rollout.prepare()])
+    trainer.init_process_group(**{key: values[0] for key, values in actor.items()})
+    rollout.init_process_group(**{key: values[0] for key, values in rollout_kwargs.items()})
+    delay_s, outcome = 1.0, {}
+
+    def send_late() -> None:
+        time.sleep(delay_s)
+        outcome["metrics"] = asyncio.run(trainer.send_weights(peers.model_weights(0)))
+
+    async def consume_and_tick() -> tuple[list, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        received = [peers.as_record(name, tensor) async for name, tensor in rollout.receive_weights(global_steps=0)]
+        ticker.cancel()
+        return received, ticks
+
+    sender = threading.Thread(target=send_late)
+    sender.start()
+    try:
+        received, ticks = asyncio.run(consume_and_tick())
+    finally:
+        sender.join(TIMEOUT_S)
+        trainer.close()
+        rollout.close()
+    assert ticks >= 10, f"the event loop ran {ticks} times in the {delay_s} s the receiver waited"
+    arrived = [peers.from_record(record) for record in received]
+    assert all(bits_equal(got, want) for (_, got), (_, want) in zip(arrived, peers.model_weights(0)))
+    assert len(arrived) == len(peers.model_weights(0)) and outcome["metrics"]["refitkit/sync_bytes"] > 0
