@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -84,11 +85,18 @@ def reference_greedy(model: torch.nn.Module, count: int = 4) -> list[int]:
     return tokens[len(PROMPT) :]
 
 
-def expected_fingerprints(trainer: torch.nn.Module) -> dict[str, list[int]]:
-    """The trainer's weights' fingerprints as SGLang holds them (Llama/Qwen: q/k/v in qkv_proj, gate/up in gate_up_proj)."""
+def expected_fingerprints(trainer: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
+    """The trainer's weights' fingerprints as SGLang holds them (Llama/Qwen: q/k/v in qkv_proj, gate/up in gate_up_proj).
+
+    A Qwen3-MoE trainer is passed as its stream (checkpoint names: ``dict(FSDPAdapter(model).named_weights())``; its
+    ``named_parameters()`` hold the experts fused under transformers' names): each layer's per-expert weights are
+    stacked as SGLang's ``FusedMoE`` holds them with its Triton backend, ``mlp.experts.w13_weight`` ``[E, 2I, H]``
+    (each expert's gate rows, then its up rows) and ``mlp.experts.w2_weight`` ``[E, H, I]``: vLLM's stacking
+    (``stacked_digests``) under SGLang's names (vLLM 0.25 puts them under ``mlp.experts.routed_experts.``)."""
     from refitkit.rollout.vllm import stacked_digests, tensor_fingerprint
 
-    return stacked_digests(trainer, tensor_fingerprint)
+    digests = stacked_digests(trainer, tensor_fingerprint)
+    return {name.replace(".mlp.experts.routed_experts.", ".mlp.experts."): value for name, value in digests.items()}
 
 
 def assert_engine_holds(engine: Any, trainer: torch.nn.Module | dict[str, list[int]]) -> None:
