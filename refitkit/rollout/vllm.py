@@ -112,6 +112,8 @@ class WorkerReceiver:
         self._post_reason: Any = _UNREAD  # why post-processing must follow direct copies (None: it need not), read once
         self._direct: DirectLoads | None = None  # the plan of direct copies, learned from the first in-place sync
         self._receiver: BucketedWeightReceiver | None = None  # the last sync's, for the next on its endpoint
+        self._broadcast: BroadcastWeightReceiver | None = None  # the last broadcast sync's, for the next like it
+        self._broadcast_key: tuple[Any, ...] | None = None  # what it was opened with
 
     @property
     def load_path(self) -> str:
@@ -167,9 +169,7 @@ class WorkerReceiver:
         """Join the ``BroadcastWeightSender`` at ``rendezvous`` (as rank ``first_rank`` + this worker's rank) for
         its next session and load the stream; the version is the one the sender gives the session."""
         rank = int(first_rank) + self.rank
-        receiver = BroadcastWeightReceiver(
-            rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
-        )
+        receiver = self.open_broadcast(rendezvous, secret, timeout_s, rank, backend)
         began = time.perf_counter()
 
         def failed_version() -> (
@@ -187,14 +187,32 @@ class WorkerReceiver:
         coverage = self._landed(number, progress.names)
         return {**sync_report(stats, number, coverage, progress, began), "rank": rank, "load_path": self.load_path}
 
+    def open_broadcast(
+        self, rendezvous: str, secret: str | bytes, timeout_s: float, rank: int, backend: str
+    ) -> BroadcastWeightReceiver:
+        """The broadcast receiver kept from the last sync if it was opened with the same arguments (its group is then
+        reused), else a new one (the kept one is closed)."""
+        key = (rendezvous, secret, rank, backend, timeout_s)
+        receiver = self._broadcast
+        if receiver is None or receiver.state is not ChannelState.OPEN or self._broadcast_key != key:
+            self._broadcast = self._broadcast_key = None
+            close_receiver(receiver, f"vLLM worker {self.rank}")
+            receiver = BroadcastWeightReceiver(
+                rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
+            )
+            self._broadcast, self._broadcast_key = receiver, key
+        return receiver
+
     def discarded(self) -> None:
         """The engine slept at level 2: its weights are garbage until a full sync lands (reported incomplete)."""
         self.weights.failed(self.weights.next_version(), touched=True)
 
     def close(self) -> None:
-        """Close the receiver kept for the next sync (the weight versions stay); a later sync opens a new one."""
+        """Close the receivers kept for the next sync (the weight versions stay); a later sync opens a new one."""
         receiver, self._receiver = self._receiver, None
         close_receiver(receiver, f"vLLM worker {self.rank}")
+        broadcast, self._broadcast, self._broadcast_key = self._broadcast, None, None
+        close_receiver(broadcast, f"vLLM worker {self.rank}")
 
     @property
     def kept_endpoint(self) -> str | None:

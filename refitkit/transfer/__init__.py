@@ -7,8 +7,9 @@
   hands the tensors to a loader. Each is opened once, runs one sync per call and is closed by
   ``close()``; nothing of it outlives it. ``_ipc/sender.py`` and ``_ipc/receiver.py`` hold the session rules.
 - Other GPUs or nodes (``_broadcast``): ``BroadcastWeightSender`` / ``BroadcastWeightReceiver`` carry
-  the same streams over a torch.distributed broadcast (gloo or NCCL), a group formed per session
-  through a TCPStore rendezvous and admitted by a per-job secret. ``_broadcast/sender.py`` holds the
+  the same streams over a torch.distributed broadcast (gloo or NCCL) on a group of their own, formed
+  through a TCPStore rendezvous by the first sync, admitted by a per-job secret, kept by both ends for
+  the next syncs and dropped by ``close()`` or a failed sync. ``_broadcast/sender.py`` holds the
   session and the security model.
 
 Both share ``protocol`` (the wire format), ``packing`` (checking items, laying out buckets) and

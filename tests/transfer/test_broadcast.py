@@ -150,7 +150,7 @@ def test_receiver_killed_mid_broadcast(world):
     assert "bucket" in str(error) and "receiver rank" in str(error)
     survivor = world.receivers[1].result(timeout_s=BOUND_S + 5)
     assert survivor[0] in ("TransferError", "TransferTimeout", "PeerGone"), survivor
-    assert survivor[2] < TIMEOUT_S - 1.0  # told by the sender's abort, not by its own timeout
+    assert survivor[2] < TIMEOUT_S - 1.0, survivor  # told by the sender's abort, not by its own timeout
     assert survivor[4] == (world.landed, world.version)  # partly updated: reported incomplete
     world.receivers[2].process.join(10)
     assert world.receivers[2].process.exitcode == -9
@@ -215,10 +215,11 @@ def test_sender_generator_raising_mid_stream(world):
         assert told[0] == "TransferError" and "ValueError: the trainer's generator broke (test)" in told[1]
         assert told[2] < TIMEOUT_S - 1.0 and told[4] == (world.landed, world.version)  # 4 buckets applied: incomplete
     world.fresh_session_lands()
+    assert world.sender.group_id is not None  # kept for the next sync: only its rendezvous keys remain
     assert not [
         key
         for key in world.sender._store.list_keys()
-        if key.startswith(grp.PREFIX) and "/pg/" in key and not key.startswith(f"{grp.PREFIX}{world.sender._stale[0]}/")
+        if key.startswith(grp.PREFIX) and "/pg/" in key and not key.startswith(f"{grp.PREFIX}{world.sender.group_id}/")
     ]
 
 
@@ -337,7 +338,7 @@ def test_garbage_on_the_metadata_channel(world, header, expected):
         deadline=time.monotonic() + BOUND_S,
         on_timeout=lambda: AssertionError("receivers did not join"),
     )
-    grp.put(store, f"{session}/go", grp.tag(secret, "go", session))
+    grp.put(store, f"{session}/go", grp.sign(secret, "go", {"session": session, "group": session, "fresh": True}))
     group = grp.form_group(store, session, 0, 3, "gloo", TIMEOUT_S)
     works = [grp.broadcast(group, torch.tensor(header, dtype=torch.int64))]
     if header == [40, 0]:

@@ -4,12 +4,18 @@ One session's group is formed like this, everything under ``refitkit/bcast/`` in
 
 - ``offer``                     S: the session id, version, world size, bucket half size, backend and a
                                 nonce, as msgpack, followed by an HMAC-SHA256 tag under the job's secret
-- ``<session>/join/<rank>``     R: HMAC(secret, session, nonce, rank), written once (compare-and-set)
-- ``<session>/go`` | ``abort``  S: every join checked (tag of "go"), or why the session was called off
-- ``<session>/pg/...``          the dedicated process group's own rendezvous (a PrefixStore)
+- ``<session>/join/<rank>``     R: HMAC(secret, session, nonce, rank, held) followed by ``held``, the id of the
+                                group this receiver kept from its last sync ("" if none); written once
+- ``<session>/go`` | ``abort``  S: every join checked (signed ``{session, group, fresh}``: the group this session
+                                runs on, kept or to be formed), or why the session was called off
+- ``<group>/pg/...``            a group's own rendezvous (a PrefixStore), kept as long as that group is
 - ``<session>/status/<rank>``   R: the receiver's outcome (msgpack ``{ok, message}`` + tag; a failure also
                                 carries its exception's ``protocol.failure_fields``), posted at the end,
                                 or as soon as it fails so that the sender stops at once
+
+The group outlives the session that formed it: a sync whose every receiver says it holds the sender's kept
+group runs on it (no new connections); any other sync forms a new one (the old one is dropped), and a failed sync
+drops its group on every side, so the next sync always starts from a group all its members hold whole.
 
 The secret itself never enters the store (anyone who reaches the port can list and read its keys).
 Every wait polls with a deadline; a wait for a collective also watches the store for the other
@@ -117,6 +123,23 @@ def open_signed(secret: bytes, label: str, raw: bytes, what: str) -> dict[str, A
     return fields
 
 
+def join_value(secret: bytes, session: str, nonce: bytes, rank: int, held: str) -> bytes:
+    """A receiver's join: the proof that it knows the secret, then the id of the group it holds ("" if none)."""
+    return tag(secret, "join", session, nonce, rank, held) + held.encode()
+
+
+def read_join(secret: bytes, session: str, nonce: bytes, rank: int, raw: bytes) -> str | None:
+    """The group id a join says its receiver holds, or None when the join is not one made with the secret."""
+    proof, held = raw[:TAG_BYTES], raw[TAG_BYTES:]
+    try:
+        text = held.decode()
+    except UnicodeDecodeError:
+        return None
+    if len(held) > 64 or not hmac.compare_digest(proof, tag(secret, "join", session, nonce, rank, text)):
+        return None
+    return text
+
+
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> Any:
     """The sender's TCPStore (hosted when ``is_master``), or TransferTimeout naming the address and knob."""
     import torch.distributed as dist
@@ -183,11 +206,11 @@ def wait_until(found: Callable[[], Any], *, deadline: float, on_timeout: Callabl
         pause = min(pause * 2, STORE_POLL_S)
 
 
-def form_group(store: Any, session: str, rank: int, world: int, backend: str, timeout_s: float) -> Any:
-    """The session's own process group (never the default one): gloo or NCCL over a PrefixStore of the session."""
+def form_group(store: Any, group_id: str, rank: int, world: int, backend: str, timeout_s: float) -> Any:
+    """A process group of refitkit's own (never the default one): gloo or NCCL over a PrefixStore of ``group_id``."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"{PREFIX}{session}/pg/", store)
+    prefixed = dist.PrefixStore(f"{PREFIX}{group_id}/pg/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         if backend == "gloo":
@@ -198,7 +221,7 @@ def form_group(store: Any, session: str, rank: int, world: int, backend: str, ti
         return dist.ProcessGroupNCCL(prefixed, rank, world, options)
     except (RuntimeError, OSError) as exc:
         raise TransferTimeout(
-            f"handshake: forming the {backend} group of session {session} (rank {rank} of {world}) failed or timed out "
+            f"handshake: forming the {backend} group {group_id} (rank {rank} of {world}) failed or timed out "
             f"after timeout_s={timeout_s:g}: a peer did not arrive ({type(exc).__name__}: {brief(str(exc))})"
         ) from exc
 

@@ -2,8 +2,12 @@
 session, the rendezvous and the security model).
 
 ``BroadcastWeightReceiver(rendezvous, secret=..., rank=r)`` is one engine worker (rank ``r`` in
-1..N of every session's group). ``receive(on_bucket)`` waits for the sender's next offer, proves it
-knows the secret, joins, and calls ``on_bucket(weights, is_last)`` once per bucket with views of its
+1..N of every session's group), the engine's end of a channel: keep it across syncs. It keeps its connection
+to the sender's store and the group of its last sync that ended well, so the next sync runs on that group
+without forming one (the sender decides: a group every member holds is reused, else a new one is formed and
+the old one dropped); a failed sync drops both, and the next call connects and joins afresh. ``close()`` (or
+``with``) drops them for good: a later ``receive()`` raises ``ChannelClosed``. ``receive(on_bucket)`` waits
+for the sender's next offer, proves it knows the secret, joins, and calls ``on_bucket(weights, is_last)`` once per bucket with views of its
 own bucket buffer (valid only during the call: copy what you keep; a tensor larger than the bucket
 arrives reassembled). Everything from the wire is checked before use: the offer's and the sender's
 signatures, the header's sizes against ``MAX_FRAME_BYTES`` and the announced bucket, and the
@@ -32,11 +36,26 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import InvalidInput, PeerGone, ProtocolError, RefitError, TransferError, TransferTimeout
+from refitkit.errors import (
+    ChannelClosed,
+    InvalidInput,
+    PeerGone,
+    ProtocolError,
+    RefitError,
+    TransferError,
+    TransferTimeout,
+)
 from refitkit.offload.device import resolved_device
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer._broadcast.sender import checked_backend
-from refitkit.transfer.common import SessionPhase, TransferStats, WeightVersion, checked_device, checked_knobs
+from refitkit.transfer.common import (
+    ChannelState,
+    SessionPhase,
+    TransferStats,
+    WeightVersion,
+    checked_device,
+    checked_knobs,
+)
 from refitkit.transfer.protocol import (
     MAX_FRAME_BYTES,
     SplitProgress,
@@ -79,7 +98,7 @@ class DirectStats:
 
 
 class BroadcastWeightReceiver:
-    """One engine worker of a broadcast sync; one session per ``receive()``."""
+    """One engine worker's end of a broadcast channel; one session per ``receive()`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -103,6 +122,28 @@ class BroadcastWeightReceiver:
         self.last_stats: TransferStats | None = None
         self.last_direct: DirectStats | None = None
         self._last_session: str | None = None  # served (or failed): its offer is not taken twice
+        self.state = ChannelState.OPEN
+        self._store: Any = None  # the sender's store, connected by the first sync, kept while syncs end well
+        self._group: Any = None  # the group of the last sync that ended well (None: the next sync joins a new one)
+        self.group_id: str | None = None
+        self.groups_formed = 0  # how many groups this receiver joined in forming
+
+    def close(self) -> None:
+        """Drop the kept group and the store connection; idempotent. A later ``receive()`` raises ChannelClosed."""
+        if self.state is ChannelState.EXCHANGING:
+            raise TransferError(f"receiver rank {self.rank}: close() during a receive() (call it after that returns)")
+        self._drop(failed=False)
+        self.state = self.state.to(ChannelState.CLOSED)
+
+    def __enter__(self) -> BroadcastWeightReceiver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _drop(self, *, failed: bool) -> None:
+        holder, self._group, self.group_id, self._store = [self._group], None, None, None
+        grp.close_group(holder, failed=failed)
 
     def receive(self, on_bucket: OnBucket, *, direct: Direct | None = None) -> TransferStats:
         """Run the sender's next session, calling ``on_bucket(weights, is_last)`` per bucket; returns after
@@ -112,6 +153,13 @@ class BroadcastWeightReceiver:
         weight for which ``direct(name, dtype, shape)`` gives a contiguous tensor of that dtype, shape and this
         receiver's device is received straight into it and not handed to ``on_bucket``; any other weight takes
         the bucket path (a destination that does not fit is logged and listed in ``last_direct.fallbacks``)."""
+        if self.state is ChannelState.CLOSED:
+            raise ChannelClosed(
+                f"broadcast receiver rank {self.rank} of tcp://{self.host}:{self.port} is closed; make a new one"
+            )
+        if self.state is ChannelState.EXCHANGING:
+            raise TransferError(f"broadcast receiver rank {self.rank} runs one receive() at a time, and one is running")
+        self.state = self.state.to(ChannelState.EXCHANGING)
         run = _BroadcastReceive(
             on_bucket,
             direct,
@@ -123,7 +171,10 @@ class BroadcastWeightReceiver:
             backend=self.backend,
             device=self.device,
             last_session=self._last_session,
+            # (no local keeps the group: a traceback holding it would make this thread wait in its destructor)
+            kept=(self._store, self.group_id, self._group),
         )
+        self._store = self._group = self.group_id = None  # the session holds them, and hands them back if it ends well
         try:
             stats = run.run()
         except BaseException:
@@ -131,9 +182,12 @@ class BroadcastWeightReceiver:
                 self.weights_version = WeightVersion(self.weights_version.version, run.version)
             raise
         finally:
+            self.state = self.state.to(ChannelState.OPEN)
             self.last_direct = run.direct_stats()
+            self.groups_formed += run.formed
             if run.session is not None:  # its offer was taken: served or failed, never taken twice
                 self._last_session = run.session
+        self._store, self.group_id, self._group = run.take_kept()
         self.weights_version = WeightVersion(run.version, None)
         self.last_stats = stats
         return stats
@@ -155,6 +209,7 @@ class _BroadcastReceive:
         backend: str,
         device: torch.device,
         last_session: str | None,
+        kept: tuple[Any, str | None, Any],
     ) -> None:
         self.on_bucket, self.direct = on_bucket, direct
         self.host, self.port, self.backend, self.device = host, port, backend, device
@@ -164,8 +219,8 @@ class _BroadcastReceive:
         self.direct_bytes = self.direct_tensors = self.bucket_bytes = 0
         self.fallbacks: dict[str, str] = {}
         self.secret, self.timeout_s, self.rank = secret, timeout_s, rank
-        self.store: Any = None
-        self.group: Any = None
+        self.store, self.group_id, self.group = kept  # the receiver's store connection and kept group, if any
+        self.formed = 0  # 1 if this session formed its group
         self.session: str | None = None
         self.version: int | None = None
         self.touched = False  # on_bucket was called: the engine's weights may be partly updated
@@ -175,15 +230,20 @@ class _BroadcastReceive:
     def run(self) -> TransferStats:
         start = time.perf_counter()
         failed = True
-        self.store = grp.connect_store(self.host, self.port, is_master=False, timeout_s=self.timeout_s)
         try:
+            if self.store is None:
+                self.store = grp.connect_store(self.host, self.port, is_master=False, timeout_s=self.timeout_s)
             with self._sender_link("waiting for an offer"):
                 offer = self._take_offer()
             with self._sender_link("joining"):
-                self._join(offer)
-            self.group = grp.form_group(
-                self.store, offer["session"], self.rank, offer["world"], self.backend, self.timeout_s
-            )
+                group_id, fresh = self._join(offer)
+            if fresh or group_id != self.group_id or self.group is None:
+                self._drop_group(failed=True)  # (aborted: a member that is gone must not hold up its shutdown)
+                self.group_id = group_id
+                self.group = grp.form_group(
+                    self.store, group_id, self.rank, offer["world"], self.backend, self.timeout_s
+                )
+                self.formed = 1
             self.phase = SessionPhase.STREAMING
             total, count = self._stream(offer["half_bytes"])
             self.phase = SessionPhase.RELEASED
@@ -209,8 +269,19 @@ class _BroadcastReceive:
             self.report_failure(exc)
             raise
         finally:
-            holder, self.group = [self.group], None
-            grp.close_group(holder, failed=failed)
+            if failed:  # the group may be out of step or broken, the store gone: the next sync starts afresh
+                self._drop_group(failed=True)
+                self.store = None
+
+    def _drop_group(self, *, failed: bool) -> None:
+        holder, self.group, self.group_id = [self.group], None, None
+        grp.close_group(holder, failed=failed)
+
+    def take_kept(self) -> tuple[Any, str | None, Any]:
+        """The store connection and the group of a session that ended well, for the receiver to keep."""
+        kept = self.store, self.group_id, self.group
+        self.store = self.group = self.group_id = None
+        return kept
 
     # -- handshake --------------------------------------------------------------------------------
 
@@ -263,9 +334,12 @@ class _BroadcastReceive:
         self.session, self.version = session, version  # from here on the receiver will not take this offer again
         return offer
 
-    def _join(self, offer: dict[str, Any]) -> None:
+    def _join(self, offer: dict[str, Any]) -> tuple[str, bool]:
+        """Join the session saying which group this receiver holds; the group the sender says it runs on, and
+        whether that group is to be formed now."""
         key = f"{grp.PREFIX}{self.session}/join/{self.rank}"
-        mine = grp.tag(self.secret, "join", self.session, offer["nonce"], self.rank)
+        held = self.group_id if self.group is not None else None
+        mine = grp.join_value(self.secret, self.session, offer["nonce"], self.rank, held or "")
         if bytes(self.store.compare_set(key, "", mine)) != mine:
             raise TransferError(
                 f"handshake: rank {self.rank} already joined session {self.session}: two receivers with one rank? "
@@ -281,8 +355,16 @@ class _BroadcastReceive:
             ),
         )
         self._sender_gave_up(self.store)
-        if not grp.hmac.compare_digest(grp.get(self.store, go), grp.tag(self.secret, "go", self.session)):
-            raise ProtocolError(f"handshake: session {self.session}'s go failed the secret check")
+        fields = grp.open_signed(self.secret, "go", grp.get(self.store, go), f"handshake: session {self.session}'s go")
+        group_id, fresh = fields.get("group"), fields.get("fresh")
+        if fields.get("session") != self.session or type(group_id) is not str or type(fresh) is not bool:
+            raise ProtocolError(f"handshake: malformed go {brief(fields)} for session {self.session}")
+        if not fresh and group_id != held:
+            raise ProtocolError(
+                f"handshake: the sender runs session {self.session} on group {group_id}, which receiver rank "
+                f"{self.rank} does not hold (it said {held or 'none'})"
+            )
+        return group_id, fresh
 
     @contextlib.contextmanager
     def _sender_link(self, doing: str) -> Iterator[None]:

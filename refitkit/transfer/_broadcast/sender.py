@@ -2,8 +2,8 @@
 
 ``BroadcastWeightSender`` hosts a TCPStore at the rendezvous the user gives (``tcp://host:port``) and
 each ``send(weights, version=...)`` is one session: it offers the session in the store, admits
-exactly ``receivers`` receivers (ranks 1..N, each proving it knows the job's secret), forms a new
-process group of its own for them (gloo on CPU, NCCL on GPU; never the trainer's or the engine's
+exactly ``receivers`` receivers (ranks 1..N, each proving it knows the job's secret), runs on a
+process group of its own with them (gloo on CPU, NCCL on GPU; never the trainer's or the engine's
 default group) and broadcasts the stream bucket by bucket, packing the next bucket into the other
 half of its buffer while the current one is on the wire. Each bucket is three broadcasts: a header
 (metadata and data sizes), the metadata (msgpack, ``protocol``'s ``bucket`` frame: names, dtypes,
@@ -13,8 +13,15 @@ piece instead, so that a receiver with a load plan lands each one in its own mem
 ``send()`` returns once all did, raises ``TransferError`` carrying a receiver's own message if one
 failed, ``TransferTimeout`` naming the phase, bucket and peer if a wait ran past ``timeout_s`` (the
 group is aborted: for NCCL that is the only way out of a stuck collective), and ``PeerGone`` (a
-``TransferTimeout``) when a receiver's connection broke. The group is torn down after every session
-and the next session forms a new one, so a failed session leaves nothing out of step.
+``TransferTimeout``) when a receiver's connection broke.
+
+The sender and each receiver are the two ends of a channel: the group is formed by the first session and kept
+by both sides for the next ones (each sync is then one exchange on connections already made: no rendezvous,
+no new sockets or NCCL communicator), as long as every receiver of a session says it holds that same group.
+A receiver that is new (or closed and opened again) makes the session form a new group, the old one dropped. A
+failed session drops its group on every side, so the next session forms a fresh one that every member holds
+whole: a failure ends that sync, never the next. ``close()`` (or leaving ``with``) drops the group and stops
+the rendezvous; a receiver's next call then fails with ``PeerGone`` naming the sender.
 
 Security (what the secret buys, and what it does not):
 
@@ -44,7 +51,7 @@ from typing import Any
 
 import torch
 
-from refitkit.errors import InvalidInput, ProtocolError, TransferError, TransferTimeout
+from refitkit.errors import ChannelClosed, InvalidInput, ProtocolError, TransferError, TransferTimeout
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer.common import SessionPhase, TransferStats, checked_device, checked_knobs, checked_version
 from refitkit.transfer.packing import BucketPacker, CheckedItem, check_item, check_items, half_bytes_for
@@ -104,11 +111,34 @@ class BroadcastWeightSender:
         self._store: Any = grp.connect_store(self.host, self.port, is_master=True, timeout_s=self.timeout_s)
         self._lock = threading.Lock()
         self._stale: tuple[str, list[str]] | None = None  # the last session and its keys, dropped when the next starts
+        self._group: Any = None  # the group the last session ran on and ended well: the next one's, if all hold it
+        self.group_id: str | None = None  # its id (None: no group kept)
+        self.groups_formed = 0  # how many groups this sender formed (one per channel while no sync fails)
         self.last_timings_s: dict[str, float] = {}
 
     def close(self) -> None:
-        """Stop hosting the rendezvous; the sender cannot send afterwards."""
-        self._store = None
+        """Drop the kept group and stop hosting the rendezvous; idempotent. The sender cannot send afterwards
+        (``ChannelClosed``); a receiver's next call fails with ``PeerGone`` naming the sender."""
+        if self._store is None:
+            return
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise TransferError(
+                f"broadcast sender on tcp://{self.host}:{self.port}: close() waited timeout_s={self.timeout_s:g} for "
+                "the send() running in another thread"
+            )
+        try:
+            self._drop_group(failed=False)
+            self._store = None
+        finally:
+            self._lock.release()
+
+    def _drop_group(self, *, failed: bool) -> None:
+        """Tear the kept group down (its rendezvous keys too); the next session forms a new one."""
+        holder, self._group = [self._group], None
+        group_id, self.group_id = self.group_id, None
+        grp.close_group(holder, failed=failed)
+        if group_id is not None and self._store is not None:
+            grp.drop_session(self._store, group_id, [])
 
     def __enter__(self) -> BroadcastWeightSender:
         return self
@@ -137,7 +167,7 @@ class BroadcastWeightSender:
                 return None if item is _END else check_item(next(counter), item, seen, need_cuda=False)
 
         if self._store is None:
-            raise TransferError(f"broadcast sender on tcp://{self.host}:{self.port} is closed")
+            raise ChannelClosed(f"broadcast sender on tcp://{self.host}:{self.port} is closed; make a new one")
         if not self._lock.acquire(timeout=self.timeout_s):
             raise TransferError(
                 f"another send() held the broadcast sender for timeout_s={self.timeout_s:g}; one session at a time"
@@ -157,12 +187,20 @@ class BroadcastWeightSender:
                 backend=self.backend,
                 device=self.device,
                 per_tensor=self.per_tensor,
+                kept=(self.group_id, self._group),
             )
+            self._group = None  # the session holds it now, and hands it back only if it ends well
             self.last_timings_s = run.timings
             try:
-                return run.run()
+                stats = run.run()
+            except BaseException:
+                self.group_id = None  # (its group was dropped by the session, with its keys)
+                raise
             finally:
                 self._stale = run.session, run.keys
+                self.groups_formed += run.formed
+            self.group_id, self._group = run.take_group()
+            return stats
         finally:
             self._lock.release()
 
@@ -184,6 +222,7 @@ class _BroadcastSend:
         backend: str,
         device: torch.device,
         per_tensor: bool,
+        kept: tuple[str | None, Any],
     ) -> None:
         self.pull, self.version = pull, version
         self.store, self.secret, self.timeout_s = store, secret, timeout_s
@@ -196,7 +235,8 @@ class _BroadcastSend:
         self.batch = listed is not None
         self.keys = [f"{self.session}/{key}" for key in ("go", "abort", "failures")]
         self.keys += [f"{self.session}/{kind}/{rank}" for kind in ("join", "status") for rank in range(1, self.world)]
-        self.group: Any = None
+        self.group_id, self.group = kept  # the sender's kept group, if any: this session runs on it if all hold it
+        self.formed = 0  # 1 if this session formed its group
         self.packer: BucketPacker | None = None
         self.inflight: dict[int, list[Any]] = {}  # half -> [bucket number, works and the tensors they read]
         self.seq = 0
@@ -224,10 +264,21 @@ class _BroadcastSend:
                     },
                 ),
             )
-            self._admit()
-            began = time.perf_counter()
-            self.group = grp.form_group(self.store, self.session, 0, self.world, self.backend, self.timeout_s)
-            self.timings["group"] = time.perf_counter() - began
+            held = self._admit()
+            fresh = self.group is None or any(group_id != self.group_id for group_id in held)
+            if fresh:  # not every receiver holds the kept group: a new one, the old one dropped
+                self._drop_group(failed=True)  # (aborted: a member that is gone must not hold up its shutdown)
+                self.group_id = f"g{secrets.token_hex(8)}"
+            grp.put(
+                self.store,
+                f"{self.session}/go",
+                grp.sign(self.secret, "go", {"session": self.session, "group": self.group_id, "fresh": fresh}),
+            )
+            if fresh:
+                began = time.perf_counter()
+                self.group = grp.form_group(self.store, self.group_id, 0, self.world, self.backend, self.timeout_s)
+                self.formed = 1
+                self.timings["group"] = time.perf_counter() - began
             self.phase = SessionPhase.STREAMING
             total, count = self._stream()
             self.phase = SessionPhase.DRAINING
@@ -246,13 +297,27 @@ class _BroadcastSend:
             self.inflight.clear()
             if self.packer is not None:
                 self.packer.detach()
-            holder, self.group = [self.group], None
-            grp.close_group(holder, failed=failed)
+                self.packer = None  # (it calls back into this session: no cycle may keep the store alive past close())
+            if failed:  # its group may be out of step or broken: every side drops it
+                self._drop_group(failed=True)
+
+    def _drop_group(self, *, failed: bool) -> None:
+        holder, self.group = [self.group], None
+        group_id, self.group_id = self.group_id, None
+        grp.close_group(holder, failed=failed)
+        if group_id is not None:
+            grp.drop_session(self.store, group_id, [])
+
+    def take_group(self) -> tuple[str | None, Any]:
+        """The group of a session that ended well, and its id, for the sender to keep (the session forgets them)."""
+        group, self.group = self.group, None
+        return self.group_id, group
 
     # -- admission --------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Every rank's join present and proven, then ``go``; ProtocolError naming a rank that failed the check."""
+    def _admit(self) -> list[str]:
+        """Every rank's join present and proven; the group id each says it holds. ProtocolError naming a rank that
+        failed the check."""
         joins = [f"{self.session}/join/{rank}" for rank in range(1, self.world)]
 
         def missing() -> str:
@@ -268,14 +333,16 @@ class _BroadcastSend:
             deadline=time.monotonic() + self.timeout_s,
             on_timeout=lambda: TransferTimeout(missing()),
         )
+        held = []
         for rank, key in enumerate(joins, 1):
-            expected = grp.tag(self.secret, "join", self.session, self.nonce, rank)
-            if not grp.hmac.compare_digest(grp.get(self.store, key), expected):
+            group_id = grp.read_join(self.secret, self.session, self.nonce, rank, grp.get(self.store, key))
+            if group_id is None:
                 raise ProtocolError(
                     f"handshake: receiver rank {rank}'s join failed the secret check (a wrong secret, another job on "
                     f"this rendezvous, or an intruder); session {self.session} was called off before any weight was sent"
                 )
-        grp.put(self.store, f"{self.session}/go", grp.tag(self.secret, "go", self.session))
+            held.append(group_id)
+        return held
 
     def _call_off(self, exc: BaseException) -> None:
         """Tell every receiver the session is off (signed), so none waits its timeout for nothing."""

@@ -55,6 +55,22 @@ def test_broadcast_push_lands_and_vllm_computes_what_hf_computes(engine, trainer
     assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # bit-exact: vLLM's own disk load
 
 
+def test_the_worker_keeps_its_receiver_so_every_sync_runs_on_one_group(engine, trainer):
+    """Syncs from one sender: the worker keeps its receiver, so the first sync's group carries every later one (the
+    sender reuses a group only when the worker says it holds it)."""
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    with BroadcastWeightSender(
+        rendezvous, secret=SECRET, receivers=1, bucket_bytes=SMALL_BUCKET_BYTES, timeout_s=30.0
+    ) as sender:
+        for version, model in ((215, trainer), (216, engine.original), (217, trainer), (218, engine.original)):
+            stats = push_weights_broadcast(engine.llm, sender, model.named_parameters(), secret=SECRET, version=version)
+            [worker] = stats.ranks
+            assert (worker["version"], worker["complete"]) == (version, True)
+        assert sender.groups_formed == 1 and sender.group_id is not None
+    assert prompt_logprobs(engine.llm) == engine.baseline_logprobs  # bit-exact: the last sync was the disk weights
+    assert clean_weight_version(engine.llm) == 218
+
+
 def test_a_sync_killed_part_way_leaves_the_engine_incomplete_until_a_full_sync(engine, trainer):
     broadcast_push(engine, trainer.named_parameters(), version=210)
     port = free_port()
