@@ -117,7 +117,8 @@ class RefitkitCheckpointEngine:
     ``engine_kwargs.refitkit``: ``timeout_s`` bounds each wait for the peer, ``max_sync_s`` one whole sync on the
     rollout side, ``transport`` is the sender's (``"auto"``, ``"shm"``, ``"cuda_ipc"``), ``device`` where the rollout
     side's tensors arrive (``"auto"``: this process's GPU, else the CPU), ``direct`` the sender's one-copy mode,
-    ``barrier_timeout_s`` the bound of ``barrier()`` across the trainer ranks.
+    ``barrier_timeout_s`` the bound of ``barrier()`` across the trainer ranks, ``phase_timeout_s`` the colocated
+    manager's bound on its other phases (``RefitkitCheckpointManager``: the wakes and the trainer offload).
     """
 
     wire_format = "named_tensors"  # how verl's CheckpointEngineWorker hands our weights to its rollout adapter
@@ -133,6 +134,7 @@ class RefitkitCheckpointEngine:
         device: str = "auto",
         direct: bool = True,
         barrier_timeout_s: float = 300.0,
+        phase_timeout_s: float = 600.0,
     ) -> None:
         # checked here, when verl builds the engine from its config, not at the first sync
         self.bucket_size = _checked_bucket_size(bucket_size)
@@ -140,6 +142,7 @@ class RefitkitCheckpointEngine:
         self.timeout_s, _, self.transport = checked_knobs(timeout_s=timeout_s, transport=transport)
         self.max_sync_s = None if max_sync_s is None else checked_seconds(max_sync_s, f"{KNOBS}.max_sync_s")
         self.barrier_timeout_s = checked_seconds(barrier_timeout_s, f"{KNOBS}.barrier_timeout_s")
+        self.phase_timeout_s = checked_seconds(phase_timeout_s, f"{KNOBS}.phase_timeout_s")
         self.device = _checked_device_name(device)
         if not isinstance(direct, bool):
             raise InvalidInput(f"{KNOBS}.direct={direct!r}: need true or false")
@@ -361,11 +364,23 @@ async def _drain(weights: Any) -> None:
 
 
 def register() -> None:
-    """Register ``RefitkitCheckpointEngine`` in verl's ``CheckpointEngineRegistry`` as ``"refitkit"`` (idempotent;
-    done when this module is imported with verl installed, which is what ``custom_backend_module`` does)."""
+    """Register ``RefitkitCheckpointEngine`` in verl's ``CheckpointEngineRegistry`` as ``"refitkit"``, and
+    ``RefitkitFSDPEngine`` in its ``EngineRegistry`` under the vendor ``refitkit`` (idempotent; done when this module is
+    imported with verl installed, which is what ``custom_backend_module`` and ``model.external_lib`` do)."""
     from verl.checkpoint_engine import CheckpointEngineRegistry  # verl is optional: only here
 
     CheckpointEngineRegistry.register(BACKEND)(RefitkitCheckpointEngine)
+    # registers the engine when loaded (a plain import: it may be the module importing this one)
+    import refitkit.integrations.verl_colocated  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    # the colocated loop's classes subclass verl's: loaded on first use (checkpoint_manager_class names one)
+    if name in ("RefitkitCheckpointManager", "RefitkitFSDPEngine"):
+        from refitkit.integrations import verl_colocated
+
+        return getattr(verl_colocated, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if importlib.util.find_spec("verl") is not None:
