@@ -73,14 +73,16 @@ def test_the_suites_own_asserts_still_check_under_python_O():
 # Optional engines are the exception: their packages are imported only by modules named after them, and only lazily
 # (what those modules import at their top must still be declared, since `refitkit.rollout` imports rollout/vllm.py).
 
-OPTIONAL_ENGINES = {
-    "vllm": "vllm",
-    "sglang": "sglang",
-    "megatron": "megatron",
-    "torchtitan": "torchtitan",
-    "automodel": "nemo_automodel",
-    "transformers": "transformers",  # engines/fsdp/_transformers.py: a transformers model's checkpoint names
+OPTIONAL_ENGINES = {  # a word in a module's name -> the packages that module may import when it is loaded
+    "vllm": ("vllm",),
+    "sglang": ("sglang",),
+    "megatron": ("megatron",),
+    "torchtitan": ("torchtitan",),
+    "automodel": ("nemo_automodel",),
+    "transformers": ("transformers",),  # engines/fsdp/_transformers.py: a transformers model's checkpoint names
+    "verl": ("verl", "ray"),  # integrations/verl_colocated.py: verl's manager and engine classes, on its Ray actors
 }
+ENGINE_PACKAGES = {package for packages in OPTIONAL_ENGINES.values() for package in packages}
 
 
 def _install_requires() -> set[str]:
@@ -160,7 +162,7 @@ def _undeclared_imports() -> list[str]:
             root = name.split(".")[0]
             if root in sys.stdlib_module_names or root == "refitkit" or root == "__future__":
                 continue
-            if engine is not None and root == OPTIONAL_ENGINES[engine]:
+            if engine is not None and root in OPTIONAL_ENGINES[engine]:
                 continue  # the module is named after its engine: refitkit imports it lazily (checked below)
             distributions = {_canonical(d) for d in to_distributions.get(root, [])}
             if not distributions & declared:
@@ -176,7 +178,7 @@ def _optional_engine_modules_pulled_in_eagerly() -> list[str]:
         module
         for module, (_, tree) in modules.items()
         for name, _ in _imported_when_loaded(tree, module, module in packages)
-        if name.split(".")[0] in OPTIONAL_ENGINES.values()
+        if name.split(".")[0] in ENGINE_PACKAGES
     }
     found = []
     for module, (path, tree) in sorted(modules.items()):
