@@ -34,7 +34,7 @@ from refitkit.errors import (
 )
 from refitkit.rollout.load_plan import DirectLoads, LandedStats
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, SyncCoverage, coverage_of
-from refitkit.transfer import TransferStats
+from refitkit.transfer import BroadcastWeightReceiver, ChannelState, TransferStats
 from refitkit.transfer.packing import check_items
 
 log = logging.getLogger(__name__)
@@ -424,3 +424,33 @@ def close_receiver(receiver: Any, where: str) -> None:
         log.warning(
             "%s: closing its kept receiver of %s failed", where, getattr(receiver, "endpoint", "?"), exc_info=True
         )
+
+
+class KeptBroadcast:
+    """One engine rank's ``BroadcastWeightReceiver``, kept from one sync to the next while it is opened with the same
+    arguments (its process group is then reused), replaced (the old one closed) otherwise; ``where`` names the rank in
+    log lines. Shared by the vLLM worker and the SGLang scheduler."""
+
+    def __init__(self, device: Any, where: str) -> None:
+        self.device, self.where = device, where
+        self._receiver: BroadcastWeightReceiver | None = None
+        self._key: tuple[Any, ...] | None = None  # what the kept receiver was opened with
+
+    def open(
+        self, rendezvous: str, secret: str | bytes, rank: int, backend: str, timeout_s: float
+    ) -> BroadcastWeightReceiver:
+        """The kept receiver if it is open and was opened with these arguments, else a new one."""
+        key = (rendezvous, secret, rank, backend, timeout_s)
+        receiver = self._receiver
+        if receiver is None or receiver.state is not ChannelState.OPEN or self._key != key:
+            self.close()
+            receiver = BroadcastWeightReceiver(
+                rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
+            )
+            self._receiver, self._key = receiver, key
+        return receiver
+
+    def close(self) -> None:
+        """Close the kept receiver, if any (a failure is logged: ``close_receiver``)."""
+        receiver, self._receiver, self._key = self._receiver, None, None
+        close_receiver(receiver, self.where)

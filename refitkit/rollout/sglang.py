@@ -41,6 +41,7 @@ from refitkit.rollout.checkpoint_names import checkpoint_weight_names
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
     HelperThreads,
+    KeptBroadcast,
     SyncProgress,
     bounded_call,
     checked_first_rank,
@@ -55,7 +56,6 @@ from refitkit.rollout.sessions import (
 from refitkit.rollout.versions import MISSING_SHOWN, EngineWeights, coverage_of, weight_version_of
 from refitkit.rollout.vllm import tensor_fingerprint
 from refitkit.transfer import (
-    BroadcastWeightReceiver,
     BucketedWeightReceiver,
     ChannelState,
     TransferStats,
@@ -187,8 +187,7 @@ class SchedulerReceiver:
         self.direct = DirectLoads(model, model.load_weights)
         self._expected: Any = _UNREAD
         self._receiver: BucketedWeightReceiver | None = None  # the last sync's, for the next on its endpoint
-        self._broadcast: BroadcastWeightReceiver | None = None  # the last broadcast sync's, for the next like it
-        self._broadcast_key: tuple[Any, ...] | None = None  # what it was opened with
+        self._broadcast = KeptBroadcast(device, f"SGLang scheduler (TP rank {rank})")  # for the next broadcast like it
 
     def receive(
         self, endpoint: str, timeout_s: float, version: int | None, *, weights_released: bool
@@ -215,15 +214,7 @@ class SchedulerReceiver:
         """Join the ``BroadcastWeightSender`` at ``rendezvous`` as rank ``first_rank`` + this TP rank for one session,
         with the receiver kept from the last sync if it was opened with the same arguments (its group is reused)."""
         rank = first_rank + self.rank
-        key = (rendezvous, secret, rank, backend, timeout_s)
-        receiver = self._broadcast
-        if receiver is None or receiver.state is not ChannelState.OPEN or self._broadcast_key != key:
-            self._broadcast = self._broadcast_key = None
-            close_receiver(receiver, f"SGLang scheduler (TP rank {self.rank})")
-            receiver = BroadcastWeightReceiver(
-                rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
-            )
-            self._broadcast, self._broadcast_key = receiver, key
+        receiver = self._broadcast.open(rendezvous, secret, rank, backend, timeout_s)
         if weights_released:
             refuse_session(receiver, self._asleep())
 
@@ -242,8 +233,7 @@ class SchedulerReceiver:
         """Close the receiver kept for the next sync (the weight versions stay); a later sync opens a new one."""
         receiver, self._receiver = self._receiver, None
         close_receiver(receiver, f"SGLang scheduler (TP rank {self.rank})")
-        broadcast, self._broadcast, self._broadcast_key = self._broadcast, None, None
-        close_receiver(broadcast, f"SGLang scheduler (TP rank {self.rank})")
+        self._broadcast.close()
 
     def _land(
         self, receive: Callable[[Callable[..., Any]], TransferStats], number: Callable[[], int]

@@ -47,6 +47,7 @@ from refitkit.rollout._stream_bridge import ReceiveBridge
 from refitkit.rollout.load_plan import DirectLoads
 from refitkit.rollout.sessions import (
     HelperThreads,
+    KeptBroadcast,
     SyncProgress,
     WeightCheck,
     bounded_call,
@@ -112,8 +113,9 @@ class WorkerReceiver:
         self._post_reason: Any = _UNREAD  # why post-processing must follow direct copies (None: it need not), read once
         self._direct: DirectLoads | None = None  # the plan of direct copies, learned from the first in-place sync
         self._receiver: BucketedWeightReceiver | None = None  # the last sync's, for the next on its endpoint
-        self._broadcast: BroadcastWeightReceiver | None = None  # the last broadcast sync's, for the next like it
-        self._broadcast_key: tuple[Any, ...] | None = None  # what it was opened with
+        self._broadcast = KeptBroadcast(
+            device, f"vLLM worker {rank}"
+        )  # the last broadcast sync's, for the next like it
 
     @property
     def load_path(self) -> str:
@@ -192,16 +194,7 @@ class WorkerReceiver:
     ) -> BroadcastWeightReceiver:
         """The broadcast receiver kept from the last sync if it was opened with the same arguments (its group is then
         reused), else a new one (the kept one is closed)."""
-        key = (rendezvous, secret, rank, backend, timeout_s)
-        receiver = self._broadcast
-        if receiver is None or receiver.state is not ChannelState.OPEN or self._broadcast_key != key:
-            self._broadcast = self._broadcast_key = None
-            close_receiver(receiver, f"vLLM worker {self.rank}")
-            receiver = BroadcastWeightReceiver(
-                rendezvous, secret=secret, rank=rank, device=self.device, backend=backend, timeout_s=timeout_s
-            )
-            self._broadcast, self._broadcast_key = receiver, key
-        return receiver
+        return self._broadcast.open(rendezvous, secret, rank, backend, timeout_s)
 
     def discarded(self) -> None:
         """The engine slept at level 2: its weights are garbage until a full sync lands (reported incomplete)."""
@@ -211,8 +204,7 @@ class WorkerReceiver:
         """Close the receivers kept for the next sync (the weight versions stay); a later sync opens a new one."""
         receiver, self._receiver = self._receiver, None
         close_receiver(receiver, f"vLLM worker {self.rank}")
-        broadcast, self._broadcast, self._broadcast_key = self._broadcast, None, None
-        close_receiver(broadcast, f"vLLM worker {self.rank}")
+        self._broadcast.close()
 
     @property
     def kept_endpoint(self) -> str | None:
