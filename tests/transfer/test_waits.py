@@ -171,3 +171,79 @@ def test_a_receiver_waiting_for_bytes_that_never_complete_sleeps_and_times_out_n
     assert f"timeout_s={SILENT_S:g}" in result["outcome"], result
     assert SILENT_S <= result["wall"] < SILENT_S + 2, result
     assert result["share"] <= MOST_OF_A_CORE, f"the waiting receiver used {result['share']:.1%} of a core: {result}"
+
+
+# -- a side waiting on its own CUDA work (the GPU machine) -----------------------------------------------------
+
+STALL_S = 3.0  # how long the GPU work queued before a side's copies runs
+CUDA_WEIGHTS = 6  # one 64 KiB tensor a half when bucketed: 6 buckets
+
+
+def cuda_weights() -> list[tuple[str, torch.Tensor]]:
+    return [(f"c{i}", torch.full((16384,), float(i), device="cuda")) for i in range(CUDA_WEIGHTS)]
+
+
+def stall_gpu(seconds: float) -> None:
+    """Queue ``seconds`` of GPU work on the current stream (calibrated on this GPU's clock, here)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1000)
+    torch.cuda._sleep(int(cycles_per_s * seconds))
+
+
+def cuda_receiver_main(endpoint: str, bucketed: bool, conn) -> None:
+    """Two sessions on CUDA; with ``bucketed`` the second one's loader queues STALL_S of GPU work at its first bucket
+    (the receiver's reads, and its done, come after it), measured."""
+    torch.set_num_threads(1)
+    receiver = BucketedWeightReceiver(endpoint, "cuda", timeout_s=60)
+    receiver.receive(lambda weights, is_last: None)
+    copies: dict[str, torch.Tensor] = {}
+
+    def collect(weights, is_last, stalled=[]):  # noqa: B006 (the one stall of this session)
+        if bucketed and not stalled:
+            stalled.append(True)
+            stall_gpu(STALL_S)
+        copies.update((name, tensor.clone()) for name, tensor in weights)  # queued after the stall: no wait here
+
+    stats, wall, share = cpu_share(lambda: receiver.receive(collect))
+    got = {name: digest(tensor.cpu()) for name, tensor in copies.items()}
+    want = {name: digest(tensor.cpu()) for name, tensor in cuda_weights()}
+    conn.send({"buckets": stats.buckets, "wall": wall, "share": share, "intact": got == want})
+
+
+def cuda_sender_main(endpoint: str, bucketed: bool, conn) -> None:
+    """Two sessions on CUDA; unless ``bucketed`` the second one's tensors come after STALL_S of GPU work queued on
+    the current stream (its packed frame waits for it), measured."""
+    torch.set_num_threads(1)
+    weights = cuda_weights()
+    options: dict[str, Any] = {"bucket_bytes": 2 * 65536, "direct": False} if bucketed else {}
+    with BucketedWeightSender(endpoint, transport="cuda_ipc", timeout_s=60, **options) as sender:
+        sender.send(weights)
+
+        def stalled_send():
+            if not bucketed:
+                stall_gpu(STALL_S)
+            return sender.send(weights)
+
+        stats, wall, share = cpu_share(stalled_send)
+    conn.send({"buckets": stats.buckets, "wall": wall, "share": share})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_a_side_waiting_on_its_own_cuda_work_sleeps(endpoint, side):
+    # The sender's tensors (direct) or the receiver's reads (bucketed) come after STALL_S of GPU work: the side waits
+    # for it before its packed / done frame, asleep in the driver, and the session still ends intact. (A wait that
+    # looks at the events in a loop uses a whole core for STALL_S.)
+    bucketed = side == "receiver"
+    receiver, from_receiver = spawn(cuda_receiver_main, endpoint, bucketed)
+    sender, from_sender = spawn(cuda_sender_main, endpoint, bucketed)
+    sent = report(sender, from_sender, 120)
+    received = report(receiver, from_receiver, 30)
+    assert received["intact"] and sent["buckets"] == received["buckets"], (sent, received)
+    measured = sent if side == "sender" else received
+    assert measured["wall"] >= STALL_S * 0.9, measured  # the side did wait for the GPU work
+    assert measured["share"] <= MOST_OF_A_CORE, f"the waiting {side} used {measured['share']:.1%} of a core: {measured}"

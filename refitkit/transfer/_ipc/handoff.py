@@ -5,8 +5,10 @@ frame says it finished reading them (for the last bucket, the ``released`` frame
 copies or reads are queued on a CUDA stream records an event after them and sends the frame once the event has
 completed, in order (``announce_finished``); CPU copies are synchronous and announced at once.
 
-Waits block in the kernel (a ZMQ poll of the socket, which also sees the peer's connection end) with the caller's
-deadline; while a side has its own CUDA work still to announce, it looks at the events every ``EVENT_SLICE_S``.
+Waits block in the kernel with the caller's deadline: on the socket (a ZMQ poll, which also sees the peer's connection
+end), or, while a side has its own CUDA work still to announce and no frame is queued, on the oldest of those events
+(``wait_oldest``: a blocking-sync event, so the thread sleeps in the driver with the GIL released, and announces the
+moment the copies end).
 """
 
 from __future__ import annotations
@@ -20,18 +22,15 @@ from typing import Any
 from refitkit.transfer.common import SessionPhase
 from refitkit.transfer.protocol import timeout_error
 
-# A wait with our own CUDA copies still to announce looks at their events this often: the announcement is at most
-# 1 ms late, and the copies are ours, so the short slices last only while they run.
-EVENT_SLICE_S = 0.001
-
 
 def event_after(stream: Any) -> Any:
-    """A CUDA event after the work queued on ``stream`` (None: CPU work, done)."""
+    """A CUDA event after the work queued on ``stream`` (None: CPU work, done). Blocking-sync: a thread waiting on it
+    sleeps in the driver instead of spinning."""
     if stream is None:
         return None
     import torch
 
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record(stream)
     return event
 
@@ -45,6 +44,14 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
             return
         pending.popleft()
         announce(seq)
+
+
+def wait_oldest(pending: deque[tuple[int, Any]]) -> None:
+    """Block until the oldest pending bucket's CUDA work has run. That work is this side's own copies (or the
+    trainer's kernels before them), already queued: it ends without the peer, so the wait is bounded by it, and the
+    socket is looked at again right after."""
+    if pending and pending[0][1] is not None:
+        pending[0][1].synchronize()
 
 
 def wait_until(

@@ -14,6 +14,7 @@ receiver that closes its socket after its final ACK is never taken for dead.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import struct
@@ -121,7 +122,7 @@ class PeerWatch:
                     return True
                 self.lost = True
                 return False
-            left_ms = int((deadline - time.monotonic()) * 1000)
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)  # (truncated, a last 0.9 ms would spin)
             if left_ms <= 0:
                 return False
             if sock in dict(self._poller.poll(left_ms)):

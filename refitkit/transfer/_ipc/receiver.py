@@ -615,10 +615,11 @@ class _ReceiveSession:
             def look(left_s: float) -> None:
                 if watch.lost:  # seen by an earlier look, and ready() found nothing since
                     raise self._gone(waiting_for)
-                # one short slice while our reads wait to be announced, else the socket (and the sender's
-                # connection) until the deadline
-                wait_s = min(left_s, handoff.EVENT_SLICE_S) if self.unconsumed else left_s
-                if watch.poll(handoff.poll_ms(wait_s)):
+                if self.unconsumed and not watch.poll(0):  # nothing from the sender yet: our reads end first
+                    handoff.wait_oldest(self.unconsumed)
+                    return
+                # else the socket (and the sender's connection) until the deadline
+                if watch.poll(0 if self.unconsumed else handoff.poll_ms(left_s)):
                     self._take(self._recv_now())
 
             handoff.wait_until(
@@ -655,8 +656,10 @@ class _ReceiveSession:
         def look(left_s: float) -> None:
             if watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
-            wait_s = min(left_s, handoff.EVENT_SLICE_S) if self.unconsumed else left_s
-            if watch.poll(handoff.poll_ms(wait_s)):
+            if self.unconsumed and not watch.poll(0):  # nothing from the sender yet: our reads end first
+                handoff.wait_oldest(self.unconsumed)
+                return
+            if watch.poll(0 if self.unconsumed else handoff.poll_ms(left_s)):
                 self._take(self._recv_now())
             for _ in range(FRAMES_PER_LOOK):  # an abort, or early frames (a flood cannot hold the wait)
                 if not watch.poll(0):

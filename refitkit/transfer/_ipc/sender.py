@@ -998,8 +998,10 @@ class _SendSession:
                 left_s = min(left_s, CANCEL_SLICE_S)
             if self.watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
-            # while our own copies wait to be announced, one short slice at most
-            self._read_frames(handoff.poll_ms(min(left_s, handoff.EVENT_SLICE_S) if self.unpacked else left_s))
+            if self.unpacked and not self.watch.poll(0):  # nothing from the receiver yet: our copies end first
+                handoff.wait_oldest(self.unpacked)
+                return
+            self._read_frames(0 if self.unpacked else handoff.poll_ms(left_s))
 
         began = time.perf_counter()
         try:
