@@ -15,12 +15,12 @@ sleep mode), a few steps of a tiny batch, no validation, console + file loggers.
 (``verl/trainer/ppo/v1/trainer_base.py:381-387``). Per mode it collects verl's per-step metrics (its file logger:
 ``timing_s/update_weights``, ``timing_s/gen``, ``timing_s/step``, ..., ``training/rollout_probs_diff_*``: the
 rollout's log-probs of the sampled tokens against the trainer's) and, for refitkit, the manager's ``last_metrics`` per
-step (phases, host RSS, device free; ``REFITKIT_VERL_METRICS_FILE``) into ``OUT/<mode>.json``, and writes
-``OUT/table.md`` side by side.
+step (phases, host RSS, device free; ``REFITKIT_VERL_METRICS_FILE``) into ``OUT/<mode>.json`` beside its log
+``OUT/<mode>.log``, and writes ``OUT/table.md`` side by side (5 files; verl's own files stay under ``--work``).
 
 On the GPU machine (the vLLM kit and the verl kit installed into /tmp/site, see envs/gpu/verl.txt)::
 
-    PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/verl_grpo.py --out $OUT --steps 4
+    PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/verl_grpo.py --out $OUT --steps 4
 
 ``--modes naive`` or ``--modes refitkit`` runs one; ``--print-overrides`` prints each mode's command and exits.
 """
@@ -166,8 +166,9 @@ def write_reward(path: Path) -> Path:
 # -- the two runs ---------------------------------------------------------------------------------------------------
 
 
-def overrides(mode: str, model: str, prompts: str, reward: str, out: str, args: Any) -> list[str]:
-    """Hydra overrides of verl 0.9.1's ``ppo_trainer`` config for ``mode`` (``naive``: verl's own path)."""
+def overrides(mode: str, model: str, prompts: str, reward: str, run_dir: str, args: Any) -> list[str]:
+    """Hydra overrides of verl 0.9.1's ``ppo_trainer`` config for ``mode`` (``naive``: verl's own path); the metrics
+    files and anything verl writes go under ``run_dir``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     common = [
@@ -218,9 +219,9 @@ def overrides(mode: str, model: str, prompts: str, reward: str, out: str, args: 
         "trainer.logger=[console,file]",
         "trainer.project_name=refitkit_verl_grpo",
         f"trainer.experiment_name={mode}",
-        f"trainer.default_local_dir={out}/checkpoints-{mode}",
+        f"trainer.default_local_dir={run_dir}/checkpoints-{mode}",
         f"ray_kwargs.ray_init.num_cpus={args.ray_cpus}",
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={out}/{mode}.verl.jsonl",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={run_dir}/{mode}.verl.jsonl",
     ]
     if mode == "naive":
         return common
@@ -232,7 +233,7 @@ def overrides(mode: str, model: str, prompts: str, reward: str, out: str, args: 
         f"+actor_rollout_ref.rollout.checkpoint_manager_class={MODULE}.RefitkitCheckpointManager",
         f"actor_rollout_ref.model.external_lib={MODULE}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=refitkit",
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.{METRICS_ENV}={out}/{mode}.refitkit.jsonl",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.{METRICS_ENV}={run_dir}/{mode}.refitkit.jsonl",
         f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}",
         f"{knobs}.timeout_s={args.timeout_s}",
         f"{knobs}.barrier_timeout_s={args.timeout_s}",
@@ -240,13 +241,15 @@ def overrides(mode: str, model: str, prompts: str, reward: str, out: str, args: 
     ]
 
 
-def run_mode(mode: str, argv: list[str], out: Path, limit_s: float) -> dict[str, Any]:
-    """``python -m verl.trainer.main_ppo argv`` in its own process group (its own Ray), bounded by ``limit_s``."""
-    for stale in (out / f"{mode}.verl.jsonl", out / f"{mode}.refitkit.jsonl"):
+def run_mode(mode: str, argv: list[str], out: Path, run_dir: Path, limit_s: float) -> dict[str, Any]:
+    """``python -m verl.trainer.main_ppo argv`` in its own process group (its own Ray), bounded by ``limit_s``, in
+    ``run_dir`` (hydra's outputs/ and the metrics files land there: ``out`` gets only the log and the results)."""
+    for stale in (run_dir / f"{mode}.verl.jsonl", run_dir / f"{mode}.refitkit.jsonl"):
         stale.unlink(missing_ok=True)
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), repo) if p)
+    # this checkout's refitkit first (a copy installed into the kits' site may be older); the kits' site after it
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the kit
     env.setdefault("RAY_DEDUP_LOGS", "0")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -258,6 +261,7 @@ def run_mode(mode: str, argv: list[str], out: Path, limit_s: float) -> dict[str,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=run_dir,
             start_new_session=True,
         )
         try:
@@ -278,7 +282,7 @@ def run_mode(mode: str, argv: list[str], out: Path, limit_s: float) -> dict[str,
         "timed_out": returncode is None,
         "wall_s": wall_s,
         "command": ["python", "-m", "verl.trainer.main_ppo", *argv],
-        "steps": collect(out, mode),
+        "steps": collect(run_dir, mode),
     }
 
 
@@ -303,14 +307,14 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 VERL_KEYS = ("timing_s/", "perf/", "training/rollout_probs_diff", "critic/score/mean", "response_length/mean")
 
 
-def collect(out: Path, mode: str) -> list[dict[str, Any]]:
+def collect(run_dir: Path, mode: str) -> list[dict[str, Any]]:
     """Per step: verl's logged metrics (timings, memory, the rollout-vs-trainer log-prob diff, reward) and refitkit's
     manager metrics of the ``update_weights`` that closed that step."""
     steps: dict[int, dict[str, Any]] = {}
-    for record in _jsonl(out / f"{mode}.verl.jsonl"):
+    for record in _jsonl(run_dir / f"{mode}.verl.jsonl"):
         data = {k: v for k, v in record["data"].items() if k.startswith(VERL_KEYS)}
         steps.setdefault(int(record["step"]), {})["verl"] = data
-    for record in _jsonl(out / f"{mode}.refitkit.jsonl"):
+    for record in _jsonl(run_dir / f"{mode}.refitkit.jsonl"):
         step = record["step"] if record["step"] is not None else 0
         steps.setdefault(int(step), {})["refitkit"] = record["metrics"]
     return [{"step": step, **steps[step]} for step in sorted(steps)]
@@ -357,7 +361,9 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="results folder: <mode>.json, <mode>.log, table.md")
-    parser.add_argument("--work", default="/tmp/rk-verl-grpo", help="checkpoint, prompts, reward file (reused)")
+    parser.add_argument(
+        "--work", default="/tmp/rk-verl-grpo", help="checkpoint, prompts, reward file (reused); run/: verl's files"
+    )
     parser.add_argument("--modes", default="naive,refitkit")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4, help="prompts per step (data.train_batch_size)")
@@ -373,6 +379,8 @@ def main() -> None:
     out, work = Path(args.out).resolve(), Path(args.work).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model, prompts, reward = work / "qwen3-0.6b-shaped", work / "prompts.parquet", work / "reward.py"
+    run_dir = work / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
     modes = [m for m in args.modes.split(",") if m]
     if args.print_overrides:
         for mode in modes:
@@ -380,7 +388,7 @@ def main() -> None:
                 " ".join(
                     [
                         "python -m verl.trainer.main_ppo",
-                        *overrides(mode, str(model), str(prompts), str(reward), str(out), args),
+                        *overrides(mode, str(model), str(prompts), str(reward), str(run_dir), args),
                     ]
                 )
             )
@@ -394,8 +402,8 @@ def main() -> None:
     print(f"inputs ready in {work} ({time.perf_counter() - began:.1f} s)", flush=True)
     results = {}
     for mode in modes:
-        argv = overrides(mode, str(model), str(prompts), str(reward), str(out), args)
-        results[mode] = run_mode(mode, argv, out, args.limit_s)
+        argv = overrides(mode, str(model), str(prompts), str(reward), str(run_dir), args)
+        results[mode] = run_mode(mode, argv, out, run_dir, args.limit_s)
         (out / f"{mode}.json").write_text(json.dumps(results[mode], indent=1, sort_keys=True))
         print(
             f"{mode}: rc {results[mode]['returncode']}, {len(results[mode]['steps'])} steps logged, "
