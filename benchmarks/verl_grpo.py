@@ -220,9 +220,10 @@ def overrides(mode: str, model: str, prompts: str, reward: str, run_dir: str, ar
         "trainer.project_name=refitkit_verl_grpo",
         f"trainer.experiment_name={mode}",
         f"trainer.default_local_dir={run_dir}/checkpoints-{mode}",
-        f"ray_kwargs.ray_init.num_cpus={args.ray_cpus}",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={run_dir}/{mode}.verl.jsonl",
     ]
+    if args.ray_cpus:  # default: Ray takes every CPU (too few and its actors wait for CPUs, with no error)
+        common.append(f"ray_kwargs.ray_init.num_cpus={args.ray_cpus}")
     if mode == "naive":
         return common
     knobs = "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitkit"
@@ -251,6 +252,7 @@ def run_mode(mode: str, argv: list[str], out: Path, run_dir: Path, limit_s: floa
     # this checkout's refitkit first (a copy installed into the kits' site may be older); the kits' site after it
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the kit
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the server's process may have initialised CUDA
     env.setdefault("RAY_DEDUP_LOGS", "0")
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = out / f"{mode}.log"
@@ -372,7 +374,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="refitkit's timeout_s and barrier_timeout_s")
     parser.add_argument("--transport", default="auto", choices=("auto", "shm", "cuda_ipc"))
-    parser.add_argument("--ray-cpus", type=int, default=8)
+    parser.add_argument("--ray-cpus", type=int, default=0, help="ray_init.num_cpus (0: all)")
     parser.add_argument("--limit-s", type=float, default=270.0, help="each mode's main_ppo is killed after this")
     parser.add_argument("--print-overrides", action="store_true")
     args = parser.parse_args()

@@ -28,7 +28,7 @@ def args(**changes: Any) -> argparse.Namespace:
         gpu_memory_utilization=0.3,
         timeout_s=60.0,
         transport="auto",
-        ray_cpus=8,
+        ray_cpus=0,
     )
     return argparse.Namespace(**{**values, **changes})
 
@@ -64,6 +64,7 @@ def test_overrides_compose_and_pass_verls_checks(mode: str, tmp_path: Path, inpu
     engine = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
     assert config.algorithm.adv_estimator == "grpo"
     assert config.trainer.use_v1 is False and list(config.trainer.logger) == ["console", "file"]
+    assert config.ray_kwargs.ray_init.num_cpus is None  # Ray takes every CPU: too few and its actors wait silently
     env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
     assert env_vars.VERL_FILE_LOGGER_PATH == f"{tmp_path}/{mode}.verl.jsonl"
     manager_fqn = config.actor_rollout_ref.rollout.get("checkpoint_manager_class")
