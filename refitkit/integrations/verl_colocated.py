@@ -8,6 +8,8 @@ Loaded through ``refitkit.integrations.verl`` (which names both), only with verl
     +actor_rollout_ref.rollout.checkpoint_manager_class=refitkit.integrations.verl.RefitkitCheckpointManager
     actor_rollout_ref.model.external_lib=refitkit.integrations.verl
     +ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=refitkit
+    +actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=refitkit.integrations.verl_vllm.VerlRefitWorkerExtension
+    trainer.use_v1=false
 
 ``RefitkitCheckpointManager`` replaces verl's ``CheckpointEngineManager`` on the driver. Its ``update_weights`` runs
 the steps of verl's naive colocated path (``ActorRolloutRefWorker.update_weights(mode="naive")``) as phases, each
@@ -15,6 +17,9 @@ bounded and timed: wake the rollout's weights, the sync (every trainer rank's ``
 channel, into refitkit's vLLM worker extension through the server's ``collective_rpc``), the trainer offload, the
 barrier across trainer ranks on refitkit's own gloo group, then the KV wake. A phase that fails raises refitkit's
 error (the worker's own when a worker raised one) with a note naming the phase and the config key of its bound.
+verl 0.9.1's default trainer (``trainer.use_v1=true``) builds verl's own manager with ``backend="naive"`` whatever the
+config says (``verl/trainer/ppo/v1/trainer_base.py:381-387``); ``checkpoint_manager_class`` is read by the trainer of
+``trainer.use_v1=false`` (``verl/trainer/ppo/ray_trainer.py:967-978``).
 
 ``RefitkitFSDPEngine`` is verl's FSDP engine registered under the engine vendor ``refitkit`` (the one shim: verl picks
 an engine subclass by ``VERL_ENGINE_VENDOR``, a key meant for hardware vendors). Its ``to()`` offloads and reloads
@@ -23,6 +28,7 @@ through ``FSDPAdapter``: pinned host slots kept across steps, device storage fre
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -54,6 +60,12 @@ MANAGER_KEY = "actor_rollout_ref.rollout.checkpoint_manager_class"
 BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 ENGINE_VENDOR = "refitkit"  # VERL_ENGINE_VENDOR=refitkit picks RefitkitFSDPEngine
 RECEIVE_METHOD = "refit_receive"  # refitkit's vLLM worker extension (refitkit.rollout.vllm.RefitWorkerExtension)
+# verl's vLLM extension and refitkit's in one class: what verl's vLLM workers need for RECEIVE_METHOD
+VLLM_EXTENSION = "refitkit.integrations.verl_vllm.VerlRefitWorkerExtension"
+VLLM_EXTENSION_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls"
+# a file the manager appends each step's metrics to as one JSON line (verl 0.9.1's trainer drops what
+# update_weights returns); set it in the driver's env, e.g. +ray_kwargs.ray_init.runtime_env.env_vars.<this>=<path>
+METRICS_FILE_ENV = "REFITKIT_VERL_METRICS_FILE"
 METRIC = f"{BACKEND}/update_weights"
 PHASES = ("wake_weights", "sync", "trainer_offload", "barrier", "kv_wake")
 
@@ -84,6 +96,8 @@ class RefitkitCheckpointManager(CheckpointEngineManager):
                 f"{MANAGER_KEY}=refitkit.integrations.verl.RefitkitCheckpointManager runs refitkit's checkpoint engine "
                 f"on the trainer ranks: set {BACKEND_KEY}={BACKEND} (got {self.backend!r})"
             )
+        for index, replica in enumerate(replicas):
+            _check_vllm_extension(index, replica.config)
         # the same knobs, checked the same way, as the trainer ranks' engines (a bad one fails here, on the driver)
         knobs = RefitkitCheckpointEngine(bucket_size=1, **dict(config.engine_kwargs.get(BACKEND) or {}))
         self.timeout_s = knobs.timeout_s
@@ -118,6 +132,7 @@ class RefitkitCheckpointManager(CheckpointEngineManager):
             self._wake(["kv_cache"], global_steps)
         metrics[f"{METRIC}/total_s"] = time.perf_counter() - start
         self.last_metrics = metrics
+        _append_metrics(global_steps, metrics)
         return metrics
 
     # -- phases ------------------------------------------------------------------------------------
@@ -228,6 +243,29 @@ class RefitkitCheckpointManager(CheckpointEngineManager):
         start = time.perf_counter()
         yield
         metrics[f"{METRIC}/{phase}_s"] = time.perf_counter() - start
+
+
+def _check_vllm_extension(index: int, rollout: Any) -> None:
+    """A vLLM replica must run ``VLLM_EXTENSION`` (or a class of the user's naming, taken to include refitkit's):
+    verl's own extension has no ``refit_receive``, and the sync would fail only at its first step."""
+    if getattr(rollout, "name", None) != "vllm":
+        return
+    engine_kwargs = getattr(rollout, "engine_kwargs", None) or {}
+    vllm_kwargs = engine_kwargs.get("vllm") or {}
+    if not vllm_kwargs.get("worker_extension_cls"):
+        raise InvalidInput(
+            f"{MANAGER_KEY}: replica {index}'s vLLM workers would run verl's own extension, which has no "
+            f"{RECEIVE_METHOD!r}; set +{VLLM_EXTENSION_KEY}={VLLM_EXTENSION} (verl's extension and refitkit's in one)"
+        )
+
+
+def _append_metrics(global_steps: int | None, metrics: dict[str, float]) -> None:
+    """One JSON line ``{"step": ..., "metrics": {...}}`` appended to ``$REFITKIT_VERL_METRICS_FILE`` when it is set."""
+    path = os.environ.get(METRICS_FILE_ENV)
+    if not path:
+        return
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps({"step": global_steps, "metrics": metrics}, sort_keys=True) + "\n")
 
 
 def _merge_rank_reports(what: str, reports: list[dict[str, float]], metrics: dict[str, float]) -> None:
@@ -348,6 +386,8 @@ register_engines()
 
 __all__ = [
     "ENGINE_VENDOR",
+    "METRICS_FILE_ENV",
+    "VLLM_EXTENSION",
     "PHASES",
     "RefitkitCheckpointManager",
     "RefitkitFSDPEngine",

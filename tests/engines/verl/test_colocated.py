@@ -15,6 +15,7 @@ the ``nvidia`` platform (``get_device_name() == "cuda"``), so ``FSDPEngine.__ini
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -38,6 +39,9 @@ USER_OVERRIDES = [  # what a verl user adds to the command line of verl.trainer.
     f"+actor_rollout_ref.rollout.checkpoint_manager_class={MANAGER}",
     f"actor_rollout_ref.model.external_lib={MODULE}",
     "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=refitkit",
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
+    "refitkit.integrations.verl_vllm.VerlRefitWorkerExtension",
+    "trainer.use_v1=false",  # verl 0.9.1's v1 trainer builds its own naive manager whatever the config says
 ]
 
 
@@ -111,6 +115,28 @@ def test_a_bad_knob_fails_when_the_manager_is_built() -> None:
         RefitkitCheckpointManager(naive, actor_wg=None, replicas=[])
 
 
+def test_a_vllm_rollout_without_refitkits_worker_extension_fails_when_the_manager_is_built() -> None:
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from refitkit.integrations.verl_colocated import RefitkitCheckpointManager
+
+    without = compose([o for o in USER_OVERRIDES if "worker_extension_cls" not in o])
+    engine_config = omega_conf_to_dataclass(without.actor_rollout_ref.rollout.checkpoint_engine)
+    replica = Replica(omega_conf_to_dataclass(without.actor_rollout_ref.rollout), server=None)
+    with pytest.raises(InvalidInput) as refused:
+        RefitkitCheckpointManager(engine_config, actor_wg=None, replicas=[replica])
+    assert str(refused.value) == (
+        "actor_rollout_ref.rollout.checkpoint_manager_class: replica 0's vLLM workers would run verl's own extension, "
+        "which has no 'refit_receive'; set +actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
+        "refitkit.integrations.verl_vllm.VerlRefitWorkerExtension (verl's extension and refitkit's in one)"
+    )
+    # with the key (USER_OVERRIDES), the same replica is accepted
+    config = compose(USER_OVERRIDES)
+    replica = Replica(omega_conf_to_dataclass(config.actor_rollout_ref.rollout), server=None)
+    manager = RefitkitCheckpointManager(engine_config, actor_wg=None, replicas=[replica])
+    assert manager.replicas == [replica]
+
+
 # -- the manager over real Ray ---------------------------------------------------------------------------------
 
 
@@ -157,7 +183,7 @@ def build(
     overrides = [
         f"+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitkit.{k}={v}" for k, v in engine_kwargs.items()
     ]
-    config = compose([o for o in USER_OVERRIDES if "engine_kwargs" not in o] + overrides)
+    config = compose([o for o in USER_OVERRIDES if "checkpoint_engine.engine_kwargs" not in o] + overrides)
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
     actor_wg = RayWorkerGroup(
         resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(peers.TrainerRank))
@@ -173,10 +199,15 @@ def build(
     return RefitkitCheckpointManager(engine_config, actor_wg, replicas), actor_wg, servers
 
 
-def test_manager_runs_the_colocated_sequence_each_phase_timed(ray_session: Any, actors: list[Any]) -> None:
-    from refitkit.integrations.verl_colocated import METRIC, PHASES
+def test_manager_runs_the_colocated_sequence_each_phase_timed(
+    ray_session: Any, actors: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from refitkit.integrations.verl_colocated import METRIC, METRICS_FILE_ENV, PHASES
 
     ray = ray_session
+    metrics_file = tmp_path / "refitkit-metrics.jsonl"
+    monkeypatch.setenv(METRICS_FILE_ENV, str(metrics_file))
+    written = []
     manager, actor_wg, servers = build(ray, actors, {"timeout_s": 30, "barrier_timeout_s": 20, "transport": "shm"})
     for step in (1, 2):
         expected = actor_wg.train_step(step)[0]
@@ -202,6 +233,9 @@ def test_manager_runs_the_colocated_sequence_each_phase_timed(ray_session: Any, 
         assert metrics[f"{METRIC}/sync_sync_bytes_sum"] == 2 * (64 * 48 * 2 + 300 * 200 * 4 + 48 * 2)
         assert metrics[f"{METRIC}/trainer_host_rss_bytes_max"] > 0
         assert manager.last_metrics == metrics
+        written.append({"step": step, "metrics": metrics})
+        # each step's metrics appended to the file the benchmark reads (verl's trainer drops the return value)
+        assert [json.loads(line) for line in metrics_file.read_text().splitlines()] == written
     # the trainer ranks' channels were kept: one receive endpoint per replica for both steps
     endpoints = {arg for state in states for what, arg, _ in state["log"] if what == "receive"}
     assert len(endpoints) == 2

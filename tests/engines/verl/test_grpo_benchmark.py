@@ -1,0 +1,147 @@
+"""benchmarks/verl_grpo.py against verl 0.9.1 on CPU, short of training: its hydra overrides compose with verl's own
+``ppo_trainer`` config and pass what ``main_ppo`` checks before it starts Ray (``validate_config``, the dataclass
+conversions its workers make); the tokenizer, prompts and reward file it writes load through verl's own readers; its
+checkpoint's names and shapes are transformers' ``Qwen3ForCausalLM``'s (2 layers of the real widths here; the GPU
+run writes 28)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import verl_grpo
+from tests.engines.verl.test_colocated import compose
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def args(**changes: Any) -> argparse.Namespace:
+    values = dict(
+        steps=4,
+        batch=4,
+        n=4,
+        response_length=32,
+        gpu_memory_utilization=0.3,
+        timeout_s=60.0,
+        transport="auto",
+        ray_cpus=0,
+    )
+    return argparse.Namespace(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """What the benchmark writes before its runs: a 2-layer checkpoint of the real widths, 8 prompts, the reward."""
+    work = tmp_path_factory.mktemp("verl-grpo")
+    model = verl_grpo.write_checkpoint(work / "model", layers=2)
+    return model, verl_grpo.write_prompts(work / "prompts.parquet", count=8), verl_grpo.write_reward(work / "reward.py")
+
+
+@pytest.mark.parametrize("mode", verl_grpo.MODES)
+def test_overrides_compose_and_pass_verls_checks(mode: str, tmp_path: Path, inputs: tuple[Path, Path, Path]) -> None:
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.utils.import_utils import load_class_from_fqn
+
+    model, prompts, reward = map(str, inputs)
+    config = compose(verl_grpo.overrides(mode, model, prompts, reward, str(tmp_path), args()))
+    OmegaConf.resolve(config)  # every interpolation resolves
+    # what main_ppo.main checks before run_ppo: no critic, no reference model for this GRPO run
+    assert not need_critic(config)
+    assert not need_reference_policy(config)
+    validate_config(config=config, use_reference_policy=False, use_critic=False)
+    rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    assert (rollout.name, rollout.n, rollout.free_cache_engine, rollout.response_length) == ("vllm", 4, True, 32)
+    assert rollout.gpu_memory_utilization == 0.3
+    omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    hf_model = omega_conf_to_dataclass(config.actor_rollout_ref.model)  # loads the checkpoint's config, tokenizer
+    assert hf_model.hf_config._attn_implementation == "sdpa" and hf_model.tokenizer.eos_token == "<|im_end|>"
+    engine = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
+    assert config.algorithm.adv_estimator == "grpo"
+    assert config.trainer.use_v1 is False and list(config.trainer.logger) == ["console", "file"]
+    assert config.ray_kwargs.ray_init.num_cpus is None  # Ray takes every CPU: too few and its actors wait silently
+    env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env_vars.VERL_FILE_LOGGER_PATH == f"{tmp_path}/{mode}.verl.jsonl"
+    manager_fqn = config.actor_rollout_ref.rollout.get("checkpoint_manager_class")
+    if mode == "naive":  # verl's own path, untouched
+        assert engine.backend == "naive" and manager_fqn is None
+        assert config.actor_rollout_ref.model.external_lib is None
+        assert "worker_extension_cls" not in (rollout.engine_kwargs.get("vllm") or {})
+        return
+    from refitkit.integrations.verl_colocated import METRICS_FILE_ENV, VLLM_EXTENSION, RefitkitCheckpointManager
+
+    assert engine.backend == "refitkit"
+    assert dict(engine.engine_kwargs["refitkit"]) == {"timeout_s": 60.0, "barrier_timeout_s": 60.0, "transport": "auto"}
+    assert load_class_from_fqn(manager_fqn, "CheckpointEngineManager") is RefitkitCheckpointManager
+    assert rollout.engine_kwargs["vllm"]["worker_extension_cls"] == VLLM_EXTENSION
+    assert env_vars.VERL_ENGINE_VENDOR == "refitkit"
+    assert env_vars[METRICS_FILE_ENV] == f"{tmp_path}/refitkit.refitkit.jsonl"
+
+
+def test_a_bad_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"mode must be one of \('naive', 'refitkit'\), got 'fast'"):
+        verl_grpo.overrides("fast", "/m", "/p", "/r", "/o", args())
+
+
+def test_inputs_load_through_verls_readers(tmp_path: Path, inputs: tuple[Path, Path, Path]) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, Qwen3ForCausalLM
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.utils import hf_tokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    model, prompts, reward = inputs
+    config = compose(verl_grpo.overrides("refitkit", str(model), str(prompts), str(reward), str(tmp_path), args()))
+
+    tokenizer = hf_tokenizer(str(model))
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is 3 plus 4 ?"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\nwhat is 3 plus 4 ?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids
+    hf = AutoConfig.from_pretrained(str(model))
+    assert (hf.model_type, hf.head_dim, hf.num_attention_heads, hf.num_key_value_heads) == ("qwen3", 128, 16, 8)
+    assert hf.vocab_size >= len(tokenizer) and hf.vocab_size % 64 == 0 and hf.tie_word_embeddings
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Qwen3ForCausalLM(hf).state_dict().items() if k != "lm_head.weight"}
+    weights = load_file(str(model / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+    assert torch.equal(weights["model.norm.weight"], torch.ones(1024, dtype=torch.bfloat16))
+
+    dataset = RLHFDataset(data_files=[str(prompts)], tokenizer=tokenizer, config=config.data)
+    assert len(dataset) == 8
+    row = dataset[0]
+    assert row["data_source"] == "refitkit/synthetic-sum"
+    assert row["raw_prompt"][0]["role"] == "user" and row["raw_prompt"][0]["content"].startswith("what is ")
+    assert json.loads(json.dumps(row["reward_model"]))["ground_truth"].isdigit()
+
+    score = get_custom_reward_fn(config)
+    assert score("refitkit/synthetic-sum", "the answer is 7", "7") == 1.0
+    assert score("refitkit/synthetic-sum", "one 2 three 4", "9") == 0.5
+
+
+def test_the_table_puts_both_modes_side_by_side(tmp_path: Path) -> None:
+    for mode, update_s in (("naive", 2.0), ("refitkit", 1.5)):
+        record = {"step": 1, "data": {"timing_s/update_weights": update_s, "actor/lr": 1e-5}}
+        (tmp_path / f"{mode}.verl.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "refitkit.refitkit.jsonl").write_text(
+        json.dumps({"step": 1, "metrics": {"refitkit/update_weights/sync_s": 0.4}}) + "\n"
+    )
+    results = {
+        mode: {"returncode": 0, "wall_s": 10.0, "steps": verl_grpo.collect(tmp_path, mode)} for mode in verl_grpo.MODES
+    }
+    assert results["naive"]["steps"] == [{"step": 1, "verl": {"timing_s/update_weights": 2.0}}]
+    assert results["refitkit"]["steps"][0]["refitkit"] == {"refitkit/update_weights/sync_s": 0.4}
+    text = verl_grpo.table(results)
+    assert "| timing_s/update_weights (naive) | timing_s/update_weights (refitkit) |" in text
+    assert text.splitlines()[2].startswith("| 1 | 2 | 1.5 |")
+    assert "| 1 | 0.4 |" in text
