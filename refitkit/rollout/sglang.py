@@ -84,6 +84,7 @@ REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "state": {"fingerprints": (list, type(None))},  # parameter names, [] for all of them, None for none
     "discarded": {},
+    "close": {},
 }
 
 
@@ -403,6 +404,9 @@ def _serve(updater: Any, recv_req: Any, request: dict[str, Any]) -> dict[str, An
     elif op == "discarded":
         receiver.discarded()
         return {"weights": receiver.weights.as_dict()}
+    elif op == "close":
+        receiver.close()
+        return {"weights": receiver.weights.as_dict()}
     else:
         return _state(updater, receiver, request["fingerprints"], weights_released=released)
     internals.flush_after_update(updater, recv_req)  # the prefix cache holds KV of the old weights (if asked to flush)
@@ -616,6 +620,14 @@ def weights_discarded(engine: Any, *, timeout_s: float = 120.0) -> dict[str, Any
     """Record that the engine's weights were released without a host backup: incomplete until a full sync."""
     request = encode_request("discarded")
     return call_engine(engine, request, what="discard record", timeout_s=timeout_s, reset_prefix_cache=False)
+
+
+def close_channels(engine: Any, *, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Close the receivers each scheduler keeps between syncs (its connection to the trainer's sender, and a kept
+    broadcast group); the weight versions stay, and the next push opens new ones. SGLang gives a plug-in no shutdown
+    hook: call it before the sender goes, as vLLM's ``refit_close``."""
+    request = encode_request("close")
+    return call_engine(engine, request, what="close", timeout_s=timeout_s, reset_prefix_cache=False)
 
 
 def weight_version(engine: Any) -> WeightVersion:

@@ -47,6 +47,12 @@ def test_a_receive_request_round_trips_as_plain_json():
     assert decode_request(text)["version"] == 7
 
 
+def test_a_close_request_has_no_fields():
+    assert decode_request(encode_request("close")) == {"refitkit": PROTOCOL, "op": "close"}
+    with pytest.raises(InvalidInput, match=r"unknown fields \['endpoint'\]"):
+        decode_request(json.dumps({"refitkit": PROTOCOL, "op": "close", "endpoint": "ipc:///tmp/x"}))
+
+
 @pytest.mark.parametrize(
     "text,message",
     [

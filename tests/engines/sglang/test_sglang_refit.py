@@ -15,7 +15,14 @@ from refitkit.errors import EngineAsleep, InvalidInput, KVCacheWontFit, PartialP
 from refitkit.refit import RefitCycle
 from refitkit.rollout import SglangLink
 from refitkit.rollout.links import EngineMemory
-from refitkit.rollout.sglang import clean_weight_version, engine_state, push_weights, receive_from, weight_version
+from refitkit.rollout.sglang import (
+    clean_weight_version,
+    close_channels,
+    engine_state,
+    push_weights,
+    receive_from,
+    weight_version,
+)
 from refitkit.transfer import BroadcastWeightSender, BucketedWeightSender, WeightVersion
 from tests.engines.sglang.ipc_sender_process import send_then_die
 from tests.engines.sglang.sglang_engine import (
@@ -132,6 +139,20 @@ def test_a_push_into_released_weights_is_refused_and_the_engine_still_serves(tin
             tiny.resume_memory_occupation(tags=["weights"])
     assert weight_version(tiny) == WeightVersion(40, None)  # the refusal touched nothing
     assert len(prompt_logprobs(tiny)) == len(PROMPT) - 1  # still serving
+
+
+def test_closing_the_schedulers_channels_keeps_the_weights_and_the_next_push_opens_anew(tiny):
+    trainer = trainer_model(seed=32)
+    with BucketedWeightSender(
+        "sglang-close", bucket_bytes=1 << 20, transport="cuda_ipc", timeout_s=TIMEOUT_S
+    ) as sender:
+        push_weights(tiny, sender, trainer.named_parameters(), version=42)
+        closed = close_channels(tiny)
+        assert (closed["weights"]["version"], closed["weights"]["clean"]) == (42, True)
+        began = time.monotonic()
+        push_weights(tiny, sender, trainer.named_parameters(), version=43)  # a new connection, at once
+        assert time.monotonic() - began < TIMEOUT_S / 2
+    assert clean_weight_version(tiny) == 43
 
 
 def test_a_push_of_some_weights_is_a_partial_push_naming_how_many_landed(tiny):
