@@ -157,12 +157,13 @@ def _undeclared_imports() -> list[str]:
     packages = {_module_name(name) for name, _ in _modules() if name.endswith("__init__.py")}
     found = []
     for module, (path, tree) in sorted(modules.items()):
-        engine = next((word for word in OPTIONAL_ENGINES if word in module), None)
+        # a module named after two engines (integrations/verl_vllm.py) may import both
+        allowed = {package for word, packages in OPTIONAL_ENGINES.items() if word in module for package in packages}
         for name, line in _imported_when_loaded(tree, module, module in packages):
             root = name.split(".")[0]
             if root in sys.stdlib_module_names or root == "refitkit" or root == "__future__":
                 continue
-            if engine is not None and root in OPTIONAL_ENGINES[engine]:
+            if root in allowed:
                 continue  # the module is named after its engine: refitkit imports it lazily (checked below)
             distributions = {_canonical(d) for d in to_distributions.get(root, [])}
             if not distributions & declared:
