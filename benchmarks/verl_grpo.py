@@ -39,8 +39,8 @@ from typing import Any
 
 MODES = ("naive", "refitkit")
 MODULE = "refitkit.integrations.verl"
-EXTENSION = "refitkit.integrations.verl_vllm.VerlRefitWorkerExtension"
-METRICS_ENV = "REFITKIT_VERL_METRICS_FILE"  # refitkit.integrations.verl_colocated.METRICS_FILE_ENV
+EXTENSION = "refitkit.integrations.verl.vllm.VerlRefitWorkerExtension"
+METRICS_ENV = "REFITKIT_VERL_METRICS_FILE"  # refitkit.integrations.verl.colocated.METRICS_FILE_ENV
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 WORDS = (
     "user assistant system what is plus minus times the sum of and answer number count say repeat add subtract a an one two three "

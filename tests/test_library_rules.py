@@ -80,7 +80,7 @@ OPTIONAL_ENGINES = {  # a word in a module's name -> the packages that module ma
     "torchtitan": ("torchtitan",),
     "automodel": ("nemo_automodel",),
     "transformers": ("transformers",),  # engines/fsdp/_transformers.py: a transformers model's checkpoint names
-    "verl": ("verl", "ray"),  # integrations/verl_colocated.py: verl's manager and engine classes, on its Ray actors
+    "verl": ("verl", "ray"),  # integrations/verl/colocated.py: verl's manager and engine classes, on its Ray actors
 }
 ENGINE_PACKAGES = {package for packages in OPTIONAL_ENGINES.values() for package in packages}
 
@@ -157,7 +157,7 @@ def _undeclared_imports() -> list[str]:
     packages = {_module_name(name) for name, _ in _modules() if name.endswith("__init__.py")}
     found = []
     for module, (path, tree) in sorted(modules.items()):
-        # a module named after two engines (integrations/verl_vllm.py) may import both
+        # a module named after two engines (integrations/verl/vllm.py) may import both
         allowed = {package for word, packages in OPTIONAL_ENGINES.items() if word in module for package in packages}
         for name, line in _imported_when_loaded(tree, module, module in packages):
             root = name.split(".")[0]

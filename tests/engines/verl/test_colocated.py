@@ -40,7 +40,7 @@ USER_OVERRIDES = [  # what a verl user adds to the command line of verl.trainer.
     f"actor_rollout_ref.model.external_lib={MODULE}",
     "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=refitkit",
     "+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
-    "refitkit.integrations.verl_vllm.VerlRefitWorkerExtension",
+    "refitkit.integrations.verl.vllm.VerlRefitWorkerExtension",
     "trainer.use_v1=false",  # verl 0.9.1's v1 trainer builds its own naive manager whatever the config says
 ]
 
@@ -65,7 +65,7 @@ def test_configuration_alone_selects_refitkit(monkeypatch: pytest.MonkeyPatch) -
     from verl.workers.engine.base import EngineRegistry
 
     from refitkit.integrations.verl import RefitkitCheckpointEngine
-    from refitkit.integrations.verl_colocated import RefitkitCheckpointManager, RefitkitFSDPEngine
+    from refitkit.integrations.verl.colocated import RefitkitCheckpointManager, RefitkitFSDPEngine
 
     config = compose(USER_OVERRIDES)
     rollout = config.actor_rollout_ref.rollout
@@ -102,7 +102,7 @@ def test_configuration_alone_selects_refitkit(monkeypatch: pytest.MonkeyPatch) -
 def test_a_bad_knob_fails_when_the_manager_is_built() -> None:
     from verl.utils.config import omega_conf_to_dataclass
 
-    from refitkit.integrations.verl_colocated import RefitkitCheckpointManager
+    from refitkit.integrations.verl.colocated import RefitkitCheckpointManager
 
     config = compose(
         [*USER_OVERRIDES, "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitkit.phase_timeout_s=-1"]
@@ -118,7 +118,7 @@ def test_a_bad_knob_fails_when_the_manager_is_built() -> None:
 def test_a_vllm_rollout_without_refitkits_worker_extension_fails_when_the_manager_is_built() -> None:
     from verl.utils.config import omega_conf_to_dataclass
 
-    from refitkit.integrations.verl_colocated import RefitkitCheckpointManager
+    from refitkit.integrations.verl.colocated import RefitkitCheckpointManager
 
     without = compose([o for o in USER_OVERRIDES if "worker_extension_cls" not in o])
     engine_config = omega_conf_to_dataclass(without.actor_rollout_ref.rollout.checkpoint_engine)
@@ -128,7 +128,7 @@ def test_a_vllm_rollout_without_refitkits_worker_extension_fails_when_the_manage
     assert str(refused.value) == (
         "actor_rollout_ref.rollout.checkpoint_manager_class: replica 0's vLLM workers would run verl's own extension, "
         "which has no 'refit_receive'; set +actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
-        "refitkit.integrations.verl_vllm.VerlRefitWorkerExtension (verl's extension and refitkit's in one)"
+        "refitkit.integrations.verl.vllm.VerlRefitWorkerExtension (verl's extension and refitkit's in one)"
     )
     # with the key (USER_OVERRIDES), the same replica is accepted
     config = compose(USER_OVERRIDES)
@@ -177,7 +177,7 @@ def build(
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.utils.config import omega_conf_to_dataclass
 
-    from refitkit.integrations.verl_colocated import RefitkitCheckpointManager
+    from refitkit.integrations.verl.colocated import RefitkitCheckpointManager
     from tests.engines.verl import colocated_peers as peers
 
     overrides = [
@@ -202,7 +202,7 @@ def build(
 def test_manager_runs_the_colocated_sequence_each_phase_timed(
     ray_session: Any, actors: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from refitkit.integrations.verl_colocated import METRIC, METRICS_FILE_ENV, PHASES
+    from refitkit.integrations.verl.colocated import METRIC, METRICS_FILE_ENV, PHASES
 
     ray = ray_session
     metrics_file = tmp_path / "refitkit-metrics.jsonl"

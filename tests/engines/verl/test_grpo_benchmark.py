@@ -73,7 +73,7 @@ def test_overrides_compose_and_pass_verls_checks(mode: str, tmp_path: Path, inpu
         assert config.actor_rollout_ref.model.external_lib is None
         assert "worker_extension_cls" not in (rollout.engine_kwargs.get("vllm") or {})
         return
-    from refitkit.integrations.verl_colocated import METRICS_FILE_ENV, VLLM_EXTENSION, RefitkitCheckpointManager
+    from refitkit.integrations.verl.colocated import METRICS_FILE_ENV, VLLM_EXTENSION, RefitkitCheckpointManager
 
     assert engine.backend == "refitkit"
     assert dict(engine.engine_kwargs["refitkit"]) == {"timeout_s": 60.0, "barrier_timeout_s": 60.0, "transport": "auto"}

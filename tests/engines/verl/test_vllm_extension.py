@@ -14,8 +14,8 @@ def test_the_combined_extension_mixes_into_vllms_worker() -> None:
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
     from vllm.v1.worker.gpu_worker import Worker
 
-    from refitkit.integrations.verl_colocated import VLLM_EXTENSION
-    from refitkit.integrations.verl_vllm import VerlRefitWorkerExtension
+    from refitkit.integrations.verl.colocated import VLLM_EXTENSION
+    from refitkit.integrations.verl.vllm import VerlRefitWorkerExtension
     from refitkit.rollout.vllm import RefitWorkerExtension
 
     cls = VerlRefitWorkerExtension

@@ -2,8 +2,8 @@
 
 verl 0.9.1 builds its checkpoint engine by name from ``CheckpointEngineRegistry`` after importing
 ``checkpoint_engine.custom_backend_module`` in every worker (``verl/workers/engine_workers.py`` for the trainer ranks,
-``verl/checkpoint_engine/base.py`` for the rollout side and the driver's manager). Naming this module there registers
-``RefitkitCheckpointEngine`` under ``"refitkit"``::
+``verl/checkpoint_engine/base.py`` for the rollout side and the driver's manager). Naming the package
+``refitkit.integrations.verl`` there registers ``RefitkitCheckpointEngine`` under ``"refitkit"``::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=refitkit
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=refitkit.integrations.verl
@@ -20,7 +20,7 @@ sender frees its bucket before ``send()`` returns) until ``close()``.
 Failures are refitkit's errors, raised in verl's ``send_weights`` / ``receive_weights`` with a note naming the
 backend and its knobs, so verl's step fails with refitkit's message instead of waiting.
 
-verl is imported only when this module is loaded with verl installed (``import refitkit`` never needs it).
+This module never imports verl (the engine is duck-typed); the package's ``register()`` does, with verl installed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import importlib.util
 import logging
 import os
 import secrets
@@ -363,27 +362,4 @@ async def _drain(weights: Any) -> None:
             pass
 
 
-def register() -> None:
-    """Register ``RefitkitCheckpointEngine`` in verl's ``CheckpointEngineRegistry`` as ``"refitkit"``, and
-    ``RefitkitFSDPEngine`` in its ``EngineRegistry`` under the vendor ``refitkit`` (idempotent; done when this module is
-    imported with verl installed, which is what ``custom_backend_module`` and ``model.external_lib`` do)."""
-    from verl.checkpoint_engine import CheckpointEngineRegistry  # verl is optional: only here
-
-    CheckpointEngineRegistry.register(BACKEND)(RefitkitCheckpointEngine)
-    # registers the engine when loaded (a plain import: it may be the module importing this one)
-    import refitkit.integrations.verl_colocated  # noqa: F401
-
-
-def __getattr__(name: str) -> Any:
-    # the colocated loop's classes subclass verl's: loaded on first use (checkpoint_manager_class names one)
-    if name in ("RefitkitCheckpointManager", "RefitkitFSDPEngine"):
-        from refitkit.integrations import verl_colocated
-
-        return getattr(verl_colocated, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if importlib.util.find_spec("verl") is not None:
-    register()
-
-__all__ = ["BACKEND", "RefitkitCheckpointEngine", "Role", "register"]
+__all__ = ["BACKEND", "KNOBS", "RefitkitCheckpointEngine", "Role"]

@@ -1,14 +1,15 @@
 """refitkit inside verl 0.9.1's colocated loop: the checkpoint manager that runs the update_weights sequence, and the
 FSDP training engine whose offload and reload are refitkit's ``FSDPAdapter``.
 
-Loaded through ``refitkit.integrations.verl`` (which names both), only with verl installed. Selected by configuration::
+Loaded through the package ``refitkit.integrations.verl`` (which names both), only with verl installed. Selected by
+configuration::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=refitkit
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=refitkit.integrations.verl
     +actor_rollout_ref.rollout.checkpoint_manager_class=refitkit.integrations.verl.RefitkitCheckpointManager
     actor_rollout_ref.model.external_lib=refitkit.integrations.verl
     +ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=refitkit
-    +actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=refitkit.integrations.verl_vllm.VerlRefitWorkerExtension
+    +actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=refitkit.integrations.verl.vllm.VerlRefitWorkerExtension
     trainer.use_v1=false
 
 ``RefitkitCheckpointManager`` replaces verl's ``CheckpointEngineManager`` on the driver. Its ``update_weights`` runs
@@ -52,7 +53,7 @@ from refitkit.errors import (
     RefitError,
     TransferTimeout,
 )
-from refitkit.integrations.verl import BACKEND, KNOBS, RefitkitCheckpointEngine
+from refitkit.integrations.verl.checkpoint_engine import BACKEND, KNOBS, RefitkitCheckpointEngine
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 ENGINE_VENDOR = "refitkit"  # VERL_ENGINE_VENDOR=refitkit picks RefitkitFSDPEngine
 RECEIVE_METHOD = "refit_receive"  # refitkit's vLLM worker extension (refitkit.rollout.vllm.RefitWorkerExtension)
 # verl's vLLM extension and refitkit's in one class: what verl's vLLM workers need for RECEIVE_METHOD
-VLLM_EXTENSION = "refitkit.integrations.verl_vllm.VerlRefitWorkerExtension"
+VLLM_EXTENSION = "refitkit.integrations.verl.vllm.VerlRefitWorkerExtension"
 VLLM_EXTENSION_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls"
 # a file the manager appends each step's metrics to as one JSON line (verl 0.9.1's trainer drops what
 # update_weights returns); set it in the driver's env, e.g. +ray_kwargs.ray_init.runtime_env.env_vars.<this>=<path>
