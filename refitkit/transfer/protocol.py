@@ -11,7 +11,8 @@ Kinds and their fields (R = receiver, S = sender):
 - ``setup``    S→R  ``session``, ``exchange`` (the hello's), ``transport`` ("shm", "cuda_ipc" or "none"), ``half_bytes``,
                     ``handle`` (the transport's raw fields: a segment handle, see ``shm.Segment.handle``
                     — ``{"path", "nbytes"}`` for a named segment or ``{"memfd": {"pid", "fd", "pidns"},
-                    "name", "nbytes"}`` for a sealed memfd — or the CUDA IPC handle bytes)
+                    "name", "nbytes"}`` for a sealed memfd — or the CUDA IPC handle bytes); ``pid`` and
+                    ``pidns`` (optional: the sender's process, which the receiver follows by a pidfd)
 - ``ready``    R→S  ``session``: the bucket buffer is mapped (once for the whole session); the
                     sender does not wait for it before packing and queueing buckets
 - ``bucket``   S→R  ``session``, ``seq``, ``half``, ``wide``, ``last``, ``entries``: sent as soon as

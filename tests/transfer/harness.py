@@ -146,13 +146,15 @@ def roundtrip(
 
 
 @contextmanager
-def receiver_killed_at(endpoint: str, bucket: int, *, device: str, timeout_s: float) -> Iterator[int]:
+def receiver_killed_at(
+    endpoint: str, bucket: int, *, device: str, timeout_s: float, mode: str = "kill"
+) -> Iterator[int]:
     """A receiver in its own process (its pid is the block's value) that SIGKILLs itself in its ``bucket``-th
     on_bucket call (reading nothing on its way, so a test that times the sender times no digests); it is about to
     say hello when the block starts, and it must have died by SIGKILL when the block ends."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, device, timeout_s, "kill", bucket, child))
+    victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, device, timeout_s, mode, bucket, child))
     victim.start()
     try:
         assert parent.poll(60) and parent.recv() == "starting"

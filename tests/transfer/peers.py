@@ -196,9 +196,9 @@ def _run_session(
             raise RuntimeError(f"loader exploded at bucket {arg}")
         if mode == "stall" and len(calls) == 1:  # a loader that takes arg seconds over its first bucket
             time.sleep(arg)
-        if mode == "kill":  # reads nothing on its way: a test that times the sender must not time our digests
-            if len(calls) == arg:
-                os.kill(os.getpid(), signal.SIGKILL)
+        if mode in ("kill", "kill_forked"):  # reads nothing on its way: a test that times the sender must not time
+            if len(calls) == arg:  # our digests
+                die(forked_holder=mode == "kill_forked")
             return
         for name, tensor in weights:
             got[name] = digest(tensor)
@@ -324,11 +324,29 @@ def one_shot_receiver_main(endpoint: str, device: str, timeout_s: float, mode: s
     conn.send(_run_session(endpoint, device, timeout_s, mode, arg, {}))
 
 
+HOLDER_S = 10.0  # how long a dying peer's forked child holds its descriptors (and so its connections) open
+
+
+def die(*, forked_holder: bool = False) -> None:
+    """SIGKILL this process; with ``forked_holder``, first fork a child that holds copies of its descriptors (its
+    sockets' connections among them) open for ``HOLDER_S``, as a trainer's forked DataLoader workers would."""
+    if forked_holder and os.fork() == 0:
+        time.sleep(HOLDER_S)  # (the child: it only keeps the inherited descriptors open, then leaves at once)
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def killed_sender_main(
-    endpoint: str, bucket_bytes: int, kill_at_item: int, conn: Any, transport: str = "shm", device: str = "cpu"
+    endpoint: str,
+    bucket_bytes: int,
+    kill_at_item: int,
+    conn: Any,
+    transport: str = "shm",
+    device: str = "cpu",
+    forked_holder: bool = False,
 ) -> None:
     """A sender that SIGKILLs itself while pulling item ``kill_at_item`` (buckets already in flight); its tensors
-    lie on ``device`` and go by ``transport``."""
+    lie on ``device`` and go by ``transport``; ``forked_holder``: see ``die``."""
     from refitkit.transfer import BucketedWeightSender
 
     torch.set_num_threads(1)
@@ -340,7 +358,7 @@ def killed_sender_main(
     def weights():
         for index in range(1000):
             if index == kill_at_item:
-                os.kill(os.getpid(), signal.SIGKILL)
+                die(forked_holder=forked_holder)
             yield f"w{index}", torch.full((bucket_bytes // 8,), float(index), device=device)
 
     sender.send(weights())

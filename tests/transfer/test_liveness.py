@@ -124,6 +124,60 @@ def test_a_sender_killed_mid_stream_ends_the_receive_within_a_second(receiver_se
     fresh_pair_syncs(receiver_server, endpoint, case)
 
 
+@pytest.mark.parametrize("case", KILL_CASES)
+def test_a_receiver_killed_while_a_forked_child_holds_its_socket_ends_the_send_within_a_second(
+    receiver_server, endpoint, case
+):
+    """The child keeps the dead receiver's connection open (fork copies descriptors): its process tells.
+    Before: the sender waited until the child left (HOLDER_S)."""
+    weights = stream(8, case.tensor_device)
+    with sender_on(endpoint, case.transport, TIMEOUT_S) as sender:
+        with receiver_killed_at(
+            endpoint, 2, device=case.receiver_device, timeout_s=TIMEOUT_S, mode="kill_forked"
+        ) as victim:
+            began = time.monotonic()
+            with pytest.raises(PeerGone) as raised:
+                sender.send(weights)
+            seconds = time.monotonic() - began
+        assert seconds < NOTICED_S, f"noticed after {seconds:.2f} s: {raised.value}"
+        assert re.match(
+            rf"(streaming|draining): the receiver on '{endpoint}' \(pid {victim}\) is gone ", str(raised.value)
+        )
+        assert own_segment_files() == [] and mapped_segments() == []
+    fresh_pair_syncs(receiver_server, endpoint, case)
+
+
+@pytest.mark.parametrize("case", KILL_CASES)
+def test_a_sender_killed_while_a_forked_child_holds_its_socket_ends_the_receive_within_a_second(
+    receiver_server, endpoint, case
+):
+    """The trainer's forked DataLoader workers keep its connection open after it died: its process tells.
+    Before: the receiver waited until the child left (HOLDER_S)."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    victim = ctx.Process(
+        target=killed_sender_main,
+        args=(endpoint, BUCKET, 3, child, case.transport, case.tensor_device, True),
+        daemon=True,
+    )
+    victim.start()
+    assert conn.poll(60)
+    conn.recv()
+    receiver = BucketedWeightReceiver(endpoint, case.receiver_device, timeout_s=TIMEOUT_S)
+    began = time.monotonic()
+    with pytest.raises(PeerGone) as raised:
+        receiver.receive(lambda weights, is_last: None)
+    seconds = time.monotonic() - began
+    victim.join(10)
+    assert victim.exitcode == -9
+    assert seconds < NOTICED_S, f"noticed after {seconds:.2f} s: {raised.value}"
+    assert re.match(rf"streaming: the sender on '{endpoint}' is gone ", str(raised.value)), raised.value
+    assert mapped_segments() == []
+    receiver.close()
+    # (the child also holds the dead sender's bound socket until it leaves: the endpoint is "in use" until then)
+    fresh_pair_syncs(receiver_server, f"{endpoint}-next", case)
+
+
 # -- a failure ends one sync, never the next ------------------------------------------------------------------
 
 

@@ -7,6 +7,11 @@ the one a session's peer is on. Every wait of a session polls it together with t
 ends the wait at once with ``PeerGone`` instead of at ``timeout_s``. A sender learns which connection a hello came on from the frame's source descriptor (``ZMQ_SRCFD``); where
 libzmq cannot say, that session's peer is not followed and its death is noticed by ``timeout_s`` as before.
 
+A forked child that inherited the peer's socket keeps its connection open after the peer died (fork copies
+descriptors: a trainer's DataLoader workers, say). So where the peer says which process it is and shares our PID
+namespace, the session follows that process too, by a pidfd (``follow_process``) polled beside the socket: its
+exit ends the wait as the connection's end would.
+
 Frames first: ``poll`` reports a frame while one is queued and the peer as gone only once none is left, so a
 peer's last words (a receiver's final ACK or error, a sender's abort) are read before its connection's end, and a
 receiver that closes its socket after its final ACK is never taken for dead.
@@ -17,9 +22,11 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import select
 import struct
 import time
 from collections import OrderedDict
+from typing import Any
 
 import zmq
 
@@ -33,6 +40,15 @@ _EVENTS = _UP | _DOWN
 _EVENT = struct.Struct("=hi")  # a monitor event's first frame: the event, then its value (here: the descriptor)
 ORIGINS = 64  # connections of hellos remembered (a sender keeps at most 16 hellos waiting)
 FRAMES_PER_LOOK = 64  # frames one look of a wait handles at most: a flood of frames cannot hold it past its bound
+
+
+def _own_pid_namespace() -> list[int] | None:
+    """This process's PID namespace as ``shm.pid_namespace()`` reports a peer's (device, inode); None if unknown."""
+    try:
+        info = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return [info.st_dev, info.st_ino]
 
 
 class PeerWatch:
@@ -66,6 +82,7 @@ class PeerWatch:
         self._origins: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # a hello's identity -> its connection
         self._followed: tuple[int, int] | None = None  # (descriptor, serial)
         self._follow_next = False  # follow the socket's connection once it comes up (a receiver's, not up yet)
+        self._pidfd: int | None = None  # the followed peer's process (follow_process), where it can be had
 
     # -- which connection ------------------------------------------------------------------------
 
@@ -101,9 +118,33 @@ class PeerWatch:
             self._followed = next(iter(self._up.items()), None)
             self._follow_next = self._followed is None
 
+    def follow_process(self, pid: Any, pidns: Any) -> None:
+        """For the session starting now: also follow the peer's process ``pid`` (as its hello or setup says), by a
+        pidfd, where it shares our PID namespace (``pidns``: the peer's ``shm.pid_namespace()``); otherwise, or where
+        no pidfd can be had (gone already, or Linux < 5.3), the connection alone tells. The pid was the peer's a
+        moment ago (its frame just came over a live connection), so reuse of a dead peer's pid is not a concern."""
+        self._drop_process()
+        if type(pid) is not int or pid <= 0 or pidns is None or pidns != _own_pid_namespace():
+            return
+        if not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone already (its connection's end tells), or not ours to watch
+            return
+        self._pidfd = fd
+        self._poller.register(fd, zmq.POLLIN)
+
     def unfollow(self) -> None:
         """The session ended: nothing is followed until the next one."""
         self._followed, self._follow_next, self.lost = None, False, False
+        self._drop_process()
+
+    def _drop_process(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            self._poller.unregister(fd)
+            os.close(fd)
 
     # -- waiting ---------------------------------------------------------------------------------
 
@@ -137,7 +178,10 @@ class PeerWatch:
 
     def _down(self) -> bool:
         followed = self._followed
-        return followed is not None and self._up.get(followed[0]) != followed[1]
+        if followed is not None and self._up.get(followed[0]) != followed[1]:
+            return True
+        # the followed process exited (its pidfd is readable), even if a forked child holds its connection open
+        return self._pidfd is not None and bool(select.select([self._pidfd], [], [], 0)[0])
 
     def _drain(self) -> None:
         """Take every monitor event queued (never waits)."""
@@ -161,6 +205,7 @@ class PeerWatch:
         """Stop monitoring (before the socket is closed); idempotent."""
         if self._monitor.closed:
             return
+        self._drop_process()
         self._drain()  # (what is queued goes first: nothing the I/O thread sends may wait on us)
         if not self.sock.closed:
             self.sock.disable_monitor()

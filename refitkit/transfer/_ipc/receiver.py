@@ -466,6 +466,7 @@ class _ReceiveSession:
         expect(setup, "setup")
         if type(setup.get("session")) is str:  # so that even a bad setup is answered with an error frame
             self.session = setup["session"]
+        self.watch.follow_process(setup.get("pid"), setup.get("pidns"))
         try:
             self.session, transport, self.half_bytes, handle, self.bucket_later = setup_fields(setup)
             self.transport = transport

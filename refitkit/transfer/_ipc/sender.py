@@ -878,6 +878,8 @@ class _SendSession:
                 "setup",
                 exchange=self.peer_exchange,
                 session=self.session,
+                pid=os.getpid(),  # followed by the receiver (a pidfd), where it shares our PID namespace
+                pidns=shm.pid_namespace(),
                 transport=transport,
                 half_bytes=half,
                 handle=handle,
@@ -1074,6 +1076,7 @@ class _SendSession:
         pid = frame.get("pid")
         self.peer_pid = pid if type(pid) is int else None
         self.watch.follow(peer, self._peer_name())
+        self.watch.follow_process(self.peer_pid, frame.get("pidns"))
         return True
 
     def _await_hello(self) -> dict[str, Any]:
