@@ -5,7 +5,10 @@ broadcast receiver hands out a bucket at a time to a callback. The receiver runs
 thread; its callback copies each tensor (the bucket's views die when the callback returns) into a
 small queue that the loader's iterator drains. Every wait is bounded; a loader that stops early
 makes the callback raise (``finish``), so the receiver reports the failure, and the loader's
-reason, to the sender.
+reason, to the sender. The last bucket's callback returns only once the loader has taken the end
+of the stream (it landed every weight before): the receiver's report of the session, which ends
+the sender's ``send()``, then carries the loader's verdict, never an "ok" the loader contradicts
+a moment later.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class ReceiveBridge:
         self.result: Any = None
         self._items: queue.Queue[Any] = queue.Queue(maxsize=QUEUE_ITEMS)
         self._stopped = threading.Event()  # the loader gave up: the callback must raise
+        self._drained = threading.Event()  # the loader took the end of the stream: it landed every weight before
         self._error: BaseException | None = None
         self._reason = ""  # why the loader stopped, for the receiver's report to the sender
         self._loader_error: BaseException | None = (
@@ -50,6 +54,7 @@ class ReceiveBridge:
         while True:
             item = self._take()
             if item is _END:
+                self._drained.set()
                 return
             self.handed_out += 1
             yield item
@@ -81,7 +86,8 @@ class ReceiveBridge:
     def _run(self, receive: Callable[..., Any]) -> None:
         try:
             self.result = receive(self._on_bucket)
-            self._put(_END)
+            if not self._drained.is_set():  # (a stream whose last bucket never came through the callback)
+                self._put(_END)
         except BaseException as exc:
             self._error = exc
             self._stopped.set()
@@ -89,16 +95,29 @@ class ReceiveBridge:
     def _on_bucket(self, weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
         for name, view in weights:
             self._put((name, view.clone()))  # the view is valid only during this call
+        if is_last:  # the session's report waits for the loader's verdict on every weight
+            self._put(_END)
+            deadline = time.monotonic() + self.timeout_s
+            while not self._drained.wait(POLL_S):
+                self._raise_if_stopped()
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(
+                        f"the engine's loader did not take the last weights within timeout_s={self.timeout_s:g}; "
+                        "raise timeout_s if it is only slow"
+                    )
+
+    def _raise_if_stopped(self) -> None:
+        if self._stopped.is_set():
+            if self._loader_error is not None:  # a refusal of refitkit's: the sender hears it as its type
+                raise self._loader_error
+            raise TransferError(
+                f"the engine's loader stopped taking weights before the end of the stream{self._reason}"
+            )
 
     def _put(self, item: Any) -> None:
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self._stopped.is_set():
-                if self._loader_error is not None:  # a refusal of refitkit's: the sender hears it as its type
-                    raise self._loader_error
-                raise TransferError(
-                    f"the engine's loader stopped taking weights before the end of the stream{self._reason}"
-                )
+            self._raise_if_stopped()
             try:
                 self._items.put(item, timeout=POLL_S)
                 return
