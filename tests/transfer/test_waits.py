@@ -3,7 +3,9 @@ waits past ``timeout_s`` says so. Both sides are real processes over the shm tra
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from typing import Any
 
 import msgpack
@@ -11,9 +13,11 @@ import pytest
 import torch
 import zmq
 
+from refitkit.errors import TransferTimeout
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
-from refitkit.transfer._ipc import shm
+from refitkit.transfer._ipc import handoff, shm
 from refitkit.transfer._ipc.endpoint import socket_path
+from refitkit.transfer.common import SessionPhase
 from refitkit.transfer.protocol import WIRE_VERSION
 from tests.transfer.harness import spawn
 from tests.transfer.peers import digest
@@ -247,3 +251,42 @@ def test_a_side_waiting_on_its_own_cuda_work_sleeps(endpoint, side):
     measured = sent if side == "sender" else received
     assert measured["wall"] >= STALL_S * 0.5, measured  # the side did wait for the GPU work (its clock varies)
     assert measured["share"] <= MOST_OF_A_CORE, f"the waiting {side} used {measured['share']:.1%} of a core: {measured}"
+
+
+# -- the bound of a wait on this side's own GPU work (the wait's logic on the CPU) -------------------------------
+
+
+class StuckEvent:
+    """Stands in for a CUDA event (none on the CPU) whose queued work does not end until ``release`` is set, as a
+    collective waiting on a dead rank; only its ``query`` / ``synchronize`` are used by the wait."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def query(self) -> bool:
+        return self.release.is_set()
+
+    def synchronize(self) -> None:
+        self.release.wait(60)
+
+
+def test_a_wait_on_own_gpu_work_that_never_ends_is_bounded_and_names_timeout_s():
+    event = StuckEvent()
+    pending = deque([(3, event)])
+    began = time.monotonic()
+    with pytest.raises(TransferTimeout) as raised:
+        handoff.wait_oldest(pending, left_s=0.5, timeout_s=7.0, phase=SessionPhase.STREAMING)
+    assert 0.5 <= time.monotonic() - began < 1.5
+    assert str(raised.value).startswith(
+        "streaming: the CUDA work queued on this side before bucket 3's hand-off did not finish within timeout_s=7 "
+    )
+    event.release.set()  # the stuck helper ends with its event
+
+
+def test_a_wait_on_own_gpu_work_returns_as_it_ends_and_leaves_no_thread():
+    event = StuckEvent()
+    threading.Timer(0.2, event.release.set).start()
+    began = time.monotonic()
+    handoff.wait_oldest(deque([(0, event)]), left_s=10.0, timeout_s=10.0, phase=SessionPhase.DRAINING)
+    assert 0.2 <= time.monotonic() - began < 2.0
+    assert not [thread for thread in threading.enumerate() if thread.name == "refitkit-cuda-event"]

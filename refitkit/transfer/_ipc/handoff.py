@@ -7,18 +7,20 @@ completed, in order (``announce_finished``); CPU copies are synchronous and anno
 
 Waits block in the kernel with the caller's deadline: on the socket (a ZMQ poll, which also sees the peer's connection
 end), or, while a side has its own CUDA work still to announce and no frame is queued, on the oldest of those events
-(``wait_oldest``: a blocking-sync event, so the thread sleeps in the driver with the GIL released, and announces the
-moment the copies end).
+(``wait_oldest``: a helper thread synchronizes a blocking-sync event, asleep in the driver with the GIL released,
+while the waiting thread sleeps on it with the deadline; the frame is announced the moment the copies end).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from refitkit.errors import TransferTimeout
 from refitkit.transfer.common import SessionPhase
 from refitkit.transfer.protocol import timeout_error
 
@@ -46,12 +48,33 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
         announce(seq)
 
 
-def wait_oldest(pending: deque[tuple[int, Any]]) -> None:
-    """Block until the oldest pending bucket's CUDA work has run. That work is this side's own copies (or the
-    trainer's kernels before them), already queued: it ends without the peer, so the wait is bounded by it, and the
-    socket is looked at again right after."""
-    if pending and pending[0][1] is not None:
-        pending[0][1].synchronize()
+def wait_oldest(pending: deque[tuple[int, Any]], *, left_s: float, timeout_s: float, phase: SessionPhase) -> None:
+    """Block until the oldest pending bucket's CUDA work has run, for at most ``left_s`` (what is left of the caller's
+    deadline). That work is this side's own copies, or the kernels queued before them on the same stream: a
+    collective among them that waits on a dead rank never ends, so the event is synchronized on a helper thread and
+    this thread waits for it with the deadline (both asleep in the kernel); past it, TransferTimeout naming
+    ``timeout_s``. The socket is looked at again right after."""
+    seq, event = pending[0] if pending else (0, None)
+    if event is None or event.query():
+        return
+    done = threading.Event()
+
+    def synchronize() -> None:
+        try:
+            event.synchronize()
+        finally:
+            done.set()
+
+    helper = threading.Thread(target=synchronize, name="refitkit-cuda-event", daemon=True)
+    helper.start()
+    if done.wait(max(0.0, left_s)):
+        helper.join()  # (it ends as it sets ``done``)
+        return
+    raise TransferTimeout(
+        f"{phase.value}: the CUDA work queued on this side before bucket {seq}'s hand-off did not finish within "
+        f"timeout_s={timeout_s:g} (a kernel stuck on this GPU? a collective waiting on a rank that is gone?); raise "
+        "timeout_s only if that work is merely slow"
+    )
 
 
 def wait_until(

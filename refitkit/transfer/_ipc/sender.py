@@ -1001,7 +1001,7 @@ class _SendSession:
             if self.watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
             if self.unpacked and not self.watch.poll(0):  # nothing from the receiver yet: our copies end first
-                handoff.wait_oldest(self.unpacked)
+                handoff.wait_oldest(self.unpacked, left_s=left_s, timeout_s=self.timeout_s, phase=self.state.phase)
                 return
             self._read_frames(0 if self.unpacked else handoff.poll_ms(left_s))
 
