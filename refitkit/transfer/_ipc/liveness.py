@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from refitkit.errors import PeerGone
+from refitkit.transfer._ipc import shm
 from refitkit.transfer.common import SessionPhase
 from refitkit.transfer.protocol import timeout_error
 
@@ -40,15 +41,6 @@ _EVENTS = _UP | _DOWN
 _EVENT = struct.Struct("=hi")  # a monitor event's first frame: the event, then its value (here: the descriptor)
 ORIGINS = 64  # connections of hellos remembered (a sender keeps at most 16 hellos waiting)
 FRAMES_PER_LOOK = 64  # frames one look of a wait handles at most: a flood of frames cannot hold it past its bound
-
-
-def _own_pid_namespace() -> list[int] | None:
-    """This process's PID namespace as ``shm.pid_namespace()`` reports a peer's (device, inode); None if unknown."""
-    try:
-        info = os.stat("/proc/self/ns/pid")
-    except OSError:
-        return None
-    return [info.st_dev, info.st_ino]
 
 
 class PeerWatch:
@@ -124,7 +116,7 @@ class PeerWatch:
         no pidfd can be had (gone already, or Linux < 5.3), the connection alone tells. The pid was the peer's a
         moment ago (its frame just came over a live connection), so reuse of a dead peer's pid is not a concern."""
         self._drop_process()
-        if type(pid) is not int or pid <= 0 or pidns is None or pidns != _own_pid_namespace():
+        if type(pid) is not int or pid <= 0 or pidns is None or pidns != shm.pid_namespace():
             return
         if not hasattr(os, "pidfd_open"):
             return
