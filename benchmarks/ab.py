@@ -131,7 +131,7 @@ def colocated_samples(raw: list, benchmark: str) -> tuple[dict[str, list[float]]
         problems.append("engine params differ from the trainer's after the last push (or no pushes)")
     steady = [row for row in result["rows"][1:] if not row.get("traced")]
     return {
-        f"{benchmark} sync alone": [push["sync_ms"] for push in result["pushes"][1:]],
+        f"{benchmark} sync alone": [push["sync_ms"] for push in result["pushes"][1:] if not push.get("profiled")],
         f"{benchmark} refit": [row["refit_ms"] for row in steady],
         f"{benchmark} refit / flat D2H": [row["refit_vs_flat_d2h"] for row in steady],
         f"{benchmark} sync in the refit": [row["sync_weights_ms"] for row in steady if "sync_weights_ms" in row],
@@ -190,6 +190,7 @@ def command(run: Planned, root: Path, json_path: Path, args: argparse.Namespace)
         *("--models", models, "--steps", str(args.steps), "--pushes", str(args.pushes), "--push-paths", "direct"),
         *("--optimizer", args.optimizer, *(["--zero-grads"] if args.zero_grads else [])),
         *("--checkpoint", args.checkpoint_dir, "--json", str(json_path)),
+        *(["--profile", str(Path(args.profile) / run.label.replace(" ", "-"))] if args.profile else []),
     ]
 
 
@@ -491,6 +492,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", nargs="+", metavar="JSON", help="only print the table of these ab.json files")
     parser.add_argument("--dry-run", action="store_true", help="stage and check both sides, print the commands")
     parser.add_argument("--verbose", action="store_true", help="echo the runs' output (always in ab.log)")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="colocated runs: cProfile their last push on both sides into DIR/<run label>"
+    )
     parser.add_argument(
         "--checkpoint-dir",
         default="/tmp/refitkit-ab-checkpoints",

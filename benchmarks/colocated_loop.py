@@ -623,6 +623,8 @@ def live_pushes(
             llm.collective_rpc(_worker_profile_stop, args=(str(Path(profile).resolve() / "worker_push.txt"),))
         worker = rank_reports(link.last_push)[0]
         row = {"push": index, "path": path, "sync_ms": wall_ms, "bytes": worker.get("bytes"), **worker_split(worker)}
+        if profiled:
+            row["profiled"] = True  # cProfile's own cost is in it: not a sample
         row.update(against_floor(wall_ms, worker.get("bytes", 0), d2d_gbps))
         row["sender_ms"] = {phase: round(seconds * 1e3, 2) for phase, seconds in link.sender.last_timings_s.items()}
         row["split"] = link.sender.last_split.__dict__ if link.sender.last_split else None
