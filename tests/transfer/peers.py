@@ -324,7 +324,7 @@ def one_shot_receiver_main(endpoint: str, device: str, timeout_s: float, mode: s
     conn.send(_run_session(endpoint, device, timeout_s, mode, arg, {}))
 
 
-HOLDER_S = 10.0  # how long a dying peer's forked child holds its descriptors (and so its connections) open
+HOLDER_S = 4.0  # how long a dying peer's forked child holds its descriptors (and so its connections) open
 
 
 def die(*, forked_holder: bool = False) -> None:

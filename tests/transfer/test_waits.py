@@ -275,7 +275,7 @@ def test_a_wait_on_own_gpu_work_that_never_ends_is_bounded_and_names_timeout_s()
     pending = deque([(3, event)])
     began = time.monotonic()
     with pytest.raises(TransferTimeout) as raised:
-        handoff.wait_oldest(pending, left_s=0.5, timeout_s=7.0, phase=SessionPhase.STREAMING)
+        handoff.OwnWork().wait(pending, left_s=0.5, slice_s=0.5, timeout_s=7.0, phase=SessionPhase.STREAMING)
     assert 0.5 <= time.monotonic() - began < 1.5
     assert str(raised.value).startswith(
         "streaming: the CUDA work queued on this side before bucket 3's hand-off did not finish within timeout_s=7 "
@@ -287,6 +287,29 @@ def test_a_wait_on_own_gpu_work_returns_as_it_ends_and_leaves_no_thread():
     event = StuckEvent()
     threading.Timer(0.2, event.release.set).start()
     began = time.monotonic()
-    handoff.wait_oldest(deque([(0, event)]), left_s=10.0, timeout_s=10.0, phase=SessionPhase.DRAINING)
+    handoff.OwnWork().wait(deque([(0, event)]), left_s=10.0, slice_s=10.0, timeout_s=10.0, phase=SessionPhase.DRAINING)
     assert 0.2 <= time.monotonic() - began < 2.0
-    assert not [thread for thread in threading.enumerate() if thread.name == "refitkit-cuda-event"]
+    assert not [thread for thread in threading.enumerate() if thread.name == handoff.HELPER]
+
+
+def test_own_gpu_work_longer_than_the_senders_cancel_slice_is_waited_out_by_one_helper():
+    """The sender looks for a cancellation every CANCEL_SLICE_S (50 ms), so it waits on its own CUDA work in slices.
+    Before: the slice was taken for the deadline, and a trainer whose stream held more than 50 ms of work ahead of its
+    weights (the GPU suite's side-stream items behind 0.1 s kernels) failed with a false TransferTimeout; a wait in
+    slices must not raise before ``left_s``, nor start a helper thread per slice."""
+    event = StuckEvent()
+    pending = deque([(0, event)])
+    work = handoff.OwnWork()
+    threading.Timer(0.3, event.release.set).start()
+    began = time.monotonic()
+    slices = 0
+    while pending:
+        work.wait(pending, left_s=10.0, slice_s=0.05, timeout_s=10.0, phase=SessionPhase.STREAMING)
+        slices += 1
+        helpers = [thread for thread in threading.enumerate() if thread.name == handoff.HELPER]
+        assert len(helpers) <= 1, helpers
+        if event.query():
+            pending.popleft()
+    assert 0.3 <= time.monotonic() - began < 2.0
+    assert slices >= 3  # it did come back between slices, each time to the same helper
+    assert not [thread for thread in threading.enumerate() if thread.name == handoff.HELPER]

@@ -7,8 +7,8 @@ completed, in order (``announce_finished``); CPU copies are synchronous and anno
 
 Waits block in the kernel with the caller's deadline: on the socket (a ZMQ poll, which also sees the peer's connection
 end), or, while a side has its own CUDA work still to announce and no frame is queued, on the oldest of those events
-(``wait_oldest``: a helper thread synchronizes a blocking-sync event, asleep in the driver with the GIL released,
-while the waiting thread sleeps on it with the deadline; the frame is announced the moment the copies end).
+(``OwnWork``: a helper thread synchronizes a blocking-sync event, asleep in the driver with the GIL released,
+while the waiting thread sleeps on it in slices up to the deadline; the frame is announced the moment the copies end).
 """
 
 from __future__ import annotations
@@ -48,33 +48,55 @@ def announce_finished(pending: deque[tuple[int, Any]], announce: Callable[[int],
         announce(seq)
 
 
-def wait_oldest(pending: deque[tuple[int, Any]], *, left_s: float, timeout_s: float, phase: SessionPhase) -> None:
-    """Block until the oldest pending bucket's CUDA work has run, for at most ``left_s`` (what is left of the caller's
-    deadline). That work is this side's own copies, or the kernels queued before them on the same stream: a
-    collective among them that waits on a dead rank never ends, so the event is synchronized on a helper thread and
-    this thread waits for it with the deadline (both asleep in the kernel); past it, TransferTimeout naming
-    ``timeout_s``. The socket is looked at again right after."""
-    seq, event = pending[0] if pending else (0, None)
-    if event is None or event.query():
-        return
-    done = threading.Event()
+class OwnWork:
+    """A side's wait for its own CUDA work still to announce: its copies or reads, and whatever was queued before them
+    on the same stream (the trainer's optimizer step, say). One per session.
 
-    def synchronize() -> None:
-        try:
-            event.synchronize()
-        finally:
-            done.set()
+    ``wait`` blocks until the oldest pending event has completed, for at most ``slice_s``: a helper thread synchronizes
+    the event (blocking-sync: asleep in the driver, the GIL released) and this thread sleeps on the helper's flag. A
+    wait that its slice cut short (the sender looks for a cancellation every ``CANCEL_SLICE_S``) finds the same helper
+    when it comes back: one helper per event, never one per slice. Only the caller's deadline (``left_s``) ends the
+    wait with an error: a collective among that work that waits on a dead rank never ends, and then TransferTimeout
+    names ``timeout_s``. The socket is looked at again after each slice."""
 
-    helper = threading.Thread(target=synchronize, name="refitkit-cuda-event", daemon=True)
-    helper.start()
-    if done.wait(max(0.0, left_s)):
-        helper.join()  # (it ends as it sets ``done``)
-        return
-    raise TransferTimeout(
-        f"{phase.value}: the CUDA work queued on this side before bucket {seq}'s hand-off did not finish within "
-        f"timeout_s={timeout_s:g} (a kernel stuck on this GPU? a collective waiting on a rank that is gone?); raise "
-        "timeout_s only if that work is merely slow"
-    )
+    def __init__(self) -> None:
+        self._event: Any = None  # the event the helper synchronizes
+        self._done: threading.Event | None = None  # set by the helper once that event completed
+        self._helper: threading.Thread | None = None
+
+    def wait(
+        self, pending: deque[tuple[int, Any]], *, left_s: float, slice_s: float, timeout_s: float, phase: SessionPhase
+    ) -> None:
+        seq, event = pending[0] if pending else (0, None)
+        if event is None or event.query():
+            return
+        if event is not self._event or self._done is None:
+            self._event, self._done = event, threading.Event()
+            self._helper = threading.Thread(target=_synchronize, args=(event, self._done), name=HELPER, daemon=True)
+            self._helper.start()
+        wait_s = max(0.0, min(left_s, slice_s))
+        if self._done.wait(wait_s):
+            helper, self._helper, self._event, self._done = self._helper, None, None, None
+            if helper is not None:
+                helper.join()  # (it ends as it sets the flag)
+            return
+        if wait_s < left_s:
+            return  # the slice ended, not the deadline
+        raise TransferTimeout(
+            f"{phase.value}: the CUDA work queued on this side before bucket {seq}'s hand-off did not finish within "
+            f"timeout_s={timeout_s:g} (a kernel stuck on this GPU? a collective waiting on a rank that is gone?); raise "
+            "timeout_s only if that work is merely slow"
+        )
+
+
+HELPER = "refitkit-cuda-event"  # the helper threads' name
+
+
+def _synchronize(event: Any, done: threading.Event) -> None:
+    try:
+        event.synchronize()
+    finally:
+        done.set()
 
 
 def wait_until(

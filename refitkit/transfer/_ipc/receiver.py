@@ -412,6 +412,7 @@ class _ReceiveSession:
         self.inbox: deque[dict[str, Any]] = deque()  # frames that arrived ahead of the one being waited for
         self.packed = 0  # buckets the sender announced as complete
         self.unconsumed: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None) not announced done yet
+        self.own_work = handoff.OwnWork()  # the wait for the oldest of them
         self.half_bytes = 0
         self.transport = "none"
         self.bucket_later = False  # a direct session whose bucket is announced with the first bucket that uses it
@@ -617,7 +618,9 @@ class _ReceiveSession:
                 if watch.lost:  # seen by an earlier look, and ready() found nothing since
                     raise self._gone(waiting_for)
                 if self.unconsumed and not watch.poll(0):  # nothing from the sender yet: our reads end first
-                    handoff.wait_oldest(self.unconsumed, left_s=left_s, timeout_s=self.timeout_s, phase=self.phase)
+                    self.own_work.wait(
+                        self.unconsumed, left_s=left_s, slice_s=left_s, timeout_s=self.timeout_s, phase=self.phase
+                    )
                     return
                 # else the socket (and the sender's connection) until the deadline
                 if watch.poll(0 if self.unconsumed else handoff.poll_ms(left_s)):
@@ -658,7 +661,9 @@ class _ReceiveSession:
             if watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
             if self.unconsumed and not watch.poll(0):  # nothing from the sender yet: our reads end first
-                handoff.wait_oldest(self.unconsumed, left_s=left_s, timeout_s=self.timeout_s, phase=self.phase)
+                self.own_work.wait(
+                    self.unconsumed, left_s=left_s, slice_s=left_s, timeout_s=self.timeout_s, phase=self.phase
+                )
                 return
             if watch.poll(0 if self.unconsumed else handoff.poll_ms(left_s)):
                 self._take(self._recv_now())

@@ -602,6 +602,7 @@ class _SendSession:
         self.span: record_function | None = None  # the profiler range of the bucket being packed
         self.unacked: deque[tuple[int, int]] = deque()  # (seq, bit mask of the halves it occupies)
         self.unpacked: deque[tuple[int, Any]] = deque()  # (seq, CUDA event or None) not announced packed yet
+        self.own_work = handoff.OwnWork()  # the wait for the oldest of them
         self.consumed = 0  # buckets the receiver is done with
         self.ack_wait_s = 0.0
         self.items = 0
@@ -994,16 +995,19 @@ class _SendSession:
             return condition()
 
         def look(left_s: float) -> None:
+            slice_s = left_s
             if self.cancel is not None:
                 if self.cancel.is_set():
                     raise _Cancelled(f"{self.cancel.reason} while waiting for {waiting_for}")
-                left_s = min(left_s, CANCEL_SLICE_S)
+                slice_s = min(left_s, CANCEL_SLICE_S)
             if self.watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
             if self.unpacked and not self.watch.poll(0):  # nothing from the receiver yet: our copies end first
-                handoff.wait_oldest(self.unpacked, left_s=left_s, timeout_s=self.timeout_s, phase=self.state.phase)
+                self.own_work.wait(
+                    self.unpacked, left_s=left_s, slice_s=slice_s, timeout_s=self.timeout_s, phase=self.state.phase
+                )
                 return
-            self._read_frames(0 if self.unpacked else handoff.poll_ms(left_s))
+            self._read_frames(0 if self.unpacked else handoff.poll_ms(slice_s))
 
         began = time.perf_counter()
         try:
