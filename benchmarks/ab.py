@@ -190,7 +190,7 @@ def command(run: Planned, root: Path, json_path: Path, args: argparse.Namespace)
         *("--models", models, "--steps", str(args.steps), "--pushes", str(args.pushes), "--push-paths", "direct"),
         *("--optimizer", args.optimizer, *(["--zero-grads"] if args.zero_grads else [])),
         *("--checkpoint", args.checkpoint_dir, "--json", str(json_path)),
-        *(["--profile", str(Path(args.profile) / run.label.replace(" ", "-"))] if args.profile else []),
+        *(["--profile", str(json_path.parent / "profile")] if args.profile else []),
     ]
 
 
@@ -272,7 +272,20 @@ def run_one(
             raw = json.loads(json_path.read_text())
         except (OSError, ValueError):  # none written, or cut off by the kill
             raw = None
+        if args.profile:
+            flatten_reports(Path(scratch) / "profile", Path(args.profile), run.label)
     return rc, seconds, raw, used
+
+
+def flatten_reports(made: Path, into: Path, label: str) -> list[Path]:
+    """Copy a run's profile reports (``made``, one folder per model) into the one flat folder ``into`` (the GPU machine
+    brings back no nested folder), each as ``<run label>-<model>-<file>``; the copies."""
+    copies = []
+    for report in sorted(made.rglob("*.txt")) if made.is_dir() else []:
+        into.mkdir(parents=True, exist_ok=True)
+        copies.append(into / "-".join((label.replace(" ", "-"), *report.relative_to(made).parts)))
+        shutil.copyfile(report, copies[-1])
+    return copies
 
 
 def pump(process: subprocess.Popen, log, tail: list[str], deadline: float, *, verbose: bool) -> int:
@@ -493,7 +506,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="stage and check both sides, print the commands")
     parser.add_argument("--verbose", action="store_true", help="echo the runs' output (always in ab.log)")
     parser.add_argument(
-        "--profile", metavar="DIR", help="colocated runs: cProfile their last push on both sides into DIR/<run label>"
+        "--profile", metavar="DIR", help="colocated runs: cProfile their last push on both sides into DIR (flat files)"
     )
     parser.add_argument(
         "--checkpoint-dir",

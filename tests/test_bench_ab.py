@@ -45,7 +45,11 @@ def test_dry_run_stages_the_before_package_apart_and_gives_both_sides_the_same_c
         assert root == (staged.group(1) if side == "before" else str(ROOT))
         assert line.startswith(f"PYTHONPATH={root}{os.pathsep}")  # the side's root first: vLLM's processes inherit it
         after_env = line.split(" ", 1)[1]  # the rest of PYTHONPATH is this process's
-        assert after_env.replace(root, "<root>") == commands[0][3].split(" ", 1)[1].replace(commands[0][2], "<root>")
+        # only the side's scripts differ (this interpreter may itself live under the checkout: a .venv in it)
+        scripts, first_scripts = f"{root}/benchmarks/", f"{commands[0][2]}/benchmarks/"
+        assert after_env.replace(scripts, "<root>/benchmarks/") == commands[0][3].split(" ", 1)[1].replace(
+            first_scripts, "<root>/benchmarks/"
+        )
     assert "[ab] 6 runs, estimated " in done.stdout
 
 
@@ -99,3 +103,17 @@ def test_a_resumed_call_runs_only_the_pairs_whose_slots_are_not_filled():
         ("weight-sync-8b before pair 3", "weight-sync-8b after pair 3"),
         ("colocated-8b before pair 3", "colocated-8b after pair 3"),
     ]
+
+
+def test_profile_reports_come_back_as_one_flat_folder_named_by_run(tmp_path):
+    made = tmp_path / "scratch" / "profile"
+    (made / "0.6b").mkdir(parents=True)
+    (made / "0.6b" / "trainer_push.txt").write_text("trainer")
+    (made / "0.6b" / "worker_push.txt").write_text("worker")
+    copies = ab.flatten_reports(made, tmp_path / "out", "colocated-0.6b after pair 2")
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
+        "colocated-0.6b-after-pair-2-0.6b-trainer_push.txt",
+        "colocated-0.6b-after-pair-2-0.6b-worker_push.txt",
+    ]
+    assert [path.read_text() for path in copies] == ["trainer", "worker"]
+    assert ab.flatten_reports(tmp_path / "none", tmp_path / "out", "x") == []  # a run that wrote none
