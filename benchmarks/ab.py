@@ -191,6 +191,7 @@ def command(run: Planned, root: Path, json_path: Path, args: argparse.Namespace)
         *("--optimizer", args.optimizer, *(["--zero-grads"] if args.zero_grads else [])),
         *("--checkpoint", args.checkpoint_dir, "--json", str(json_path)),
         *(["--profile", str(json_path.parent / "profile")] if args.profile else []),
+        *(["--pin-cpus"] if args.pin_cpus else []),
     ]
 
 
@@ -505,6 +506,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", nargs="+", metavar="JSON", help="only print the table of these ab.json files")
     parser.add_argument("--dry-run", action="store_true", help="stage and check both sides, print the commands")
     parser.add_argument("--verbose", action="store_true", help="echo the runs' output (always in ab.log)")
+    parser.add_argument(
+        "--pin-cpus", action="store_true", help="colocated runs: colocated_loop --pin-cpus (both sides alike)"
+    )
     parser.add_argument(
         "--profile", metavar="DIR", help="colocated runs: cProfile their last push on both sides into DIR (flat files)"
     )

@@ -311,6 +311,44 @@ def rank_reports(push) -> list[dict]:
     return push.ranks if hasattr(push, "ranks") else push.workers
 
 
+def split_cores(
+    cpus: set[int] | None = None, sysfs: str = "/sys/devices/system/cpu"
+) -> tuple[set[int], set[int]] | None:
+    """``cpus`` (default: those this process may run on) split by physical core, from sysfs's topology: (the CPUs of
+    every core but the last, the last core's CPUs, its hardware threads); None where there are fewer than two cores or
+    no topology to read."""
+    cores: dict[tuple[str, str], set[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0) if cpus is None else cpus):
+        topology = Path(sysfs) / f"cpu{cpu}" / "topology"
+        try:
+            core = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+        except OSError:
+            return None
+        cores.setdefault(core, set()).add(cpu)
+    if len(cores) < 2:
+        return None
+    *rest, last = cores.values()
+    return set().union(*rest), last
+
+
+def pin_hot_threads(llm) -> dict[str, list[int]] | None:
+    """Keep the two threads a sync runs on, this process's (the sender's) and the vLLM worker's (its receiver's: the
+    thread collective_rpc runs on), off each other's physical core: the worker's thread on the last core (threads it
+    starts later, the receiver's ZMQ I/O thread among them, inherit that core's hardware threads), this one on the
+    others. Without it a run's figure depends on whether the scheduler puts both on one core's two hardware threads."""
+    split = split_cores()
+    if split is None:
+        return None
+    trainer, worker = split
+    os.sched_setaffinity(0, trainer)  # (Linux: the calling thread, and the threads it starts from now on)
+    llm.collective_rpc(_pin_worker_thread, args=(sorted(worker),))
+    return {"trainer": sorted(trainer), "worker": sorted(worker)}
+
+
+def _pin_worker_thread(worker, cpus: list[int]) -> None:  # runs inside the vLLM worker (collective_rpc of a function)
+    os.sched_setaffinity(0, set(cpus))
+
+
 def generate_ms(llm) -> float:
     from vllm import SamplingParams
 
@@ -350,6 +388,7 @@ def bench_model(
     checkpoint_in: str | None = None,
     layers: int | None = None,
     quantization: str | None = None,
+    pin_cpus: bool = False,
 ) -> dict:
     from vllm import LLM
 
@@ -378,6 +417,7 @@ def bench_model(
         worker_extension_cls="refitkit.rollout.vllm.RefitWorkerExtension",
         quantization=quantization,  # fp8: the bf16 checkpoint quantized on load, and again on every sync
     )
+    pinned = pin_hot_threads(llm) if pin_cpus else None
     # foreach (torch's default on CUDA) makes a param-sized temporary per param in every step: after a flush each is
     # its own segment, which the next flush returns; fused makes none
     fused = optimizer_impl == "fused"
@@ -510,6 +550,7 @@ def bench_model(
         "zero_grads": zero_grads,
         "direct": direct,
         "limits": limits.__dict__,
+        "pinned_cpus": pinned,  # the CPUs of the sender's thread and of the vLLM worker's, or None
         "rows": rows,
         "pushes": pushes_out,
     }
@@ -851,6 +892,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--profile", help="cProfile the last of --pushes on both sides; text reports into this directory"
     )
     parser.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="keep the sender's thread and the vLLM worker's on different physical cores (less run-to-run drift)",
+    )
+    parser.add_argument(
         "--optimizer",
         choices=("foreach", "fused"),
         help="AdamW's implementation (default: foreach for the dense models, fused for the MoE ones, whose "
@@ -962,6 +1008,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             checkpoint_in=args.checkpoint,
             layers=args.layers if key in MOE_MODELS else None,
             quantization=quantization,
+            pin_cpus=args.pin_cpus,
         )
         result["refitkit"] = str(Path(refitkit.__file__).resolve().parent)  # which refitkit ran (an A/B has two)
         print_summary(result)

@@ -233,3 +233,18 @@ def test_a_layerwise_fp8_result_is_held_against_the_one_copy_floor_and_summarise
     assert "sync alone into the serving engine 482.0 ms = 77.36x the one-copy floor of its 12.46 GB, 6.2 ms" in out
     assert "worker: receiving 75.0 ms, the rest 325.0 ms" in out
     assert "params equal after the last push: n/a (quantized; the same bytes as after the last refit: True)" in out
+
+
+def test_the_sender_and_the_worker_are_pinned_to_different_physical_cores(tmp_path):
+    # a sysfs topology of 6 CPUs on 3 cores (hardware threads 0/3, 1/4, 2/5), one package
+    for cpu, core in enumerate((0, 1, 2, 0, 1, 2)):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    split = colocated_loop.split_cores
+    assert split(set(range(6)), str(tmp_path)) == ({0, 1, 3, 4}, {2, 5})  # the last core, both its threads
+    assert split({0, 3}, str(tmp_path)) is None  # one core's two threads only
+    assert split({0, 1, 6}, str(tmp_path)) is None  # cpu6: no topology to read
+    here = split()  # this machine's own topology, where it has two cores
+    assert here is None or (here[0] and here[1] and not here[0] & here[1])
