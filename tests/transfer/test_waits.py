@@ -275,7 +275,7 @@ def test_a_wait_on_own_gpu_work_that_never_ends_is_bounded_and_names_timeout_s()
     pending = deque([(3, event)])
     began = time.monotonic()
     with pytest.raises(TransferTimeout) as raised:
-        handoff.OwnWork().wait(pending, left_s=0.5, slice_s=0.5, timeout_s=7.0, phase=SessionPhase.STREAMING)
+        handoff.OwnWork().wait(pending, left_s=0.5, timeout_s=7.0, phase=SessionPhase.STREAMING)
     assert 0.5 <= time.monotonic() - began < 1.5
     assert str(raised.value).startswith(
         "streaming: the CUDA work queued on this side before bucket 3's hand-off did not finish within timeout_s=7 "
@@ -287,7 +287,7 @@ def test_a_wait_on_own_gpu_work_returns_as_it_ends_and_leaves_no_thread():
     event = StuckEvent()
     threading.Timer(0.2, event.release.set).start()
     began = time.monotonic()
-    handoff.OwnWork().wait(deque([(0, event)]), left_s=10.0, slice_s=10.0, timeout_s=10.0, phase=SessionPhase.DRAINING)
+    handoff.OwnWork().wait(deque([(0, event)]), left_s=10.0, timeout_s=10.0, phase=SessionPhase.DRAINING)
     assert 0.2 <= time.monotonic() - began < 2.0
     assert not [thread for thread in threading.enumerate() if thread.name == handoff.HELPER]
 

@@ -65,8 +65,15 @@ class OwnWork:
         self._helper: threading.Thread | None = None
 
     def wait(
-        self, pending: deque[tuple[int, Any]], *, left_s: float, slice_s: float, timeout_s: float, phase: SessionPhase
+        self,
+        pending: deque[tuple[int, Any]],
+        *,
+        left_s: float,
+        timeout_s: float,
+        phase: SessionPhase,
+        slice_s: float | None = None,
     ) -> None:
+        """Until the oldest of ``pending`` completed, for at most ``slice_s`` (default: all of ``left_s``)."""
         seq, event = pending[0] if pending else (0, None)
         if event is None or event.query():
             return
@@ -74,11 +81,10 @@ class OwnWork:
             self._event, self._done = event, threading.Event()
             self._helper = threading.Thread(target=_synchronize, args=(event, self._done), name=HELPER, daemon=True)
             self._helper.start()
-        wait_s = max(0.0, min(left_s, slice_s))
+        wait_s = max(0.0, left_s if slice_s is None else min(left_s, slice_s))
         if self._done.wait(wait_s):
             helper, self._helper, self._event, self._done = self._helper, None, None, None
-            if helper is not None:
-                helper.join()  # (it ends as it sets the flag)
+            helper.join()  # type: ignore[union-attr]  # (it ends as it sets the flag)
             return
         if wait_s < left_s:
             return  # the slice ended, not the deadline

@@ -618,9 +618,7 @@ class _ReceiveSession:
                 if watch.lost:  # seen by an earlier look, and ready() found nothing since
                     raise self._gone(waiting_for)
                 if self.unconsumed and not watch.poll(0):  # nothing from the sender yet: our reads end first
-                    self.own_work.wait(
-                        self.unconsumed, left_s=left_s, slice_s=left_s, timeout_s=self.timeout_s, phase=self.phase
-                    )
+                    self.own_work.wait(self.unconsumed, left_s=left_s, timeout_s=self.timeout_s, phase=self.phase)
                     return
                 # else the socket (and the sender's connection) until the deadline
                 if watch.poll(0 if self.unconsumed else handoff.poll_ms(left_s)):
@@ -661,9 +659,7 @@ class _ReceiveSession:
             if watch.lost:  # seen by an earlier look, and ready() found nothing since
                 raise self._gone(waiting_for)
             if self.unconsumed and not watch.poll(0):  # nothing from the sender yet: our reads end first
-                self.own_work.wait(
-                    self.unconsumed, left_s=left_s, slice_s=left_s, timeout_s=self.timeout_s, phase=self.phase
-                )
+                self.own_work.wait(self.unconsumed, left_s=left_s, timeout_s=self.timeout_s, phase=self.phase)
                 return
             if watch.poll(0 if self.unconsumed else handoff.poll_ms(left_s)):
                 self._take(self._recv_now())
