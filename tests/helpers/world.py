@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tests.helpers import procs
+
 
 class WorldTimeout(TimeoutError):
     pass
@@ -35,29 +37,33 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: s
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned ranks over gloo.
+def run_world(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, fresh_interpreter: bool = False
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` ranks over gloo, forked from the tests' fork server
+    (``procs``), or spawned as fresh interpreters with ``fresh_interpreter`` (for an environment variable read when
+    a library loads, as glibc's ``MALLOC_*``).
 
     Returns each rank's return value (ranks must return torch.save-able values). A rank that
     fails re-raises here with its traceback; ranks still running after ``timeout_s`` are killed
     and ``WorldTimeout`` is raised.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh_interpreter else procs.context()
     with tempfile.TemporaryDirectory(prefix="refitkit-world-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [
+        processes = [
             ctx.Process(target=_entry, args=(fn, rank, world_size, store, tmp, args), daemon=True)
             for rank in range(world_size)
         ]
-        for proc in procs:
+        for proc in processes:
             proc.start()
         import time
 
         deadline = time.monotonic() + timeout_s
-        for proc in procs:
+        for proc in processes:
             proc.join(max(0.0, deadline - time.monotonic()))
-        alive = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-        for proc in procs:
+        alive = [rank for rank, proc in enumerate(processes) if proc.is_alive()]
+        for proc in processes:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
@@ -67,7 +73,7 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             if not os.path.exists(path):
                 if alive:
                     raise WorldTimeout(f"ranks {alive} still running after timeout_s={timeout_s}; killed")
-                raise RuntimeError(f"rank {rank} exited with code {procs[rank].exitcode} and no result")
+                raise RuntimeError(f"rank {rank} exited with code {processes[rank].exitcode} and no result")
             payload = torch.load(path, weights_only=False)
             if not payload["ok"]:
                 raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import resource
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tests.helpers import procs
+
 
 def run_in_child(fn: Callable[..., Any], *args: Any, timeout_s: float = 90.0) -> Any:
     """``fn(*args)`` in a fresh spawned process (its own address-space limit); bounded by ``timeout_s``."""
-    with mp.get_context("spawn").Pool(1) as pool:
+    with procs.context().Pool(1) as pool:
         return pool.apply_async(fn, args).get(timeout_s)
 
 

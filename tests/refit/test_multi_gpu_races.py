@@ -15,7 +15,6 @@ FSDP2 all-gathers across GPUs, and "memory freed" is read from the driver with N
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -29,6 +28,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.helpers import procs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]
 
@@ -73,20 +74,20 @@ def _entry(fn: Callable, rank: int, world: int, device_type: str, store_path: st
 
 def run_ranks(fn: Callable, world: int, *args: Any, device_type: str = "cuda", timeout_s: float = 400.0) -> list[dict]:
     """``fn(rank, world, device_type, *args)`` on ``world`` spawned ranks (NCCL on cuda); their JSON results."""
-    context = mp.get_context("spawn")
+    context = procs.context()
     with tempfile.TemporaryDirectory(prefix="refitkit-races-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [
+        processes = [
             context.Process(target=_entry, args=(fn, rank, world, device_type, store, tmp, args), daemon=True)
             for rank in range(world)
         ]
-        for proc in procs:
+        for proc in processes:
             proc.start()
         deadline = time.monotonic() + timeout_s
-        for proc in procs:
+        for proc in processes:
             proc.join(max(0.0, deadline - time.monotonic()))
-        alive = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-        for proc in procs:
+        alive = [rank for rank, proc in enumerate(processes) if proc.is_alive()]
+        for proc in processes:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10.0)
@@ -96,7 +97,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, device_type: str = "cuda", t
         for rank in range(world):
             path = os.path.join(tmp, f"rank{rank}.json")
             if not os.path.exists(path):
-                raise AssertionError(f"rank {rank} exited with code {procs[rank].exitcode} and no result")
+                raise AssertionError(f"rank {rank} exited with code {processes[rank].exitcode} and no result")
             with open(path) as handle:
                 payload = json.load(handle)
             if not payload["ok"]:

@@ -4,10 +4,11 @@ computes ``base(x) + B(A(x)) * alpha / r``, so a wrapped HF model is also the re
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from typing import Any
 
 import torch
+
+from tests.helpers import procs
 
 TARGETS = ("q_proj", "v_proj", "gate_proj", "down_proj")
 
@@ -90,7 +91,7 @@ def sender_main(
 def start_sender(
     url: str, secret: str, model_kind: str, seeds: tuple[int, int], version: int, *, base: bool
 ) -> tuple[Any, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     answers = ctx.Queue()
     process = ctx.Process(
         target=sender_main, args=(url, secret, model_kind, seeds, version, base, answers), daemon=True

@@ -11,7 +11,6 @@ sender that dies mid-stream.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tests.helpers import procs
 from tests.transfer.peers import digest
 
 
@@ -70,7 +70,7 @@ class ReceiverProcess:
     """One spawned receiver server; ``start`` returns at once, ``result`` waits (bounded) for the outcome."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = procs.context()
         self.commands, self.answers = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(target=receiver_server_main, args=(self.commands, self.answers), daemon=True)
         self.process.start()

@@ -9,12 +9,12 @@ digests of every engine parameter, the weight version and the ``DirectStats`` of
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from typing import Any
 
 import torch
 
+from tests.helpers import procs
 from tests.transfer.peers import digest
 
 HIDDEN, HEADS_Q, HEADS_KV, FFN = 32, 32, 16, 64
@@ -128,7 +128,7 @@ class DirectReceiverProcess:
     """One spawned toy-engine receiver; ``start`` returns at once, ``result`` waits (bounded) for the outcome."""
 
     def __init__(self, device: str = "cpu") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = procs.context()
         self.commands, self.answers = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(target=receiver_server_main, args=(self.commands, self.answers, device), daemon=True)
         self.process.start()

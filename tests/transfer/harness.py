@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from refitkit.transfer import BucketedWeightSender, TransferStats
+from tests.helpers import procs
 from tests.transfer.peers import ReceiverServer, digest, mapped_segments, one_shot_receiver_main
 
 
@@ -44,7 +44,7 @@ PAGE_BYTES = 2 * MIB
 
 def spawn(target, *args) -> tuple[Any, Any]:
     """Start ``target(*args, conn)`` in a spawned (daemon) process; returns it and our end of its pipe."""
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     parent, child = ctx.Pipe()
     process = ctx.Process(target=target, args=(*args, child), daemon=True)
     process.start()
@@ -152,7 +152,7 @@ def receiver_killed_at(
     """A receiver in its own process (its pid is the block's value) that SIGKILLs itself in its ``bucket``-th
     on_bucket call (reading nothing on its way, so a test that times the sender times no digests); it is about to
     say hello when the block starts, and it must have died by SIGKILL when the block ends."""
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     parent, child = ctx.Pipe()
     victim = ctx.Process(target=one_shot_receiver_main, args=(endpoint, device, timeout_s, mode, bucket, child))
     victim.start()

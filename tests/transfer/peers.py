@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import multiprocessing as mp
 import os
 import signal
 import struct
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from tests.helpers import procs
 
 Digest = tuple[str, tuple[int, ...], str]
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -271,7 +272,7 @@ class ReceiverServer:
     ``info``: its pid, its ``PYTORCH_CUDA_ALLOC_CONF`` and whether its CUDA allocator makes expandable segments."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = procs.context()
         self._conn, child = ctx.Pipe()
         self._session_id = 0
         self.process = ctx.Process(target=_server_main, args=(child,), daemon=True)

@@ -10,7 +10,6 @@ receiver answers its next command), and a fresh session then lands whole on both
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import threading
 import time
 
@@ -32,6 +31,7 @@ from refitkit.transfer import BroadcastWeightReceiver, WeightVersion
 from refitkit.transfer._broadcast import group as grp
 from refitkit.transfer._broadcast.sender import BroadcastWeightSender
 from refitkit.transfer.protocol import SUPPORTED_DTYPES, encode
+from tests.helpers import procs
 from tests.helpers.ports import free_port
 from tests.transfer.broadcast_peers import ReceiverProcess, killed_sender_main
 from tests.transfer.peers import digest
@@ -177,7 +177,7 @@ def test_sender_killed_mid_broadcast_is_peer_gone_naming_rank_0():
     """The receiver meets the sender's death as PeerGone (the group's connection or the sender's store broke, torch
     says which), naming the sender's rank, the phase and timeout_s, with torch's error chained; long before timeout_s."""
     kill_at_item = 8  # 4 buckets of 2 items went out: the receiver is streaming
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     parent, child = ctx.Pipe()
     url = f"tcp://127.0.0.1:{free_port()}"
     victim = ctx.Process(target=killed_sender_main, args=(url, SECRET, BUCKET, kill_at_item, child))

@@ -11,7 +11,6 @@ sessions, to a fresh receiver process, form a new communicator and land bit-exac
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import re
 import time
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from refitkit.transfer.protocol import SUPPORTED_DTYPES
+from tests.helpers import procs
 from tests.transfer.broadcast_peers import ReceiverProcess
 from tests.transfer.test_broadcast import SECRET, free_port, random_tensor, stream
 
@@ -80,7 +80,7 @@ def sender_server_main(url: str, commands: Any, answers: Any) -> None:
 
 class SenderProcess:
     def __init__(self, url: str) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = procs.context()
         self.commands, self.answers = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(target=sender_server_main, args=(url, self.commands, self.answers), daemon=True)
         self.process.start()

@@ -10,7 +10,6 @@ copy) and is back to that baseline after the failure.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import re
 import socket
@@ -27,6 +26,7 @@ from refitkit.errors import PeerGone, ProtocolError, RefitError, RemoteError, Tr
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
+from tests.helpers import procs
 from tests.transfer.harness import (
     PAGE_BYTES,
     assert_device_memory_back,
@@ -155,7 +155,7 @@ def test_receiver_sigkilled_mid_stream(receiver_server, endpoint, case):
 
 
 def test_sender_sigkilled_mid_stream(receiver_server, endpoint):
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     parent, child = ctx.Pipe()
     victim = ctx.Process(target=killed_sender_main, args=(endpoint, BUCKET, 3, child))
     victim.start()

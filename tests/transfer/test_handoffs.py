@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -20,6 +19,7 @@ from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender, pack
 from refitkit.transfer._ipc import shm
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import MAX_IN_FLIGHT, SUPPORTED_DTYPES, WIRE_VERSION
+from tests.helpers import procs
 from tests.transfer.harness import Case, own_segment_files, roundtrip
 from tests.transfer.peers import digest, mapped_segments, one_shot_receiver_main
 from tests.transfer.test_roundtrip import random_tensor
@@ -74,7 +74,7 @@ def test_the_segment_of_a_sigkilled_sender_is_swept_by_the_next_sender(endpoint)
     # A receiver that says no PID namespace gets a named segment, unlinked once it mapped it; a sender killed before
     # that leaves the file behind, which the next sender removes (its lock went with the dead sender), while a live
     # sender's stays: nothing of a killed sender is left in /dev/shm.
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     parent, child = ctx.Pipe()
     sender = ctx.Process(target=stalled_sender_main, args=(endpoint, child), daemon=True)
     sender.start()
@@ -217,7 +217,7 @@ def test_list_smaller_than_the_bucket_gets_a_buffer_of_its_size(receiver_server,
 def test_hello_during_a_session_is_served_next(endpoint):
     # Two receivers ask at once: one is served now, the other's hello (read while the first session
     # runs) waits for the next send() instead of being turned away.
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     peers = []
     weights = [(f"w{i}", torch.full((2048,), float(i))) for i in range(400)]  # ~200 buckets: a long session
     with BucketedWeightSender(endpoint, bucket_bytes=16 << 10, transport="shm", timeout_s=20, direct=False) as sender:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import multiprocessing as mp
 import os
 import re
 import threading
@@ -26,6 +25,7 @@ from refitkit.errors import InvalidInput, PeerGone, TransferError, TransferTimeo
 from refitkit.transfer import BucketedWeightReceiver, BucketedWeightSender
 from refitkit.transfer._ipc.endpoint import socket_path
 from refitkit.transfer.protocol import WIRE_VERSION
+from tests.helpers import procs
 from tests.transfer.harness import (
     Case,
     assert_device_memory_back,
@@ -100,7 +100,7 @@ def test_a_receiver_killed_after_its_first_bucket_ends_the_send_within_a_second(
 @pytest.mark.parametrize("case", KILL_CASES)
 def test_a_sender_killed_mid_stream_ends_the_receive_within_a_second(receiver_server, endpoint, case):
     """Before: the receiver waited for the dead sender's next bucket until timeout_s (30.03 s after the kill)."""
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     conn, child = ctx.Pipe()
     victim = ctx.Process(
         target=killed_sender_main, args=(endpoint, BUCKET, 3, child, case.transport, case.tensor_device), daemon=True
@@ -153,7 +153,7 @@ def test_a_sender_killed_while_a_forked_child_holds_its_socket_ends_the_receive_
 ):
     """The trainer's forked DataLoader workers keep its connection open after it died: its process tells.
     Before: the receiver waited until the child left (HOLDER_S)."""
-    ctx = mp.get_context("spawn")
+    ctx = procs.context()
     conn, child = ctx.Pipe()
     victim = ctx.Process(
         target=killed_sender_main,

@@ -173,7 +173,8 @@ def _real_cycles(rank, world_size, leak, cycles):
 
 @pytest.fixture
 def fixed_mmap_threshold(monkeypatch):
-    """Pin glibc's mmap threshold in spawned ranks so every block >= 64 KiB is its own mapping.
+    """Pin glibc's mmap threshold in spawned ranks so every block >= 64 KiB is its own mapping (the ranks are fresh
+    interpreters, not forks of the tests' fork server: glibc reads the variable when it starts).
 
     By default glibc raises the threshold when a big block is freed and then recycles freed
     heap memory; a leaked block then fills an old hole and RSS grows in whichever later phase
@@ -184,7 +185,7 @@ def fixed_mmap_threshold(monkeypatch):
 
 @pytest.mark.usefixtures("fixed_mmap_threshold")
 def test_real_process_cycle_leak_is_flagged_within_10_cycles_in_its_phase():
-    ((verdicts, fired),) = run_world(_real_cycles, 1, "cycle", 12)
+    ((verdicts, fired),) = run_world(_real_cycles, 1, "cycle", 12, fresh_interpreter=True)
     leaks = [v for v in verdicts if v[1]]
     assert leaks, f"not flagged: {verdicts}"
     cycle, _, phase, slope, _ = leaks[0]
@@ -194,7 +195,7 @@ def test_real_process_cycle_leak_is_flagged_within_10_cycles_in_its_phase():
 
 @pytest.mark.usefixtures("fixed_mmap_threshold")
 def test_real_process_plain_bytes_leak_is_flagged_in_its_phase():
-    ((verdicts, fired),) = run_world(_real_cycles, 1, "bytes", 12)
+    ((verdicts, fired),) = run_world(_real_cycles, 1, "bytes", 12, fresh_interpreter=True)
     leaks = [v for v in verdicts if v[1]]
     assert leaks, f"not flagged: {verdicts}"
     assert leaks[0][0] <= 10 and leaks[0][2] == "reload" and 0.9 < leaks[0][3] < 1.5

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 
+from tests.helpers import procs
+
 if importlib.util.find_spec("megatron") is None:
     collect_ignore_glob = ["test_*.py"]
+else:
+    procs.preload(
+        "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed"
+    )  # each rank's import: about 5 s of CPU
 
 
 def pytest_configure(config):
