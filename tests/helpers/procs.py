@@ -13,6 +13,7 @@ OpenMP's pool) is read in the server, not the child: a test that needs one spawn
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing.context as mpc
 import os
 
@@ -45,11 +46,12 @@ _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
 def preload(*modules: str) -> None:
-    """Have the fork server import ``modules`` too (an engine suite's conftest: megatron.core takes 5 s a child).
-    Only before the first child starts."""
+    """Have the fork server import ``modules`` too, those of a package this environment has (an engine suite's
+    conftest: megatron.core takes 5 s a child). Only before the first child starts."""
     if _started:
         raise RuntimeError(f"procs.preload{modules}: the fork server may be running; call it from a conftest")
-    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+    installed = [m for m in modules if importlib.util.find_spec(m.partition(".")[0]) is not None]
+    PRELOAD.extend(m for m in installed if m not in PRELOAD)
     _CONTEXT.set_forkserver_preload(PRELOAD)
 
 

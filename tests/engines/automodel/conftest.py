@@ -1,15 +1,11 @@
-"""Automodel's ranks import its parallelizer and transformers' models, about 6 s of CPU a rank beyond torch: the
-tests' fork server imports them once (``tests/helpers/procs.py``)."""
+"""Automodel's ranks import its parallelizer and transformers (6 s of CPU a rank): the fork server does, once."""
 
 from __future__ import annotations
 
-import importlib.util
-
 from tests.helpers import procs
 
-if importlib.util.find_spec("nemo_automodel") is not None:
-    procs.preload(
-        "transformers",
-        "nemo_automodel.components.distributed.model_parallelizer",
-        "nemo_automodel.components.distributed.mesh",
-    )
+procs.preload(
+    "transformers",
+    "nemo_automodel.components.distributed.model_parallelizer",
+    "nemo_automodel.components.distributed.mesh",
+)

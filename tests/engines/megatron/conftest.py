@@ -8,10 +8,11 @@ from tests.helpers import procs
 
 if importlib.util.find_spec("megatron") is None:
     collect_ignore_glob = ["test_*.py"]
-else:
-    procs.preload(
-        "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed"
-    )  # each rank's import: about 5 s of CPU
+
+
+procs.preload(  # each rank's import: about 5 s of CPU
+    "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed"
+)
 
 
 def pytest_configure(config):
