@@ -39,7 +39,6 @@ Kinds and their fields (R = receiver, S = sender):
 
 from __future__ import annotations
 
-import functools
 import os
 import reprlib
 import traceback
@@ -159,9 +158,14 @@ def dtype_name(dtype: torch.dtype) -> str | None:
     return WIRE_DTYPE_NAMES.get(dtype)
 
 
-@functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major element strides of ``shape``: how every entry lies in the bucket (cached: shapes repeat per layer)."""
+    """Row-major element strides of ``shape``: how every entry lies in the bucket. (Once per tensor on the bucket
+    path's unpack: a weight's one or two dims take the short way.)"""
+    dims = len(shape)
+    if dims == 2:
+        return (shape[1] or 1, 1)
+    if dims == 1:
+        return (1,)
     strides = []
     step = 1
     for size in reversed(shape):
