@@ -23,6 +23,10 @@ On the GPU machine (the vLLM kit and the verl kit installed into /tmp/site, see 
     PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/verl_grpo.py --out $OUT --steps 4
 
 ``--modes naive`` or ``--modes refitkit`` runs one; ``--print-overrides`` prints each mode's command and exits.
+``--modes killed,refitkit``: the planted failure, then the next attempt. ``killed`` is the refitkit run whose vLLM worker
+kills itself inside its ``--kill-sync``-th sync (``benchmarks/verl_plant.py``); ``OUT/killed.json`` says how long
+main_ppo took to end after the kill and which of refitkit's errors its log named first (none: the step did not fail
+with refitkit's error). The ``refitkit`` run after it is the attempt that must sync cleanly.
 """
 
 from __future__ import annotations
@@ -37,9 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("naive", "refitkit")
+MODES = ("naive", "refitkit", "killed")  # killed: refitkit, its rollout worker killed mid-sync (verl_plant.py)
 MODULE = "refitkit.integrations.verl"
 EXTENSION = "refitkit.integrations.verl.vllm.VerlRefitWorkerExtension"
+PLANTED_EXTENSION = "benchmarks.verl_plant.KilledMidSync"
+# what verl_plant.KilledMidSync reads in the worker: which of its syncs to kill (1-based), how long into it, and the
+# file where it notes the moment of the kill
+KILL_SYNC_ENV, KILL_AFTER_ENV, PLANT_FILE_ENV = (
+    "REFITKIT_PLANT_KILL_SYNC",
+    "REFITKIT_PLANT_KILL_AFTER_S",
+    "REFITKIT_PLANT_FILE",
+)
 METRICS_ENV = "REFITKIT_VERL_METRICS_FILE"  # refitkit.integrations.verl.colocated.METRICS_FILE_ENV
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 WORDS = (
@@ -227,6 +239,13 @@ def overrides(mode: str, model: str, prompts: str, reward: str, run_dir: str, ar
     if mode == "naive":
         return common
     knobs = "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitkit"
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    planted = []
+    if mode == "killed":  # the worker's args.kill_sync-th sync (1 is the one before the first step) is its last
+        planted = [
+            f"{env}.{KILL_SYNC_ENV}={args.kill_sync}",
+            f"{env}.{PLANT_FILE_ENV}={run_dir}/{mode}.killed-at",
+        ]
     return [
         *common,
         "actor_rollout_ref.rollout.checkpoint_engine.backend=refitkit",
@@ -235,17 +254,19 @@ def overrides(mode: str, model: str, prompts: str, reward: str, run_dir: str, ar
         f"actor_rollout_ref.model.external_lib={MODULE}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=refitkit",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.{METRICS_ENV}={run_dir}/{mode}.refitkit.jsonl",
-        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}",
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls="
+        f"{PLANTED_EXTENSION if mode == 'killed' else EXTENSION}",
         f"{knobs}.timeout_s={args.timeout_s}",
         f"{knobs}.barrier_timeout_s={args.timeout_s}",
         f"{knobs}.transport={args.transport}",
+        *planted,
     ]
 
 
 def run_mode(mode: str, argv: list[str], out: Path, run_dir: Path, limit_s: float) -> dict[str, Any]:
     """``python -m verl.trainer.main_ppo argv`` in its own process group (its own Ray), bounded by ``limit_s``, in
     ``run_dir`` (hydra's outputs/ and the metrics files land there: ``out`` gets only the log and the results)."""
-    for stale in (run_dir / f"{mode}.verl.jsonl", run_dir / f"{mode}.refitkit.jsonl"):
+    for stale in (run_dir / f"{mode}.verl.jsonl", run_dir / f"{mode}.refitkit.jsonl", run_dir / f"{mode}.killed-at"):
         stale.unlink(missing_ok=True)
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parent.parent)
@@ -272,7 +293,7 @@ def run_mode(mode: str, argv: list[str], out: Path, run_dir: Path, limit_s: floa
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
             returncode = None
-    wall_s = time.perf_counter() - start
+    wall_s, ended = time.perf_counter() - start, time.time()
     try:  # whatever it left behind (Ray's daemons share its process group)
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -285,6 +306,43 @@ def run_mode(mode: str, argv: list[str], out: Path, run_dir: Path, limit_s: floa
         "wall_s": wall_s,
         "command": ["python", "-m", "verl.trainer.main_ppo", *argv],
         "steps": collect(run_dir, mode),
+        **({"plant": planted_outcome(run_dir / f"{mode}.killed-at", log_path, ended)} if mode == "killed" else {}),
+    }
+
+
+def kill_plan(environ: Any) -> tuple[int, float, str | None]:
+    """(which sync to kill, 1-based; 0: none), seconds into it, the file to note the kill in: what the planted
+    extension (``verl_plant.KilledMidSync``) reads from the worker's ``environ``."""
+    sync = int(environ.get(KILL_SYNC_ENV, "0"))
+    after_s = float(environ.get(KILL_AFTER_ENV, "0.002"))
+    if sync < 0 or not 0 <= after_s < 60:
+        raise ValueError(f"{KILL_SYNC_ENV}={sync} must be >= 0 and {KILL_AFTER_ENV}={after_s} in [0, 60)")
+    return sync, after_s, environ.get(PLANT_FILE_ENV)
+
+
+def refitkit_error_names() -> tuple[str, ...]:
+    """The names of refitkit's errors, as they cross Ray into the driver's log (``RayTaskError(PeerGone)``, ...)."""
+    from refitkit import errors
+
+    return tuple(
+        name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, errors.RefitError)
+    )
+
+
+def planted_outcome(note: Path, log_path: Path, ended: float) -> dict[str, Any]:
+    """What the killed mode showed: when the worker was killed (its note), how long main_ppo took to end after it, and
+    the first line of its log naming one of refitkit's errors (None: the step did not fail with refitkit's error)."""
+    killed_at = float(note.read_text()) if note.exists() else None
+    names, error_line = refitkit_error_names(), None
+    with open(log_path, errors="replace") as log:
+        for line in log:
+            if any(name in line for name in names):
+                error_line = line.strip()[:2000]
+                break
+    return {
+        "killed_at": killed_at,
+        "ended_after_kill_s": None if killed_at is None else ended - killed_at,
+        "refitkit_error": error_line,
     }
 
 
@@ -357,6 +415,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {step} | " + " | ".join(f"{short[n]:.4g}" if n in short else "" for n in names) + " |")
     for mode, result in results.items():
         lines.append(f"\n{mode}: returncode {result['returncode']}, wall {result['wall_s']:.1f} s")
+        if "plant" in result:
+            plant = result["plant"]
+            lines.append(
+                f"  the rollout worker killed mid-sync: main_ppo ended {plant['ended_after_kill_s']} s after the kill; "
+                f"refitkit's error: {plant['refitkit_error']}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -376,6 +440,9 @@ def main() -> None:
     parser.add_argument("--transport", default="auto", choices=("auto", "shm", "cuda_ipc"))
     parser.add_argument("--ray-cpus", type=int, default=0, help="ray_init.num_cpus (0: all)")
     parser.add_argument("--limit-s", type=float, default=270.0, help="each mode's main_ppo is killed after this")
+    parser.add_argument(
+        "--kill-sync", type=int, default=2, help="killed mode: the rollout worker's sync to die in (1: before step 1)"
+    )
     parser.add_argument("--print-overrides", action="store_true")
     args = parser.parse_args()
     out, work = Path(args.out).resolve(), Path(args.work).resolve()

@@ -29,6 +29,7 @@ def args(**changes: Any) -> argparse.Namespace:
         timeout_s=60.0,
         transport="auto",
         ray_cpus=0,
+        kill_sync=2,
     )
     return argparse.Namespace(**{**values, **changes})
 
@@ -78,13 +79,19 @@ def test_overrides_compose_and_pass_verls_checks(mode: str, tmp_path: Path, inpu
     assert engine.backend == "refitkit"
     assert dict(engine.engine_kwargs["refitkit"]) == {"timeout_s": 60.0, "barrier_timeout_s": 60.0, "transport": "auto"}
     assert load_class_from_fqn(manager_fqn, "CheckpointEngineManager") is RefitkitCheckpointManager
-    assert rollout.engine_kwargs["vllm"]["worker_extension_cls"] == VLLM_EXTENSION
     assert env_vars.VERL_ENGINE_VENDOR == "refitkit"
-    assert env_vars[METRICS_FILE_ENV] == f"{tmp_path}/refitkit.refitkit.jsonl"
+    assert env_vars[METRICS_FILE_ENV] == f"{tmp_path}/{mode}.refitkit.jsonl"
+    extension = rollout.engine_kwargs["vllm"]["worker_extension_cls"]
+    if mode == "refitkit":
+        assert extension == VLLM_EXTENSION and verl_grpo.KILL_SYNC_ENV not in env_vars
+        return
+    assert extension == verl_grpo.PLANTED_EXTENSION  # refitkit's extension with the planted kill (test below)
+    assert env_vars[verl_grpo.KILL_SYNC_ENV] == 2
+    assert env_vars[verl_grpo.PLANT_FILE_ENV] == f"{tmp_path}/killed.killed-at"
 
 
 def test_a_bad_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"mode must be one of \('naive', 'refitkit'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"mode must be one of \('naive', 'refitkit', 'killed'\), got 'fast'"):
         verl_grpo.overrides("fast", "/m", "/p", "/r", "/o", args())
 
 
@@ -137,7 +144,8 @@ def test_the_table_puts_both_modes_side_by_side(tmp_path: Path) -> None:
         json.dumps({"step": 1, "metrics": {"refitkit/update_weights/sync_s": 0.4}}) + "\n"
     )
     results = {
-        mode: {"returncode": 0, "wall_s": 10.0, "steps": verl_grpo.collect(tmp_path, mode)} for mode in verl_grpo.MODES
+        mode: {"returncode": 0, "wall_s": 10.0, "steps": verl_grpo.collect(tmp_path, mode)}
+        for mode in ("naive", "refitkit")
     }
     assert results["naive"]["steps"] == [{"step": 1, "verl": {"timing_s/update_weights": 2.0}}]
     assert results["refitkit"]["steps"][0]["refitkit"] == {"refitkit/update_weights/sync_s": 0.4}
@@ -145,3 +153,46 @@ def test_the_table_puts_both_modes_side_by_side(tmp_path: Path) -> None:
     assert "| timing_s/update_weights (naive) | timing_s/update_weights (refitkit) |" in text
     assert text.splitlines()[2].startswith("| 1 | 2 | 1.5 |")
     assert "| 1 | 0.4 |" in text
+
+
+def test_the_killed_modes_outcome_names_refitkits_error_and_the_time_to_the_end(tmp_path: Path) -> None:
+    note, log = tmp_path / "killed.killed-at", tmp_path / "killed.log"
+    note.write_text("1000.0\n")
+    log.write_text(
+        "step:1 - timing_s/update_weights:1.2\n"
+        "ray.exceptions.RayTaskError(PeerGone): the receiver on 'verl-refit-0' (pid 77) is gone: no done for bucket 3\n"
+        "Error executing job with overrides: [...]\n"
+    )
+    outcome = verl_grpo.planted_outcome(note, log, ended=1004.5)
+    assert outcome == {
+        "killed_at": 1000.0,
+        "ended_after_kill_s": 4.5,
+        "refitkit_error": "ray.exceptions.RayTaskError(PeerGone): the receiver on 'verl-refit-0' (pid 77) is gone: "
+        "no done for bucket 3",
+    }
+    log.write_text("ray.exceptions.ActorDiedError: the actor died unexpectedly\n")  # a hang's or a crash's way out
+    note.unlink()
+    assert verl_grpo.planted_outcome(note, log, ended=5.0) == {
+        "killed_at": None,
+        "ended_after_kill_s": None,
+        "refitkit_error": None,
+    }
+    assert "PeerGone" in verl_grpo.refitkit_error_names() and "RefitError" in verl_grpo.refitkit_error_names()
+
+
+def test_the_plant_reads_which_sync_to_kill_and_refuses_nonsense() -> None:
+    assert verl_grpo.kill_plan({}) == (0, 0.002, None)
+    assert verl_grpo.kill_plan({verl_grpo.KILL_SYNC_ENV: "2", verl_grpo.PLANT_FILE_ENV: "/n"}) == (2, 0.002, "/n")
+    with pytest.raises(ValueError, match="REFITKIT_PLANT_KILL_SYNC=-1 must be >= 0"):
+        verl_grpo.kill_plan({verl_grpo.KILL_SYNC_ENV: "-1"})
+
+
+def test_the_planted_extension_is_refitkits_for_verl_with_every_rpc() -> None:
+    pytest.importorskip("vllm", reason="vLLM's worker classes (the GPU machine's kit)")
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from refitkit.integrations.verl.colocated import VLLM_EXTENSION
+
+    planted = load_class_from_fqn(verl_grpo.PLANTED_EXTENSION, "extension")
+    assert issubclass(planted, load_class_from_fqn(VLLM_EXTENSION, "extension"))
+    assert planted.refit_receive is not load_class_from_fqn(VLLM_EXTENSION, "extension").refit_receive
