@@ -20,6 +20,7 @@ from refitkit.transfer.protocol import (
     SUPPORTED_DTYPES,
     WIRE_VERSION,
     Entry,
+    contiguous_strides,
     decode,
     dtype_name,
     encode,
@@ -229,3 +230,10 @@ def test_entries_from_wire_only_returns_ranges_inside_the_bucket_and_the_tensor(
         assert 0 <= entry.offset and entry.offset % 256 == 0 and entry.offset + entry.nbytes <= capacity
         assert 0 <= entry.start and 0 <= entry.nbytes and entry.start + entry.nbytes <= entry.total
         assert all(type(size) is int and size >= 0 for size in entry.shape)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (0,), (3, 5), (3, 0), (0, 5), (2, 3, 4), (2, 0, 4), (1, 1, 1, 9)])
+def test_contiguous_strides_are_torchs_for_every_rank_and_empty_dims(shape):
+    # torch's own row-major strides, for the short ways (one and two dims) and the general loop alike; an empty
+    # dim counts as 1 in the dims before it, as torch.empty gives it
+    assert contiguous_strides(shape) == torch.empty(shape).stride()
