@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS := -q --disable-pip-version-check -c constraints.txt
 # Suites that run in the core venv, and engines with a venv of their own (added as each lands).
-CORE_TEST_DIRS := tests/offload tests/refit tests/rollout tests/watchdog tests/transfer tests/engines/fsdp tests/test_cli.py tests/test_library_rules.py tests/test_bench_refit_cycle.py tests/test_bench_ab.py
+CORE_TEST_DIRS := tests/offload tests/refit tests/rollout tests/watchdog tests/transfer tests/engines/fsdp tests/test_cli.py tests/test_procs.py tests/test_library_rules.py tests/test_bench_refit_cycle.py tests/test_bench_ab.py
 ENGINE_ENVS := megatron torchtitan automodel vllm verl
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 

@@ -5,6 +5,10 @@ them. A fork server (multiprocessing's own, started on first use) imports torch,
 each child is a fork of it and starts in a fraction of a second. The server never touches CUDA, so a child may still
 initialise CUDA itself (the GPU machine's tests do).
 
+The server freezes its heap last (``frozen_heap``): a child's full collections then skip torch's objects. The server
+finds ``tests`` on the path of its working directory (multiprocessing ignores the parent's ``sys.path`` there), so
+pytest runs from the repository's root; ``tests/test_procs.py`` checks that a child sees the frozen heap.
+
 A fork server child inherits the server's environment, not the test's. ``Process.start`` therefore takes the test's
 environment at that moment and the child applies it before its target runs: a variable a test sets (``monkeypatch``)
 reaches the child as with spawn. A variable read when a library loads (``MALLOC_*``, ``OMP_NUM_THREADS`` for
@@ -18,6 +22,7 @@ import multiprocessing.context as mpc
 import os
 
 PRELOAD = ["torch", "torch.distributed", "refitkit"]
+FREEZE = "tests.helpers.frozen_heap"  # imported after PRELOAD: freezes the server's heap before it forks
 _started = False  # whether the server may be running (the modules it imports are fixed then)
 
 
@@ -42,7 +47,7 @@ class _Context(mpc.ForkServerContext):
 
 
 _CONTEXT = _Context()
-_CONTEXT.set_forkserver_preload(PRELOAD)
+_CONTEXT.set_forkserver_preload([*PRELOAD, FREEZE])
 
 
 def preload(*modules: str) -> None:
@@ -52,7 +57,7 @@ def preload(*modules: str) -> None:
         raise RuntimeError(f"procs.preload{modules}: the fork server may be running; call it from a conftest")
     installed = [m for m in modules if importlib.util.find_spec(m.partition(".")[0]) is not None]
     PRELOAD.extend(m for m in installed if m not in PRELOAD)
-    _CONTEXT.set_forkserver_preload(PRELOAD)
+    _CONTEXT.set_forkserver_preload([*PRELOAD, FREEZE])
 
 
 def context() -> mpc.BaseContext:
