@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # 13 s less for each of the seven torch installs on the 2-core CI box.
 PIP_FLAGS := -q --disable-pip-version-check --no-compile -c constraints.txt
 # Suites that run in the core venv, and engines with a venv of their own (added as each lands).
-CORE_TEST_DIRS := tests/offload tests/refit tests/rollout tests/watchdog tests/transfer tests/engines/fsdp tests/test_cli.py tests/test_procs.py tests/test_library_rules.py tests/test_bench_refit_cycle.py tests/test_bench_ab.py
+CORE_TEST_DIRS := tests/offload tests/refit tests/rollout tests/watchdog tests/transfer tests/engines/fsdp tests/test_cli.py tests/test_procs.py tests/test_library_rules.py tests/test_bench_refit_cycle.py tests/test_bench_ab.py tests/test_bench_verl_timeline.py
 ENGINE_ENVS := megatron torchtitan automodel vllm verl
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 

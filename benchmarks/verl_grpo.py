@@ -16,7 +16,11 @@ sleep mode), a few steps of a tiny batch, no validation, console + file loggers.
 ``timing_s/update_weights``, ``timing_s/gen``, ``timing_s/step``, ..., ``training/rollout_probs_diff_*``: the
 rollout's log-probs of the sampled tokens against the trainer's) and, for refitkit, the manager's ``last_metrics`` per
 step (phases, host RSS, device free; ``REFITKIT_VERL_METRICS_FILE``) into ``OUT/<mode>.json`` beside its log
-``OUT/<mode>.log``, and writes ``OUT/table.md`` side by side (5 files; verl's own files stay under ``--work``).
+``OUT/<mode>.log``. verl's own path logs no phases: for it, ``benchmarks/verl_boundaries.py`` (its ``external_lib``)
+records the boundary lines verl's worker logs inside ``update_weights`` (time, host RSS, device free), and both modes'
+phases come out under the same names (``PHASES``). ``OUT/table.md`` puts verl's timings and the phases side by side;
+``OUT/timeline.png`` (with matplotlib) draws each step's ``update_weights`` phase by phase, one panel a mode (verl's own
+files stay under ``--work``). ``--report-only`` redraws both from ``OUT/<mode>.json`` (on a machine with matplotlib).
 
 On the GPU machine (the vLLM kit and the verl kit installed into /tmp/site, see envs/gpu/verl.txt)::
 
@@ -41,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import verl_boundaries
+
 MODES = ("naive", "refitkit", "killed")  # killed: refitkit, its rollout worker killed mid-sync (verl_plant.py)
 MODULE = "refitkit.integrations.verl"
 EXTENSION = "refitkit.integrations.verl.vllm.VerlRefitWorkerExtension"
@@ -53,6 +59,10 @@ KILL_SYNC_ENV, KILL_AFTER_ENV, PLANT_FILE_ENV = (
     "REFITKIT_PLANT_FILE",
 )
 METRICS_ENV = "REFITKIT_VERL_METRICS_FILE"  # refitkit.integrations.verl.colocated.METRICS_FILE_ENV
+# the naive mode's phases, from verl's own boundary lines (benchmarks/verl_boundaries.py, loaded as external_lib)
+BOUNDARIES_MODULE, BOUNDARIES_ENV = "benchmarks.verl_boundaries", "REFITKIT_BENCH_BOUNDARIES_FILE"
+# the phases both modes report, in order (refitkit's barrier and KV wake summed: verl's path logs nothing between them)
+PHASES = ("wake_weights", "sync", "trainer_offload", "barrier_kv_wake")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 WORDS = (
     "user assistant system what is plus minus times the sum of and answer number count say repeat add subtract a an one two three "
@@ -237,7 +247,11 @@ def overrides(mode: str, model: str, prompts: str, reward: str, run_dir: str, ar
     if args.ray_cpus:  # default: Ray takes every CPU (too few and its actors wait for CPUs, with no error)
         common.append(f"ray_kwargs.ray_init.num_cpus={args.ray_cpus}")
     if mode == "naive":
-        return common
+        return [
+            *common,
+            f"actor_rollout_ref.model.external_lib={BOUNDARIES_MODULE}",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.{BOUNDARIES_ENV}={run_dir}/{mode}.boundaries.jsonl",
+        ]
     knobs = "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitkit"
     env = "+ray_kwargs.ray_init.runtime_env.env_vars"
     planted = []
@@ -266,8 +280,8 @@ def overrides(mode: str, model: str, prompts: str, reward: str, run_dir: str, ar
 def run_mode(mode: str, argv: list[str], out: Path, run_dir: Path, limit_s: float) -> dict[str, Any]:
     """``python -m verl.trainer.main_ppo argv`` in its own process group (its own Ray), bounded by ``limit_s``, in
     ``run_dir`` (hydra's outputs/ and the metrics files land there: ``out`` gets only the log and the results)."""
-    for stale in (run_dir / f"{mode}.verl.jsonl", run_dir / f"{mode}.refitkit.jsonl", run_dir / f"{mode}.killed-at"):
-        stale.unlink(missing_ok=True)
+    for suffix in ("verl.jsonl", "refitkit.jsonl", "boundaries.jsonl", "killed-at"):
+        (run_dir / f"{mode}.{suffix}").unlink(missing_ok=True)
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parent.parent)
     # this checkout's refitkit first (a copy installed into the kits' site may be older); the kits' site after it
@@ -377,7 +391,27 @@ def collect(run_dir: Path, mode: str) -> list[dict[str, Any]]:
     for record in _jsonl(run_dir / f"{mode}.refitkit.jsonl"):
         step = record["step"] if record["step"] is not None else 0
         steps.setdefault(int(step), {})["refitkit"] = record["metrics"]
+        steps[int(step)]["phases"] = manager_phases(record["metrics"])
+    # verl's own path: its calls in order, the first before step 1 (global step 0), then one closing each step
+    for step, call in enumerate(verl_boundaries.phases(_jsonl(run_dir / f"{mode}.boundaries.jsonl"))):
+        steps.setdefault(step, {})["phases"] = call
     return [{"step": step, **steps[step]} for step in sorted(steps)]
+
+
+def manager_phases(metrics: dict[str, float]) -> dict[str, float]:
+    """refitkit's manager metrics of one ``update_weights`` (``refitkit/update_weights/...``) under the names of
+    ``verl_boundaries.phases``: each of PHASES' seconds, ``total_s``, the trainer's host RSS and device free after its
+    offload (the max over ranks)."""
+    short = {key.rsplit("/", 1)[-1]: value for key, value in metrics.items()}
+    record = {f"{phase}_s": short[f"{phase}_s"] for phase in PHASES[:3] if f"{phase}_s" in short}
+    if "barrier_s" in short and "kv_wake_s" in short:
+        record["barrier_kv_wake_s"] = short["barrier_s"] + short["kv_wake_s"]
+    if "total_s" in short:
+        record["total_s"] = short["total_s"]
+    for key in ("host_rss_bytes", "device_free_bytes"):
+        if f"trainer_{key}_max" in short:
+            record[f"trainer_offload_{key}"] = short[f"trainer_{key}_max"]
+    return record
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -400,6 +434,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                 value = by_step[step].get(mode, {}).get("verl", {}).get(key)
                 cells.append("" if value is None else f"{value:.4g}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines += phase_table(modes, by_step)
     phase_rows = [
         (step, row["refitkit"])
         for step in sorted(by_step)
@@ -424,6 +459,91 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PHASE_KEYS = (*(f"{phase}_s" for phase in PHASES), "total_s", "trainer_offload_host_rss_bytes")
+PHASE_KEYS += ("trainer_offload_device_free_bytes",)
+
+
+def phase_table(modes: list[str], by_step: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
+    """Markdown lines: per step, each phase of ``update_weights`` for each mode side by side (none: no phases)."""
+    if not any("phases" in row for rows in by_step.values() for row in rows.values()):
+        return []
+    lines = [
+        "",
+        "update_weights phase by phase (seconds; host RSS and device free bytes after the trainer's offload):",
+        "",
+        "| step | " + " | ".join(f"{key} ({mode})" for key in PHASE_KEYS for mode in modes) + " |",
+        "|---" * (1 + len(PHASE_KEYS) * len(modes)) + "|",
+    ]
+    for step in sorted(by_step):
+        cells = []
+        for key in PHASE_KEYS:
+            for mode in modes:
+                value = by_step[step].get(mode, {}).get("phases", {}).get(key)
+                cells.append("" if value is None else f"{value:.4g}")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def timeline_segments(results: dict[str, dict[str, Any]]) -> list[tuple[str, int, str, float, float]]:
+    """(mode, step, phase, start, seconds): each ``update_weights`` laid out phase after phase from 0, every mode and
+    step that has phases."""
+    segments = []
+    for mode, result in results.items():
+        for row in result["steps"]:
+            start = 0.0
+            for phase in PHASES:
+                seconds = row.get("phases", {}).get(f"{phase}_s")
+                if seconds is None:
+                    continue
+                segments.append((mode, row["step"], phase, start, seconds))
+                start += seconds
+    return segments
+
+
+def timeline(results: dict[str, dict[str, Any]], path: Path) -> bool:
+    """A PNG of ``timeline_segments``: one panel a mode, one bar a step, the phases in order along it; False (nothing
+    written) without matplotlib or phases."""
+    segments = timeline_segments(results)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    if not segments:
+        return False
+    modes = list(dict.fromkeys(mode for mode, *_ in segments))
+    colours = dict(zip(PHASES, ("#9aa5b1", "#2f6fb0", "#e08a2c", "#4f9a57")))
+    steps = sorted({step for _, step, *_ in segments})
+    figure, axes = plt.subplots(
+        len(modes), 1, sharex=True, squeeze=False, figsize=(9, 1.0 + 0.4 * len(steps) * len(modes))
+    )
+    for axis, mode in zip(axes[:, 0], modes):
+        for _, step, phase, start, seconds in (s for s in segments if s[0] == mode):
+            axis.barh(step, seconds, left=start, color=colours[phase], edgecolor="white", height=0.7, label=phase)
+        axis.set_title(f"{mode}: update_weights, phase by phase", fontsize=9, loc="left")
+        axis.set_yticks(steps)
+        axis.set_ylabel("step")
+        axis.invert_yaxis()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    figure.legend(unique.values(), unique.keys(), loc="upper right", fontsize=8, ncol=len(unique))
+    axes[-1, 0].set_xlabel("seconds since update_weights began")
+    figure.tight_layout(rect=(0, 0, 1, 0.95))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def report(results: dict[str, dict[str, Any]], out: Path) -> None:
+    """``table.md`` and, with matplotlib, ``timeline.png`` in ``out``."""
+    (out / "table.md").write_text(table(results))
+    drawn = timeline(results, out / "timeline.png")
+    print(table(results))
+    print(f"timeline: {out / 'timeline.png' if drawn else 'not drawn (no matplotlib or no phases)'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="results folder: <mode>.json, <mode>.log, table.md")
@@ -444,6 +564,7 @@ def main() -> None:
         "--kill-sync", type=int, default=2, help="killed mode: the rollout worker's sync to die in (1: before step 1)"
     )
     parser.add_argument("--print-overrides", action="store_true")
+    parser.add_argument("--report-only", action="store_true", help="table.md and timeline.png from OUT/<mode>.json")
     args = parser.parse_args()
     out, work = Path(args.out).resolve(), Path(args.work).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -451,6 +572,9 @@ def main() -> None:
     run_dir = work / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     modes = [m for m in args.modes.split(",") if m]
+    if args.report_only:
+        report({mode: json.loads((out / f"{mode}.json").read_text()) for mode in modes}, out)
+        return
     if args.print_overrides:
         for mode in modes:
             print(
@@ -479,8 +603,7 @@ def main() -> None:
             f"{results[mode]['wall_s']:.0f} s",
             flush=True,
         )
-    (out / "table.md").write_text(table(results))
-    print(table(results))
+    report(results, out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import verl_grpo
+from benchmarks import verl_boundaries, verl_grpo
 from tests.engines.verl.test_colocated import compose
 
 pytestmark = pytest.mark.timeout(240)
@@ -69,9 +69,10 @@ def test_overrides_compose_and_pass_verls_checks(mode: str, tmp_path: Path, inpu
     env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
     assert env_vars.VERL_FILE_LOGGER_PATH == f"{tmp_path}/{mode}.verl.jsonl"
     manager_fqn = config.actor_rollout_ref.rollout.get("checkpoint_manager_class")
-    if mode == "naive":  # verl's own path, untouched
+    if mode == "naive":  # verl's own path, untouched; only its boundary lines are recorded (verl_boundaries)
         assert engine.backend == "naive" and manager_fqn is None
-        assert config.actor_rollout_ref.model.external_lib is None
+        assert config.actor_rollout_ref.model.external_lib == verl_grpo.BOUNDARIES_MODULE
+        assert env_vars[verl_grpo.BOUNDARIES_ENV] == f"{tmp_path}/naive.boundaries.jsonl"
         assert "worker_extension_cls" not in (rollout.engine_kwargs.get("vllm") or {})
         return
     from refitkit.integrations.verl.colocated import METRICS_FILE_ENV, VLLM_EXTENSION, RefitkitCheckpointManager
@@ -196,3 +197,111 @@ def test_the_planted_extension_is_refitkits_for_verl_with_every_rpc() -> None:
     planted = load_class_from_fqn(verl_grpo.PLANTED_EXTENSION, "extension")
     assert issubclass(planted, load_class_from_fqn(VLLM_EXTENSION, "extension"))
     assert planted.refit_receive is not load_class_from_fqn(VLLM_EXTENSION, "extension").refit_receive
+
+
+# -- verl's own path, phase by phase (benchmarks/verl_boundaries.py) -------------------------------------------
+
+
+def test_the_boundaries_are_the_lines_verls_update_weights_logs_in_that_order() -> None:
+    import inspect
+
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    source = inspect.getsource(ActorRolloutRefWorker.update_weights)
+    places = [source.find(f'log_gpu_memory_usage("{head}"') for head in verl_boundaries.HEADS]
+    assert -1 not in places and places == sorted(places), dict(zip(verl_boundaries.HEADS, places))
+
+
+def test_verls_boundary_lines_are_recorded_with_memory_and_become_one_calls_phases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from verl.utils.profiler import performance
+    from verl.workers import engine_workers
+
+    # the CUDA query behind verl's line: the CPU has none (the line's text and the logger are verl's own)
+    monkeypatch.setattr(performance, "_get_current_mem_info", lambda: ("1.00", "2.00", "3.00", "80.00"))
+    path = tmp_path / "naive.boundaries.jsonl"
+    handler = verl_boundaries.install({verl_boundaries.FILE_ENV: str(path)})
+    try:
+        assert handler is verl_boundaries.install({verl_boundaries.FILE_ENV: str(path)})  # once per logger
+        assert engine_workers.logger.level == logging.DEBUG
+        for head in verl_boundaries.HEADS[:3]:
+            performance.log_gpu_memory_usage(head, logger=engine_workers.logger)
+        performance.log_gpu_memory_usage("Before something else", logger=engine_workers.logger)  # not a boundary
+        for head in verl_boundaries.HEADS[3:]:
+            performance.log_gpu_memory_usage(head, logger=engine_workers.logger)
+        performance.log_gpu_memory_usage(verl_boundaries.HEADS[0], logger=engine_workers.logger)  # cut short
+    finally:
+        engine_workers.logger.removeHandler(handler)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["head"] for line in lines] == [*verl_boundaries.HEADS, verl_boundaries.HEADS[0]]
+    assert all(line["host_rss_bytes"] > 1 << 20 and "device_free_bytes" not in line for line in lines)
+    (call,) = verl_boundaries.phases(lines)
+    assert call["total_s"] == pytest.approx(sum(call[f"{phase}_s"] for phase in verl_grpo.PHASES))
+    assert all(call[f"{phase}_s"] >= 0 for phase in verl_grpo.PHASES)
+    assert call["trainer_offload_host_rss_bytes"] == lines[3]["host_rss_bytes"]
+
+
+def test_boundaries_out_of_order_or_from_two_processes_are_not_a_call() -> None:
+    def line(head: int, t: float, pid: int = 1) -> dict[str, Any]:
+        return {"head": verl_boundaries.HEADS[head], "t": t, "pid": pid, "host_rss_bytes": 10 * head}
+
+    whole = [line(i, t) for i, t in enumerate((0.0, 0.5, 2.0, 2.25, 3.0))]
+    assert verl_boundaries.phases(whole) == [
+        {
+            "total_s": 3.0,
+            "wake_weights_s": 0.5,
+            "sync_s": 1.5,
+            "trainer_offload_s": 0.25,
+            "barrier_kv_wake_s": 0.75,
+            **{f"{phase}_host_rss_bytes": 10 * (i + 1) for i, phase in enumerate(verl_grpo.PHASES)},
+        }
+    ]
+    skipped = [line(0, 0.0), line(2, 1.0)] + whole[1:]  # a boundary missing
+    other_pid = whole[:2] + [line(2, 2.0, pid=2)] + whole[3:]
+    assert verl_boundaries.phases(skipped) == [] and verl_boundaries.phases(other_pid) == []
+    assert len(verl_boundaries.phases(whole[:3] + whole)) == 1  # a call cut short, then a whole one
+
+
+def test_both_modes_phases_come_out_under_the_same_names_side_by_side(tmp_path: Path) -> None:
+    lines = [
+        {"head": head, "t": t, "pid": 7, "host_rss_bytes": 5 << 30, "device_free_bytes": 60 << 30}
+        for head, t in zip(verl_boundaries.HEADS, (10.0, 10.5, 12.0, 12.5, 13.0))
+    ]
+    (tmp_path / "naive.boundaries.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    manager = {
+        f"refitkit/update_weights/{key}": value
+        for key, value in {
+            "wake_weights_s": 0.25,
+            "sync_s": 0.5,
+            "trainer_offload_s": 0.125,
+            "barrier_s": 0.0625,
+            "kv_wake_s": 0.5,
+            "total_s": 1.5,
+            "trainer_host_rss_bytes_max": 4.0 * (1 << 30),
+            "trainer_device_free_bytes_max": 61.0 * (1 << 30),
+        }.items()
+    }
+    (tmp_path / "refitkit.refitkit.jsonl").write_text(json.dumps({"step": None, "metrics": manager}) + "\n")
+    results = {
+        mode: {"returncode": 0, "wall_s": 10.0, "steps": verl_grpo.collect(tmp_path, mode)}
+        for mode in ("naive", "refitkit")
+    }
+    naive, refit = results["naive"]["steps"][0]["phases"], results["refitkit"]["steps"][0]["phases"]
+    assert results["naive"]["steps"][0]["step"] == results["refitkit"]["steps"][0]["step"] == 0
+    assert naive["sync_s"] == 1.5 and naive["barrier_kv_wake_s"] == 0.5 and naive["total_s"] == 3.0
+    assert naive["trainer_offload_device_free_bytes"] == 60 << 30
+    assert refit == {
+        "wake_weights_s": 0.25,
+        "sync_s": 0.5,
+        "trainer_offload_s": 0.125,
+        "barrier_kv_wake_s": 0.5625,
+        "total_s": 1.5,
+        "trainer_offload_host_rss_bytes": 4.0 * (1 << 30),
+        "trainer_offload_device_free_bytes": 61.0 * (1 << 30),
+    }
+    text = verl_grpo.table(results)
+    assert "| step | wake_weights_s (naive) | wake_weights_s (refitkit) | sync_s (naive) | sync_s (refitkit) |" in text
+    assert "| 0 | 0.5 | 0.25 | 1.5 | 0.5 | 0.5 | 0.125 | 0.5 | 0.5625 | 3 | 1.5 |" in text
