@@ -74,8 +74,9 @@ def install(environ: Any = os.environ) -> logging.Handler | None:
 
 def phases(lines: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
     """One record per complete ``update_weights`` (its lines from ``Before resume weights`` to ``After resume
-    kv_cache``, in order, one process): each phase's seconds, ``total_s``, and host RSS and device free after each
-    phase. A call cut short (the run ended inside it) is left out."""
+    kv_cache``, in order, one process): each phase's seconds, ``total_s``, host RSS and device free after each phase,
+    and ``kv_wake_took_bytes`` (device free after the offload less after the KV wake). A call cut short (the run ended
+    inside it) is left out."""
     calls: list[dict[str, float]] = []
     open_call: list[dict[str, Any]] = []
     for line in lines:
@@ -99,6 +100,8 @@ def _call_record(call: list[dict[str, Any]]) -> dict[str, float]:
         for key in ("host_rss_bytes", "device_free_bytes"):
             if key in after:
                 record[f"{phase}_{key}"] = after[key]
+    if "device_free_bytes" in call[3] and "device_free_bytes" in call[4]:  # what the KV cache's wake took back
+        record["kv_wake_took_bytes"] = call[3]["device_free_bytes"] - call[4]["device_free_bytes"]
     return record
 
 

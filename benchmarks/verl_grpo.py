@@ -460,7 +460,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 PHASE_KEYS = (*(f"{phase}_s" for phase in PHASES), "total_s", "trainer_offload_host_rss_bytes")
-PHASE_KEYS += ("trainer_offload_device_free_bytes",)
+PHASE_KEYS += ("trainer_offload_device_free_bytes", "kv_wake_took_bytes")
 
 
 def phase_table(modes: list[str], by_step: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
@@ -469,7 +469,8 @@ def phase_table(modes: list[str], by_step: dict[int, dict[str, dict[str, Any]]])
         return []
     lines = [
         "",
-        "update_weights phase by phase (seconds; host RSS and device free bytes after the trainer's offload):",
+        "update_weights phase by phase (seconds; host RSS and device free bytes after the trainer's offload; device bytes "
+        "the KV wake took):",
         "",
         "| step | " + " | ".join(f"{key} ({mode})" for key in PHASE_KEYS for mode in modes) + " |",
         "|---" * (1 + len(PHASE_KEYS) * len(modes)) + "|",

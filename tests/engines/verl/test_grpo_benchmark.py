@@ -267,8 +267,8 @@ def test_boundaries_out_of_order_or_from_two_processes_are_not_a_call() -> None:
 
 def test_both_modes_phases_come_out_under_the_same_names_side_by_side(tmp_path: Path) -> None:
     lines = [
-        {"head": head, "t": t, "pid": 7, "host_rss_bytes": 5 << 30, "device_free_bytes": 60 << 30}
-        for head, t in zip(verl_boundaries.HEADS, (10.0, 10.5, 12.0, 12.5, 13.0))
+        {"head": head, "t": t, "pid": 7, "host_rss_bytes": 5 << 30, "device_free_bytes": free << 30}
+        for head, t, free in zip(verl_boundaries.HEADS, (10.0, 10.5, 12.0, 12.5, 13.0), (70, 68, 60, 66, 40))
     ]
     (tmp_path / "naive.boundaries.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     manager = {
@@ -292,7 +292,7 @@ def test_both_modes_phases_come_out_under_the_same_names_side_by_side(tmp_path: 
     naive, refit = results["naive"]["steps"][0]["phases"], results["refitkit"]["steps"][0]["phases"]
     assert results["naive"]["steps"][0]["step"] == results["refitkit"]["steps"][0]["step"] == 0
     assert naive["sync_s"] == 1.5 and naive["barrier_kv_wake_s"] == 0.5 and naive["total_s"] == 3.0
-    assert naive["trainer_offload_device_free_bytes"] == 60 << 30
+    assert naive["trainer_offload_device_free_bytes"] == 66 << 30 and naive["kv_wake_took_bytes"] == 26 << 30
     assert refit == {
         "wake_weights_s": 0.25,
         "sync_s": 0.5,
