@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,9 @@ METRICS_ENV = "REFITKIT_VERL_METRICS_FILE"  # refitkit.integrations.verl.colocat
 BOUNDARIES_MODULE, BOUNDARIES_ENV = "benchmarks.verl_boundaries", "REFITKIT_BENCH_BOUNDARIES_FILE"
 # the phases both modes report, in order (refitkit's barrier and KV wake summed: verl's path logs nothing between them)
 PHASES = ("wake_weights", "sync", "trainer_offload", "barrier_kv_wake")
+# the table's columns of them: seconds, then what was left after the trainer's offload and what the KV wake took
+PHASE_KEYS = (*(f"{phase}_s" for phase in PHASES), "total_s", "trainer_offload_host_rss_bytes")
+PHASE_KEYS += ("trainer_offload_device_free_bytes", "kv_wake_took_bytes")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 WORDS = (
     "user assistant system what is plus minus times the sum of and answer number count say repeat add subtract a an one two three "
@@ -423,18 +427,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             by_step.setdefault(row["step"], {})[mode] = row
     keys = ["timing_s/update_weights", "timing_s/gen", "timing_s/update_actor", "timing_s/step"]
     keys += ["training/rollout_probs_diff_max", "perf/max_memory_allocated_gb"]
-    lines = [
-        "| step | " + " | ".join(f"{k} ({m})" for k in keys for m in modes) + " |",
-        "|---" * (1 + len(keys) * len(modes)) + "|",
-    ]
-    for step in sorted(by_step):
-        cells = []
-        for key in keys:
-            for mode in modes:
-                value = by_step[step].get(mode, {}).get("verl", {}).get(key)
-                cells.append("" if value is None else f"{value:.4g}")
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    lines += phase_table(modes, by_step)
+    lines = side_by_side("verl", keys, modes, by_step)
+    if any("phases" in row for rows in by_step.values() for row in rows.values()):
+        lines += [
+            "",
+            "update_weights phase by phase (seconds; host RSS and device free bytes after the trainer's offload; "
+            "device bytes the KV wake took):",
+            "",
+            *side_by_side("phases", PHASE_KEYS, modes, by_step),
+        ]
     phase_rows = [
         (step, row["refitkit"])
         for step in sorted(by_step)
@@ -459,29 +460,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-PHASE_KEYS = (*(f"{phase}_s" for phase in PHASES), "total_s", "trainer_offload_host_rss_bytes")
-PHASE_KEYS += ("trainer_offload_device_free_bytes", "kv_wake_took_bytes")
-
-
-def phase_table(modes: list[str], by_step: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
-    """Markdown lines: per step, each phase of ``update_weights`` for each mode side by side (none: no phases)."""
-    if not any("phases" in row for rows in by_step.values() for row in rows.values()):
-        return []
+def side_by_side(part: str, keys: Sequence[str], modes: list[str], by_step: dict[int, dict[str, Any]]) -> list[str]:
+    """Markdown table lines: a row a step, a column a (key, mode), values from each step's row ``part``."""
     lines = [
-        "",
-        "update_weights phase by phase (seconds; host RSS and device free bytes after the trainer's offload; device bytes "
-        "the KV wake took):",
-        "",
-        "| step | " + " | ".join(f"{key} ({mode})" for key in PHASE_KEYS for mode in modes) + " |",
-        "|---" * (1 + len(PHASE_KEYS) * len(modes)) + "|",
+        "| step | " + " | ".join(f"{key} ({mode})" for key in keys for mode in modes) + " |",
+        "|---" * (1 + len(keys) * len(modes)) + "|",
     ]
     for step in sorted(by_step):
-        cells = []
-        for key in PHASE_KEYS:
-            for mode in modes:
-                value = by_step[step].get(mode, {}).get("phases", {}).get(key)
-                cells.append("" if value is None else f"{value:.4g}")
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+        values = [by_step[step].get(mode, {}).get(part, {}).get(key) for key in keys for mode in modes]
+        lines.append(f"| {step} | " + " | ".join("" if v is None else f"{v:.4g}" for v in values) + " |")
     return lines
 
 
