@@ -46,7 +46,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import verl_boundaries
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a source checkout
+
+from benchmarks import verl_boundaries  # noqa: E402
 
 MODES = ("naive", "refitkit", "killed")  # killed: refitkit, its rollout worker killed mid-sync (verl_plant.py)
 MODULE = "refitkit.integrations.verl"

@@ -305,3 +305,24 @@ def test_both_modes_phases_come_out_under_the_same_names_side_by_side(tmp_path: 
     text = verl_grpo.table(results)
     assert "| step | wake_weights_s (naive) | wake_weights_s (refitkit) | sync_s (naive) | sync_s (refitkit) |" in text
     assert "| 0 | 0.5 | 0.25 | 1.5 | 0.5 | 0.5 | 0.125 | 0.5 | 0.5625 | 3 | 1.5 |" in text
+
+
+def test_it_runs_as_a_script_from_anywhere(tmp_path: Path) -> None:
+    """As the GPU machine runs it: ``python benchmarks/verl_grpo.py`` (the script's folder first on sys.path, not the
+    checkout), from another folder."""
+    import subprocess
+    import sys
+
+    script = Path(verl_grpo.__file__).resolve()
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "out"), "--work", str(tmp_path), "--print-overrides"],
+        cwd=tmp_path,
+        env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    naive, refit = done.stdout.splitlines()
+    assert f"actor_rollout_ref.model.external_lib={verl_grpo.BOUNDARIES_MODULE}" in naive.split()
+    assert f"actor_rollout_ref.model.external_lib={verl_grpo.MODULE}" in refit.split()
