@@ -326,3 +326,32 @@ def test_it_runs_as_a_script_from_anywhere(tmp_path: Path) -> None:
     naive, refit = done.stdout.splitlines()
     assert f"actor_rollout_ref.model.external_lib={verl_grpo.BOUNDARIES_MODULE}" in naive.split()
     assert f"actor_rollout_ref.model.external_lib={verl_grpo.MODULE}" in refit.split()
+
+
+@pytest.mark.parametrize("mode", ["naive", "refitkit"])
+def test_verls_own_run_gets_as_far_as_its_check_for_gpus(mode: str, tmp_path: Path) -> None:
+    """The benchmark's own command, verl's ``main_ppo`` with its own Ray, on this CPU machine: through hydra's config,
+    the driver's and TaskRunner's imports (``external_lib`` included), the prompts, tokenizer and reward file, and
+    the trainer's construction, to the first thing that needs a GPU (verl's resource pool)."""
+    import subprocess
+    import sys
+
+    work = tmp_path / "work"
+    verl_grpo.write_checkpoint(work / "qwen3-0.6b-shaped", layers=2)  # the script reuses it (the GPU run writes 28)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, verl_grpo.__file__, "--out", str(out), "--work", str(work), "--modes", mode, "--steps", "1"]
+        + ["--limit-s", "150", "--ray-cpus", "2"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / f"{mode}.json").read_text())
+    log = (out / f"{mode}.log").read_text(errors="replace")
+    assert result["returncode"] == 1 and not result["timed_out"], log[-3000:]
+    assert "Total training steps: 1" in log, log[-3000:]
+    errors = [
+        line for line in log.splitlines() if line.startswith(("ValueError", "ModuleNotFoundError", "ImportError"))
+    ]
+    assert errors == ["ValueError: Total available GPUs 0 is less than total desired GPUs 1"], log[-3000:]
