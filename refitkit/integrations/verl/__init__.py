@@ -2,8 +2,9 @@
 
 - ``checkpoint_engine``: ``RefitkitCheckpointEngine``, the ``checkpoint_engine.backend=refitkit`` backend (needs no
   verl to import).
-- ``colocated``: ``RefitkitCheckpointManager`` (``checkpoint_manager_class``) and ``RefitkitFSDPEngine`` (engine
-  vendor ``refitkit``); they subclass verl's classes, so they load only with verl installed.
+- ``colocated``: ``RefitkitCheckpointManager`` (``checkpoint_manager_class``), ``RefitkitFSDPEngine`` and, where
+  megatron-core is installed, ``RefitkitMegatronEngine`` (engine vendor ``refitkit``); they subclass verl's classes, so
+  they load only with verl installed.
 - ``vllm``: ``VerlRefitWorkerExtension``, the worker extension verl's vLLM rollout is started with.
 
 Importing this package with verl installed registers the backend and the engine (``custom_backend_module`` and
@@ -21,7 +22,7 @@ from refitkit.integrations.verl.checkpoint_engine import BACKEND, KNOBS, Refitki
 
 def register() -> None:
     """Register ``RefitkitCheckpointEngine`` in verl's ``CheckpointEngineRegistry`` as ``"refitkit"``, and
-    ``RefitkitFSDPEngine`` in its ``EngineRegistry`` under the vendor ``refitkit`` (idempotent; done when this package
+    ``RefitkitFSDPEngine`` (and ``RefitkitMegatronEngine``) in its ``EngineRegistry`` under the vendor ``refitkit`` (idempotent; done when this package
     is imported with verl installed, which is what ``custom_backend_module`` and ``model.external_lib`` do)."""
     from verl.checkpoint_engine import CheckpointEngineRegistry  # verl is optional: only here
 
@@ -32,7 +33,7 @@ def register() -> None:
 
 def __getattr__(name: str) -> Any:
     # the colocated loop's classes subclass verl's: loaded on first use (checkpoint_manager_class names one)
-    if name in ("RefitkitCheckpointManager", "RefitkitFSDPEngine"):
+    if name in ("RefitkitCheckpointManager", "RefitkitFSDPEngine", "RefitkitMegatronEngine"):
         from refitkit.integrations.verl import colocated
 
         return getattr(colocated, name)

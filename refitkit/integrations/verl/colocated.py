@@ -302,23 +302,24 @@ def _host_rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class RefitkitFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP2 training engine whose ``to()`` offloads and reloads through refitkit's ``FSDPAdapter``.
+class _AdapterMoves:
+    """What refitkit's engines for verl share, over a verl training engine (``self.module``, ``self.optimizer``,
+    ``self.engine_config``, ``_is_offload_param`` / ``_is_offload_optimizer``): ``to()`` moves through a refitkit
+    adapter (made on first use by ``_new_adapter``), and verl's code that reads the model on the device
+    (``get_per_tensor_param``, checkpoint save and load) gets it back there first. A forward-only engine (the
+    reference model) keeps verl's own ``to()``."""
 
-    Written against verl 0.9.1's ``FSDPEngine`` (``verl/workers/engine/fsdp/transformer_impl.py``): its ``to()``,
-    and the places that move the model around it (``get_per_tensor_param``, ``save_checkpoint``,
-    ``load_checkpoint``), which here reload through the adapter first. A forward-only engine (the reference model)
-    keeps verl's behaviour. FSDP1 (``strategy=fsdp``) is refused: the adapter moves FSDP2's sharded params.
-    """
+    _adapter: Any = None
 
-    _adapter: FSDPAdapter | None = None
+    def _new_adapter(self) -> Any:
+        raise NotImplementedError
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         if self.engine_config.forward_only:
             super().to(device=device, model=model, optimizer=optimizer, grad=grad)
             return
         if grad and not model:
-            raise InvalidInput(f"RefitkitFSDPEngine.to({device!r}): grad=True needs model=True (as verl's engine)")
+            raise InvalidInput(f"{type(self).__name__}.to({device!r}): grad=True needs model=True (as verl's engine)")
         adapter = self._refit_adapter()
         optimizer = optimizer and self.optimizer is not None
         if device == "cpu":
@@ -338,14 +339,9 @@ class RefitkitFSDPEngine(FSDPEngineWithLMHead):
         with self._whole_on_device():
             super().load_checkpoint(*args, **kwargs)
 
-    def _refit_adapter(self) -> FSDPAdapter:
+    def _refit_adapter(self) -> Any:
         if self._adapter is None:
-            if self.engine_config.strategy != "fsdp2":
-                raise InvalidInput(
-                    f"VERL_ENGINE_VENDOR={ENGINE_VENDOR}: refitkit's FSDP engine moves FSDP2 params; set "
-                    f"actor_rollout_ref.actor.strategy=fsdp2 (got {self.engine_config.strategy!r})"
-                )
-            self._adapter = FSDPAdapter(self.module, self.optimizer)
+            self._adapter = self._new_adapter()
         return self._adapter
 
     def _reload_model(self) -> None:
@@ -370,16 +366,63 @@ class RefitkitFSDPEngine(FSDPEngineWithLMHead):
         self.to("cpu", model=offload_param, optimizer=offload_optimizer, grad=offload_param)
 
 
+class RefitkitFSDPEngine(_AdapterMoves, FSDPEngineWithLMHead):
+    """verl's FSDP2 training engine whose ``to()`` offloads and reloads through refitkit's ``FSDPAdapter``: pinned
+    host slots kept across steps, device storage freed in place.
+
+    Written against verl 0.9.1's ``FSDPEngine`` (``verl/workers/engine/fsdp/transformer_impl.py``): its ``to()``,
+    and the places that move the model around it (``get_per_tensor_param``, ``save_checkpoint``,
+    ``load_checkpoint``), which here reload through the adapter first. FSDP1 (``strategy=fsdp``) is refused: the
+    adapter moves FSDP2's sharded params.
+    """
+
+    def _new_adapter(self) -> FSDPAdapter:
+        if self.engine_config.strategy != "fsdp2":
+            raise InvalidInput(
+                f"VERL_ENGINE_VENDOR={ENGINE_VENDOR}: refitkit's FSDP engine moves FSDP2 params; set "
+                f"actor_rollout_ref.actor.strategy=fsdp2 (got {self.engine_config.strategy!r})"
+            )
+        return FSDPAdapter(self.module, self.optimizer)
+
+
+def _megatron_engine() -> type | None:
+    """``RefitkitMegatronEngine`` where verl's Megatron engine imports (it needs megatron-core), else None."""
+    try:
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    except ImportError:
+        return None
+    from refitkit.engines.megatron import MegatronAdapter
+
+    class RefitkitMegatronEngine(_AdapterMoves, MegatronEngineWithLMHead):
+        """verl's Megatron training engine whose ``to()`` offloads and reloads through refitkit's
+        ``MegatronAdapter`` (the model chunks, their DDP buffers, the distributed optimizer's fp32 copies and state),
+        in place of verl's ``offload_megatron_model_to_cpu`` / ``load_megatron_model_to_gpu``
+        (``verl/workers/engine/megatron/transformer_impl.py:722-745`` of verl 0.9.1)."""
+
+        def _new_adapter(self) -> MegatronAdapter:
+            return MegatronAdapter(self.module, self.optimizer)
+
+    RefitkitMegatronEngine.__module__ = __name__
+    RefitkitMegatronEngine.__qualname__ = "RefitkitMegatronEngine"
+    return RefitkitMegatronEngine
+
+
+RefitkitMegatronEngine = _megatron_engine()
+
+
 def register_engines() -> None:
-    """Register ``RefitkitFSDPEngine`` for ``fsdp`` and ``fsdp2`` under the engine vendor ``refitkit`` (idempotent)."""
+    """Register ``RefitkitFSDPEngine`` for ``fsdp`` and ``fsdp2``, and ``RefitkitMegatronEngine`` for ``megatron``
+    where it exists, under the engine vendor ``refitkit`` (idempotent)."""
+    engines: list[tuple[list[str], type]] = [(["fsdp", "fsdp2"], RefitkitFSDPEngine)]
+    if RefitkitMegatronEngine is not None:
+        engines.append((["megatron"], RefitkitMegatronEngine))
     registry = EngineRegistry._engines.get("language_model", {})
-    if all(
-        (device, ENGINE_VENDOR) in registry.get(backend, {}) for backend in ("fsdp", "fsdp2") for device in _DEVICES
-    ):
-        return
-    EngineRegistry.register(
-        model_type="language_model", backend=["fsdp", "fsdp2"], device=list(_DEVICES), vendor=ENGINE_VENDOR
-    )(RefitkitFSDPEngine)
+    for backends, engine in engines:
+        if all((d, ENGINE_VENDOR) in registry.get(b, {}) for b in backends for d in _DEVICES):
+            continue
+        EngineRegistry.register(
+            model_type="language_model", backend=backends, device=list(_DEVICES), vendor=ENGINE_VENDOR
+        )(engine)
 
 
 _DEVICES = ("cuda", "npu")  # as verl registers its own FSDP engine
@@ -392,6 +435,7 @@ __all__ = [
     "PHASES",
     "RefitkitCheckpointManager",
     "RefitkitFSDPEngine",
+    "RefitkitMegatronEngine",
     "offload_trainer",
     "register_engines",
 ]

@@ -65,7 +65,11 @@ def test_configuration_alone_selects_refitkit(monkeypatch: pytest.MonkeyPatch) -
     from verl.workers.engine.base import EngineRegistry
 
     from refitkit.integrations.verl import RefitkitCheckpointEngine
-    from refitkit.integrations.verl.colocated import RefitkitCheckpointManager, RefitkitFSDPEngine
+    from refitkit.integrations.verl.colocated import (
+        RefitkitCheckpointManager,
+        RefitkitFSDPEngine,
+        RefitkitMegatronEngine,
+    )
 
     config = compose(USER_OVERRIDES)
     rollout = config.actor_rollout_ref.rollout
@@ -93,6 +97,8 @@ def test_configuration_alone_selects_refitkit(monkeypatch: pytest.MonkeyPatch) -
     strategy = config.actor_rollout_ref.actor.strategy
     assert EngineRegistry.get_engine_cls("language_model", strategy) is RefitkitFSDPEngine
     assert EngineRegistry.get_engine_cls("language_model", "fsdp") is RefitkitFSDPEngine  # refused when built
+    # strategy=megatron: the Megatron engine (megatron-core in this venv; test_megatron_engine.py moves a real GPT)
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is RefitkitMegatronEngine is not None
     # the critic's value-model engine is not ours: verl's own is kept
     assert EngineRegistry.get_engine_cls("value_model", strategy) is not RefitkitFSDPEngine
     monkeypatch.delenv("VERL_ENGINE_VENDOR")
