@@ -8,7 +8,10 @@ host RSS and the device's free bytes, one JSON line each in ``$REFITKIT_BENCH_BO
 ``phases`` turns the lines back into one record per ``update_weights`` call with the phase names of refitkit's verl
 manager (``refitkit.integrations.verl.colocated.PHASES``): ``wake_weights``, ``sync`` (verl's ``get_per_tensor_param``
 and its rollout's ``update_weights``), ``trainer_offload``, and ``barrier_kv_wake`` (verl logs nothing between its
-barrier and its KV wake, so the two are one span here). Benchmark code only: nothing in ``refitkit/`` knows of it.
+barrier and its KV wake, so the two are one span here). These spans are timed inside the trainer's worker, from its
+first boundary line to its last; refitkit's manager times its phases on the driver, Ray's round trips included. Only
+verl's own ``timing_s/update_weights`` is timed the same way in both modes. Benchmark code only: nothing in
+``refitkit/`` knows of it.
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ class BoundaryRecorder(logging.Handler):
         head = str(record.msg).split(",", 1)[0]
         if head not in HEADS:
             return
-        line = {"head": head, "t": time.time(), "pid": os.getpid(), "host_rss_bytes": _host_rss_bytes()}
-        free = _device_free_bytes()
-        if free is not None:
-            line["device_free_bytes"] = free
-        with open(self.path, "a", encoding="utf-8") as out:
-            out.write(json.dumps(line, sort_keys=True) + "\n")
+        try:  # an error here would otherwise reach verl's update_weights through its log call and fail the step
+            line = {"head": head, "t": time.time(), "pid": os.getpid(), "host_rss_bytes": _host_rss_bytes()}
+            free = _device_free_bytes()
+            if free is not None:
+                line["device_free_bytes"] = free
+            with open(self.path, "a", encoding="utf-8") as out:
+                out.write(json.dumps(line, sort_keys=True) + "\n")
+        except Exception:
+            self.handleError(record)  # logging's own way: a traceback on stderr, the caller goes on
 
 
 def install(environ: Any = os.environ) -> logging.Handler | None:
@@ -58,11 +64,10 @@ def install(environ: Any = os.environ) -> logging.Handler | None:
     path = environ.get(FILE_ENV)
     if not path:
         return None
-    spec = importlib.util.find_spec(WORKER_MODULE)
-    if spec is None or spec.origin is None:
+    if importlib.util.find_spec(WORKER_MODULE) is None:
         raise RuntimeError(f"{FILE_ENV} is set but {WORKER_MODULE} is not importable: is verl 0.9.1 installed?")
-    importlib.import_module(WORKER_MODULE)  # it sets its logger's level when imported: ours must come after
-    logger = logging.getLogger(spec.origin)
+    # its logger (named after its file) gets its level when the module is imported: ours must come after
+    logger = importlib.import_module(WORKER_MODULE).logger
     logger.setLevel(logging.DEBUG)
     for handler in logger.handlers:
         if isinstance(handler, BoundaryRecorder) and handler.path == path:
@@ -73,23 +78,24 @@ def install(environ: Any = os.environ) -> logging.Handler | None:
 
 
 def phases(lines: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
-    """One record per complete ``update_weights`` (its lines from ``Before resume weights`` to ``After resume
-    kv_cache``, in order, one process): each phase's seconds, ``total_s``, host RSS and device free after each phase,
-    and ``kv_wake_took_bytes`` (device free after the offload less after the KV wake). A call cut short (the run ended
-    inside it) is left out."""
+    """One record per ``update_weights`` call, in order (each ``Before resume weights`` line begins one): each
+    phase's seconds, ``total_s``, host RSS and device free after each phase, and ``kv_wake_took_bytes`` (device free
+    after the offload less after the KV wake). A call whose lines are not all there, in order, from one process (cut
+    short, or mixed with another) is an empty record, so the calls after it keep their places."""
     calls: list[dict[str, float]] = []
-    open_call: list[dict[str, Any]] = []
+    open_call: list[dict[str, Any]] | None = None  # the lines of the call in progress; None: it broke
     for line in lines:
         if line["head"] == HEADS[0]:
+            calls.append({})
             open_call = [line]
             continue
         if not open_call or line["pid"] != open_call[0]["pid"] or line["head"] != HEADS[len(open_call)]:
-            open_call = []  # out of order: not one call's boundaries
+            open_call = None  # not this call's next boundary: the call stays empty
             continue
         open_call.append(line)
         if len(open_call) == len(HEADS):
-            calls.append(_call_record(open_call))
-            open_call = []
+            calls[-1] = _call_record(open_call)
+            open_call = None
     return calls
 
 

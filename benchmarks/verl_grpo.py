@@ -400,7 +400,8 @@ def collect(run_dir: Path, mode: str) -> list[dict[str, Any]]:
         steps[int(step)]["phases"] = manager_phases(record["metrics"])
     # verl's own path: its calls in order, the first before step 1 (global step 0), then one closing each step
     for step, call in enumerate(verl_boundaries.phases(_jsonl(run_dir / f"{mode}.boundaries.jsonl"))):
-        steps.setdefault(step, {})["phases"] = call
+        if call:  # an empty record: that call's lines were not all there
+            steps.setdefault(step, {})["phases"] = call
     return [{"step": step, **steps[step]} for step in sorted(steps)]
 
 
@@ -434,7 +435,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         lines += [
             "",
             "update_weights phase by phase (seconds; host RSS and device free bytes after the trainer's offload; "
-            "device bytes the KV wake took):",
+            "device bytes the KV wake took). verl's own path is timed inside the trainer's worker, refitkit's on the "
+            "driver (Ray's round trips included): compare whole calls by timing_s/update_weights above.",
             "",
             *side_by_side("phases", PHASE_KEYS, modes, by_step),
         ]

@@ -22,8 +22,9 @@ from refitkit.integrations.verl.checkpoint_engine import BACKEND, KNOBS, Refitki
 
 def register() -> None:
     """Register ``RefitkitCheckpointEngine`` in verl's ``CheckpointEngineRegistry`` as ``"refitkit"``, and
-    ``RefitkitFSDPEngine`` (and ``RefitkitMegatronEngine``) in its ``EngineRegistry`` under the vendor ``refitkit`` (idempotent; done when this package
-    is imported with verl installed, which is what ``custom_backend_module`` and ``model.external_lib`` do)."""
+    ``RefitkitFSDPEngine`` (and ``RefitkitMegatronEngine``) in its ``EngineRegistry`` under the vendor ``refitkit``
+    (idempotent; done when this package is imported with verl installed, which is what ``custom_backend_module`` and
+    ``model.external_lib`` do)."""
     from verl.checkpoint_engine import CheckpointEngineRegistry  # verl is optional: only here
 
     CheckpointEngineRegistry.register(BACKEND)(RefitkitCheckpointEngine)
@@ -36,7 +37,12 @@ def __getattr__(name: str) -> Any:
     if name in ("RefitkitCheckpointManager", "RefitkitFSDPEngine", "RefitkitMegatronEngine"):
         from refitkit.integrations.verl import colocated
 
-        return getattr(colocated, name)
+        found = getattr(colocated, name)
+        if found is None:
+            raise ImportError(
+                f"{name} subclasses verl's Megatron engine, which needs megatron-core: pip install megatron-core"
+            )
+        return found
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,7 +1,7 @@
 """refitkit inside verl 0.9.1's colocated loop: the checkpoint manager that runs the update_weights sequence, and the
-FSDP training engine whose offload and reload are refitkit's ``FSDPAdapter``.
+FSDP and Megatron training engines whose offload and reload are refitkit's ``FSDPAdapter`` / ``MegatronAdapter``.
 
-Loaded through the package ``refitkit.integrations.verl`` (which names both), only with verl installed. Selected by
+Loaded through the package ``refitkit.integrations.verl`` (which names them), only with verl installed. Selected by
 configuration::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=refitkit
@@ -24,7 +24,8 @@ config says (``verl/trainer/ppo/v1/trainer_base.py:381-387``); ``checkpoint_mana
 
 ``RefitkitFSDPEngine`` is verl's FSDP engine registered under the engine vendor ``refitkit`` (the one shim: verl picks
 an engine subclass by ``VERL_ENGINE_VENDOR``, a key meant for hardware vendors). Its ``to()`` offloads and reloads
-through ``FSDPAdapter``: pinned host slots kept across steps, device storage freed in place.
+through ``FSDPAdapter``: pinned host slots kept across steps, device storage freed in place. ``RefitkitMegatronEngine``
+does the same for verl's Megatron engine with ``MegatronAdapter`` (defined where megatron-core imports, else None).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from verl.utils.ray_utils import auto_await
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+from refitkit.engines.base import EngineAdapter
 from refitkit.engines.fsdp import FSDPAdapter
 from refitkit.errors import (
     BarrierTimeout,
@@ -59,7 +61,7 @@ log = logging.getLogger(__name__)
 
 MANAGER_KEY = "actor_rollout_ref.rollout.checkpoint_manager_class"
 BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
-ENGINE_VENDOR = "refitkit"  # VERL_ENGINE_VENDOR=refitkit picks RefitkitFSDPEngine
+ENGINE_VENDOR = "refitkit"  # VERL_ENGINE_VENDOR=refitkit picks RefitkitFSDPEngine / RefitkitMegatronEngine
 RECEIVE_METHOD = "refit_receive"  # refitkit's vLLM worker extension (refitkit.rollout.vllm.RefitWorkerExtension)
 # verl's vLLM extension and refitkit's in one class: what verl's vLLM workers need for RECEIVE_METHOD
 VLLM_EXTENSION = "refitkit.integrations.verl.vllm.VerlRefitWorkerExtension"
@@ -306,12 +308,12 @@ class _AdapterMoves:
     """What refitkit's engines for verl share, over a verl training engine (``self.module``, ``self.optimizer``,
     ``self.engine_config``, ``_is_offload_param`` / ``_is_offload_optimizer``): ``to()`` moves through a refitkit
     adapter (made on first use by ``_new_adapter``), and verl's code that reads the model on the device
-    (``get_per_tensor_param``, checkpoint save and load) gets it back there first. A forward-only engine (the
-    reference model) keeps verl's own ``to()``."""
+    (``get_per_tensor_param`` and its shard variants, checkpoint save and load) gets it back there first. A
+    forward-only engine (the reference model) keeps verl's own ``to()``."""
 
-    _adapter: Any = None
+    _adapter: EngineAdapter | None = None
 
-    def _new_adapter(self) -> Any:
+    def _new_adapter(self) -> EngineAdapter:
         raise NotImplementedError
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
@@ -331,6 +333,14 @@ class _AdapterMoves:
         self._reload_model()
         return super().get_per_tensor_param(*args, **kwargs)
 
+    def get_per_tensor_param_shard(self, *args: Any, **kwargs: Any) -> Any:  # checkpoint_engine.backend=delta_sharded
+        self._reload_model()
+        return super().get_per_tensor_param_shard(*args, **kwargs)
+
+    def get_per_tensor_param_delta_shard(self, *args: Any, **kwargs: Any) -> Any:
+        self._reload_model()
+        return super().get_per_tensor_param_delta_shard(*args, **kwargs)
+
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         with self._whole_on_device():
             super().save_checkpoint(*args, **kwargs)
@@ -339,7 +349,7 @@ class _AdapterMoves:
         with self._whole_on_device():
             super().load_checkpoint(*args, **kwargs)
 
-    def _refit_adapter(self) -> Any:
+    def _refit_adapter(self) -> EngineAdapter:
         if self._adapter is None:
             self._adapter = self._new_adapter()
         return self._adapter
@@ -396,8 +406,8 @@ def _megatron_engine() -> type | None:
     class RefitkitMegatronEngine(_AdapterMoves, MegatronEngineWithLMHead):
         """verl's Megatron training engine whose ``to()`` offloads and reloads through refitkit's
         ``MegatronAdapter`` (the model chunks, their DDP buffers, the distributed optimizer's fp32 copies and state),
-        in place of verl's ``offload_megatron_model_to_cpu`` / ``load_megatron_model_to_gpu``
-        (``verl/workers/engine/megatron/transformer_impl.py:722-745`` of verl 0.9.1)."""
+        in place of verl's ``offload_megatron_model_to_cpu`` / ``load_megatron_model_to_gpu`` and its optimizer moves
+        (``verl/workers/engine/megatron/transformer_impl.py:722-748`` of verl 0.9.1)."""
 
         def _new_adapter(self) -> MegatronAdapter:
             return MegatronAdapter(self.module, self.optimizer)
@@ -412,20 +422,19 @@ RefitkitMegatronEngine = _megatron_engine()
 
 def register_engines() -> None:
     """Register ``RefitkitFSDPEngine`` for ``fsdp`` and ``fsdp2``, and ``RefitkitMegatronEngine`` for ``megatron``
-    where it exists, under the engine vendor ``refitkit`` (idempotent)."""
-    engines: list[tuple[list[str], type]] = [(["fsdp", "fsdp2"], RefitkitFSDPEngine)]
-    if RefitkitMegatronEngine is not None:
-        engines.append((["megatron"], RefitkitMegatronEngine))
+    where it exists, under the engine vendor ``refitkit``, on the devices verl registers its own for (idempotent)."""
+    engines: list[tuple[list[str], tuple[str, ...], type]] = [(["fsdp", "fsdp2"], ("cuda", "npu"), RefitkitFSDPEngine)]
+    if RefitkitMegatronEngine is not None:  # on npu verl's megatron engine is Mindspeed's: not ours to replace
+        engines.append((["megatron"], ("cuda",), RefitkitMegatronEngine))
     registry = EngineRegistry._engines.get("language_model", {})
-    for backends, engine in engines:
-        if all((d, ENGINE_VENDOR) in registry.get(b, {}) for b in backends for d in _DEVICES):
+    for backends, devices, engine in engines:
+        if all((d, ENGINE_VENDOR) in registry.get(b, {}) for b in backends for d in devices):
             continue
         EngineRegistry.register(
-            model_type="language_model", backend=backends, device=list(_DEVICES), vendor=ENGINE_VENDOR
+            model_type="language_model", backend=backends, device=list(devices), vendor=ENGINE_VENDOR
         )(engine)
 
 
-_DEVICES = ("cuda", "npu")  # as verl registers its own FSDP engine
 register_engines()
 
 __all__ = [

@@ -98,7 +98,8 @@ def test_configuration_alone_selects_refitkit(monkeypatch: pytest.MonkeyPatch) -
     assert EngineRegistry.get_engine_cls("language_model", strategy) is RefitkitFSDPEngine
     assert EngineRegistry.get_engine_cls("language_model", "fsdp") is RefitkitFSDPEngine  # refused when built
     # strategy=megatron: the Megatron engine (megatron-core in this venv; test_megatron_engine.py moves a real GPT)
-    assert EngineRegistry.get_engine_cls("language_model", "megatron") is RefitkitMegatronEngine is not None
+    assert RefitkitMegatronEngine is not None
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is RefitkitMegatronEngine
     # the critic's value-model engine is not ours: verl's own is kept
     assert EngineRegistry.get_engine_cls("value_model", strategy) is not RefitkitFSDPEngine
     monkeypatch.delenv("VERL_ENGINE_VENDOR")

@@ -223,6 +223,7 @@ def test_verls_boundary_lines_are_recorded_with_memory_and_become_one_calls_phas
     # the CUDA query behind verl's line: the CPU has none (the line's text and the logger are verl's own)
     monkeypatch.setattr(performance, "_get_current_mem_info", lambda: ("1.00", "2.00", "3.00", "80.00"))
     path = tmp_path / "naive.boundaries.jsonl"
+    level = engine_workers.logger.level  # restored after the test (setLevel: logging caches the levels)
     handler = verl_boundaries.install({verl_boundaries.FILE_ENV: str(path)})
     try:
         assert handler is verl_boundaries.install({verl_boundaries.FILE_ENV: str(path)})  # once per logger
@@ -235,10 +236,12 @@ def test_verls_boundary_lines_are_recorded_with_memory_and_become_one_calls_phas
         performance.log_gpu_memory_usage(verl_boundaries.HEADS[0], logger=engine_workers.logger)  # cut short
     finally:
         engine_workers.logger.removeHandler(handler)
+        engine_workers.logger.setLevel(level)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["head"] for line in lines] == [*verl_boundaries.HEADS, verl_boundaries.HEADS[0]]
     assert all(line["host_rss_bytes"] > 1 << 20 and "device_free_bytes" not in line for line in lines)
-    (call,) = verl_boundaries.phases(lines)
+    call, cut_short = verl_boundaries.phases(lines)
+    assert cut_short == {}
     assert call["total_s"] == pytest.approx(sum(call[f"{phase}_s"] for phase in verl_grpo.PHASES))
     assert all(call[f"{phase}_s"] >= 0 for phase in verl_grpo.PHASES)
     assert call["trainer_offload_host_rss_bytes"] == lines[3]["host_rss_bytes"]
@@ -261,8 +264,9 @@ def test_boundaries_out_of_order_or_from_two_processes_are_not_a_call() -> None:
     ]
     skipped = [line(0, 0.0), line(2, 1.0)] + whole[1:]  # a boundary missing
     other_pid = whole[:2] + [line(2, 2.0, pid=2)] + whole[3:]
-    assert verl_boundaries.phases(skipped) == [] and verl_boundaries.phases(other_pid) == []
-    assert len(verl_boundaries.phases(whole[:3] + whole)) == 1  # a call cut short, then a whole one
+    assert verl_boundaries.phases(skipped) == [{}] and verl_boundaries.phases(other_pid) == [{}]
+    cut_then_whole = verl_boundaries.phases(whole[:3] + whole)  # the cut call keeps its place: steps stay aligned
+    assert cut_then_whole[0] == {} and cut_then_whole[1]["total_s"] == 3.0 and len(cut_then_whole) == 2
 
 
 def test_both_modes_phases_come_out_under_the_same_names_side_by_side(tmp_path: Path) -> None:
