@@ -65,7 +65,7 @@ METRICS_ENV = "REFITKIT_VERL_METRICS_FILE"  # refitkit.integrations.verl.colocat
 # the naive mode's phases, from verl's own boundary lines (benchmarks/verl_boundaries.py, loaded as external_lib)
 BOUNDARIES_MODULE, BOUNDARIES_ENV = "benchmarks.verl_boundaries", "REFITKIT_BENCH_BOUNDARIES_FILE"
 # the phases both modes report, in order (refitkit's barrier and KV wake summed: verl's path logs nothing between them)
-PHASES = ("wake_weights", "sync", "trainer_offload", "barrier_kv_wake")
+PHASES = tuple(phase for _, phase in verl_boundaries.BOUNDARIES[1:])  # the phase each boundary line ends
 # the table's columns of them: seconds, then what was left after the trainer's offload and what the KV wake took
 PHASE_KEYS = (*(f"{phase}_s" for phase in PHASES), "total_s", "trainer_offload_host_rss_bytes")
 PHASE_KEYS += ("trainer_offload_device_free_bytes", "kv_wake_took_bytes")
@@ -530,9 +530,10 @@ def timeline(results: dict[str, dict[str, Any]], path: Path) -> bool:
 
 def report(results: dict[str, dict[str, Any]], out: Path) -> None:
     """``table.md`` and, with matplotlib, ``timeline.png`` in ``out``."""
-    (out / "table.md").write_text(table(results))
+    text = table(results)
+    (out / "table.md").write_text(text)
     drawn = timeline(results, out / "timeline.png")
-    print(table(results))
+    print(text)
     print(f"timeline: {out / 'timeline.png' if drawn else 'not drawn (no matplotlib or no phases)'}")
 
 

@@ -412,8 +412,7 @@ def _megatron_engine() -> type | None:
         def _new_adapter(self) -> MegatronAdapter:
             return MegatronAdapter(self.module, self.optimizer)
 
-    RefitkitMegatronEngine.__module__ = __name__
-    RefitkitMegatronEngine.__qualname__ = "RefitkitMegatronEngine"
+    RefitkitMegatronEngine.__qualname__ = "RefitkitMegatronEngine"  # found by name (Ray pickles it by reference)
     return RefitkitMegatronEngine
 
 
